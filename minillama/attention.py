@@ -1,0 +1,50 @@
+"""Attention over the cache: the reference path (dequantize, then plain softmax attention).
+
+The new chunk attends to the cached past (read from the cache, possibly quantized)
+and to its own exact keys and values, causally. Hadamard codecs store rotated vectors:
+for keys the query is rotated instead, since (q H)(k H)^T = q k^T; for values the
+weighted sum is taken in rotated space and rotated back once per query,
+o = (p V_rot) H, so cached tokens are never un-rotated one by one.
+
+Grouped-query attention: the n_rep query heads that share a KV head are folded into the
+query length, so K and V are never copied per query head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from minillama.codecs import Codec
+
+
+def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
+    """(T_new, T_past + T_new) bool, True where a query may look: all the past, and itself and earlier."""
+    i = torch.arange(t_new, device=device)[:, None]
+    j = torch.arange(t_past + t_new, device=device)[None, :]
+    return j <= i + t_past
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           past: tuple[torch.Tensor, torch.Tensor] | None, k_codec: Codec | None, v_codec: Codec | None) -> torch.Tensor:
+    """q (B, Hq, T, D) and new k, v (B, Hkv, T, D) -> output (B, Hq, T, D).
+
+    ``past`` is the cache's (keys, values), each (B, Hkv, P, D) in the codecs' storage space.
+    """
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    if past is not None:
+        q = k_codec.to_space(q)
+        k = torch.cat([past[0], k_codec.to_space(k)], dim=2)  # (B, Hkv, P+T, D)
+        v = torch.cat([past[1], v_codec.to_space(v)], dim=2)  # (B, Hkv, P+T, D)
+    t_past = k.shape[2] - t
+    qg = q.reshape(b, hkv, hq // hkv * t, d)  # (B, Hkv, n_rep*T, D): heads sharing a KV head stacked
+    scores = (qg @ k.transpose(-1, -2)) / math.sqrt(d)  # (B, Hkv, n_rep*T, P+T)
+    mask = causal_mask(t, t_past, q.device).repeat(hq // hkv, 1)  # (n_rep*T, P+T)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    out = p @ v  # (B, Hkv, n_rep*T, D)
+    if past is not None:
+        out = v_codec.to_space(out)  # rotate back once per query (H is its own inverse)
+    return out.reshape(b, hq, t, d)

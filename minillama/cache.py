@@ -1,0 +1,270 @@
+"""The KV cache: a fixed-capacity ring buffer of (possibly quantized) keys and values.
+
+Layout, per layer and per tensor (K or V), in age order:
+
+    [ sinks | quantized body (ring) | full-precision residual (ring) ]
+
+* **sinks**: the first ``sinks`` tokens, kept exact forever (attention sinks, StreamingLLM).
+* **body**: packed codes + fp16 scales/zeros written by the codec (``codecs.py``).
+* **residual**: the most recent tokens in full precision. A token leaves the residual only
+  when ``residual + unit`` tokens wait there, and then ``unit`` of them are quantized at
+  once (unit = the group size for KIVI per-channel keys, 1 otherwise), so the residual
+  holds between ``residual`` and ``residual + unit - 1`` tokens.
+
+Only KV heads are stored (GQA expands after the read). Keys are stored after RoPE, so
+positions keep increasing when the ring evicts. Everything is in each codec's storage
+space (Hadamard-rotated for ``*h`` codecs; attention undoes that once per query).
+
+The model reads each layer during a forward pass and hands all new K/V to ``append``
+at the end: that one call is the only place the cache grows or evicts. Every byte
+read and written goes through ``Ring``s and is counted where it is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minillama.codecs import Codec, KVSpec
+from minillama.errors import UserError
+from minillama.ring import Ring
+
+
+class ContextFullError(UserError):
+    """Raised with on_full="stop" when an append would exceed the cache capacity."""
+
+
+class TensorStore:
+    """Sinks, quantized body and residual for one tensor (K or V) of one layer."""
+
+    def __init__(self, codec: Codec, spec: KVSpec, capacity: int, batch: int, heads: int, head_dim: int, device):
+        self.codec, self.group, self.head_dim = codec, spec.group, head_dim
+        self.residual_len, self.unit = spec.residual, codec.unit(spec.group)
+        exact = codec.float_dtype if not codec.quantized else torch.float16
+        body_tokens = capacity - spec.sinks - spec.residual
+        self.sinks = Ring(batch, heads, spec.sinks, head_dim, exact, device)  # (B, H, S, D)
+        res_slots = spec.residual + self.unit - 1 if codec.quantized or spec.residual else 0
+        self.residual = Ring(batch, heads, res_slots, head_dim, exact, device)  # (B, H, R+unit-1, D)
+        self.body = {
+            p.name: Ring(batch, heads, body_tokens // p.tokens_per_row, p.width, p.dtype, device)  # (B, H, rows, width)
+            for p in codec.parts(head_dim, spec.group)
+        }
+        self.tokens_per_row = {p.name: p.tokens_per_row for p in codec.parts(head_dim, spec.group)}
+        self.n_body = 0  # tokens in the body
+
+    @property
+    def held(self) -> int:
+        return self.sinks.count + self.n_body + self.residual.count
+
+    def _drop_body(self, n: int, newest: bool = False) -> None:
+        for name, ring in self.body.items():
+            rows = n // self.tokens_per_row[name]
+            ring.drop_newest(rows) if newest else ring.drop_oldest(rows)
+        self.n_body -= n
+
+    def append(self, x: torch.Tensor, evict: int) -> tuple[int, int]:
+        """Store new vectors x (B, H, n, D) after evicting `evict` oldest non-sink tokens.
+
+        Returns (bytes written, bytes read) for the counters.
+        """
+        x = self.codec.to_space(x)
+        written = read = 0
+        take = min(self.sinks.slots - self.sinks.count, x.shape[2])
+        if take:
+            written += self.sinks.push(x[:, :, :take].to(self.sinks.buf.dtype))
+            x = x[:, :, take:]
+        # Evict the oldest tokens: from the body, then the residual, then the new ones.
+        from_body = min(evict, self.n_body)
+        self._drop_body(from_body)
+        from_res = min(evict - from_body, self.residual.count)
+        self.residual.drop_oldest(from_res)
+        x = x[:, :, evict - from_body - from_res :]
+        # Quantize whole units once residual + unit tokens are waiting.
+        waiting = self.residual.count + x.shape[2]
+        n_flush = max(0, (waiting - self.residual_len) // self.unit * self.unit)
+        if n_flush:
+            old = self.residual.read(0, min(n_flush, self.residual.count))  # (B, H, r, D)
+            read += old.shape[2] * self.residual.row_bytes
+            self.residual.drop_oldest(old.shape[2])
+            n_new = n_flush - old.shape[2]
+            block = torch.cat([old.to(x.dtype), x[:, :, :n_new]], dim=2) if old.shape[2] else x[:, :, :n_new]  # (B, H, n_flush, D)
+            for name, part in self.codec.encode(block, self.group).items():
+                written += self.body[name].push(part)
+            self.n_body += n_flush
+            x = x[:, :, n_new:]
+        if x.shape[2]:
+            written += self.residual.push(x.to(self.residual.buf.dtype))
+        return written, read
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """All held vectors in age order, (B, H, held, D) in storage space; and bytes read."""
+        pieces, nbytes = [], 0
+        if self.sinks.count:
+            pieces.append(self.sinks.read())
+            nbytes += self.sinks.live_bytes
+        if self.n_body:
+            parts = {name: ring.read() for name, ring in self.body.items()}
+            nbytes += sum(ring.live_bytes for ring in self.body.values())
+            pieces.append(parts["values"] if "values" in parts else self.codec.decode(parts, self.group, self.head_dim))
+        if self.residual.count:
+            pieces.append(self.residual.read())
+            nbytes += self.residual.live_bytes
+        if len(pieces) == 1:
+            return pieces[0].to(dtype), nbytes
+        if not pieces:
+            return self.sinks.buf[:, :, :0].to(dtype), 0
+        return torch.cat([p.to(dtype) for p in pieces], dim=2), nbytes
+
+    def keep_newest_limit(self, n_nonsink: int) -> int:
+        """Largest m <= n_nonsink such that the oldest m non-sink tokens can be kept exactly."""
+        if n_nonsink >= self.n_body:
+            return n_nonsink
+        return n_nonsink // self.unit * self.unit  # a per-channel group cannot be cut
+
+    def truncate_nonsink(self, m: int) -> None:
+        """Keep only the oldest m non-sink tokens (m from keep_newest_limit)."""
+        drop = self.n_body + self.residual.count - m
+        from_res = min(drop, self.residual.count)
+        self.residual.drop_newest(from_res)
+        self._drop_body(drop - from_res, newest=True)
+
+    def clear(self) -> None:
+        for ring in [self.sinks, self.residual, *self.body.values()]:
+            ring.clear()
+        self.n_body = 0
+
+    def live_bytes(self) -> dict[str, int]:
+        codes = sum(r.live_bytes for n, r in self.body.items() if n in ("codes", "values"))
+        scales = sum(r.live_bytes for n, r in self.body.items() if n in ("scale", "zero"))
+        return {"codes": codes, "scales": scales, "residual": self.residual.live_bytes, "sinks": self.sinks.live_bytes}
+
+    def allocated_bytes(self) -> int:
+        return sum(r.allocated_bytes for r in [self.sinks, self.residual, *self.body.values()])
+
+
+@dataclass
+class ByteCounters:
+    last_read: int = 0
+    last_written: int = 0
+    total_read: int = 0
+    total_written: int = 0
+
+
+class KVCache:
+    """Keys and values for every layer of B equal-length sequences, in a fixed-capacity ring.
+
+    ``position`` is the absolute position of the next token (RoPE uses it); ``held`` is how
+    many tokens are stored now; ``evicted`` counts tokens dropped by the ring.
+    """
+
+    def __init__(self, spec: KVSpec, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 batch: int = 1, device: torch.device | str = "cpu", on_full: str = "evict"):
+        spec.validate(head_dim)
+        if capacity - spec.sinks - spec.residual < spec.unit:
+            raise UserError(
+                f"cache capacity {capacity} is too small for sinks={spec.sinks} + residual={spec.residual} "
+                f"+ one group of {spec.unit}: raise --ctx"
+            )
+        if on_full not in ("evict", "stop"):
+            raise UserError(f"on_full must be 'evict' or 'stop', not {on_full!r}")
+        self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.layers = [
+            (TensorStore(spec.k, spec, capacity, batch, n_kv_heads, head_dim, device),
+             TensorStore(spec.v, spec, capacity, batch, n_kv_heads, head_dim, device))
+            for _ in range(n_layers)
+        ]
+        self.position = 0
+        self.evicted = 0
+        self.bytes = ByteCounters()
+        self._pending_read = 0
+
+    @classmethod
+    def for_model(cls, cfg, spec: KVSpec, capacity: int | None = None, batch: int = 1, device="cpu", on_full="evict") -> "KVCache":
+        return cls(spec, cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim,
+                   capacity or cfg.max_position_embeddings, batch, device, on_full)
+
+    @property
+    def held(self) -> int:
+        return self.layers[0][0].held
+
+    def read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held keys and values of one layer, each (B, H_kv, held, D), in storage space."""
+        k_store, v_store = self.layers[layer]
+        k, nk = k_store.read(dtype)
+        v, nv = v_store.read(dtype)
+        self._pending_read += nk + nv
+        return k, v
+
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full."""
+        n = new_kv[0][0].shape[2]
+        overflow = self.held + n - self.capacity
+        if overflow > 0 and self.on_full == "stop":
+            raise ContextFullError(f"context full: {self.held} + {n} tokens > capacity {self.capacity} (raise --ctx or use --on-full evict)")
+        unit = self.spec.unit
+        evict = -(-overflow // unit) * unit if overflow > 0 else 0
+        written = read = 0
+        for (k_store, v_store), (k, v) in zip(self.layers, new_kv):
+            for store, x in ((k_store, k), (v_store, v)):
+                w, r = store.append(x, evict)
+                written, read = written + w, read + r
+        self.position += n
+        self.evicted += evict
+        self.bytes.last_read, self.bytes.last_written = self._pending_read + read, written
+        self.bytes.total_read += self.bytes.last_read
+        self.bytes.total_written += written
+        self._pending_read = 0
+
+    def seek(self, position: int) -> None:
+        """Leave a gap: the next token gets this absolute position (used to rebuild a ring)."""
+        if position < self.position:
+            raise ValueError("seek can only move forward")
+        self.position = position
+
+    def truncate(self, n: int) -> int:
+        """Forget every token at position >= n; returns how many leading tokens are kept.
+
+        Fewer than n are kept when n cuts a quantized per-channel group (the caller
+        re-prefills from the returned position) and 0 when the tokens before n were
+        partly evicted already (the caller re-prefills everything).
+        """
+        if n >= self.position:
+            return self.position
+        sinks = self.layers[0][0].sinks.count
+        oldest = self.position - (self.held - sinks)  # position of the oldest held non-sink token
+        if n < oldest or (self.evicted and n < sinks) or n <= sinks:
+            self.reset()
+            return 0
+        m = min(store.keep_newest_limit(n - oldest) for pair in self.layers for store in pair)
+        for pair in self.layers:
+            for store in pair:
+                store.truncate_nonsink(m)
+        self.position = oldest + m
+        return self.position
+
+    def reset(self) -> None:
+        for pair in self.layers:
+            for store in pair:
+                store.clear()
+        self.position = self.evicted = 0
+
+    # -- accounting -------------------------------------------------------------------
+
+    def live_bytes(self) -> dict[str, int]:
+        """Bytes held for the current tokens, by component (codes, scales, residual, sinks)."""
+        total = {"codes": 0, "scales": 0, "residual": 0, "sinks": 0}
+        for pair in self.layers:
+            for store in pair:
+                for key, value in store.live_bytes().items():
+                    total[key] += value
+        return total
+
+    def allocated_bytes(self) -> int:
+        return sum(store.allocated_bytes() for pair in self.layers for store in pair)
+
+    def bits_per_element(self) -> float:
+        """8 x live bytes / (layers x 2 x kv_heads x head_dim x tokens held x batch)."""
+        elements = self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.held * self.batch
+        return 8 * sum(self.live_bytes().values()) / elements if elements else float("nan")

@@ -1,0 +1,137 @@
+"""Load a Hugging Face Llama folder (or hub repo id) into a ``Llama`` model.
+
+Weights come only from safetensors (memory-mapped, converted straight to the target
+dtype); pickle checkpoints (``.bin``/``.pth``) are refused, never unpickled. Every
+expected key must be present with the expected shape, and nothing unexpected may be
+left over; a mismatch names the tensor and both shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minillama.config import LlamaConfig
+from minillama.errors import UserError
+from minillama.model import Llama
+from minillama.rope import inverse_frequencies
+from minillama.tokenizer import Tokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
+_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    model: Llama
+    tokenizer: Tokenizer
+    config: LlamaConfig
+    path: Path
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def resolve_model_path(name: str) -> Path:
+    """A local folder as is; otherwise a hub repo id downloaded into the HF cache."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{name} is a file: --model takes a model folder or a Hugging Face repo id")
+        return path
+    if not _REPO_ID.match(name):
+        raise UserError(f"no model folder {name!r}: give an existing folder or a Hugging Face repo id like org/name")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=HUB_FILES, token=os.environ.get("HF_TOKEN")))
+    except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"could not get {name!r} from the Hugging Face hub ({type(e).__name__}: {reason[:160]}); "
+            "check the repo id, your network and HF_TOKEN, or pass a local model folder"
+        ) from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise UserError(f"{index} is not a valid safetensors index ({e})") from None
+        return [folder / s for s in shards]
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    pickles = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pth", ".pt", ".ckpt")]
+    if pickles:
+        raise UserError(
+            f"{folder} only has pickle checkpoints ({', '.join(sorted(pickles))}); minillama never unpickles "
+            "weights: convert them to model.safetensors first"
+        )
+    raise UserError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+def read_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    state = {}
+    for f in files:
+        if not f.exists():
+            raise UserError(f"weight shard {f} is missing")
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    state[key] = sf.get_tensor(key).to(dtype)
+        except UserError:
+            raise
+        except Exception as e:
+            raise UserError(f"{f} is not a readable safetensors file ({str(e).splitlines()[0][:160]})") from None
+    return state
+
+
+def check_state_dict(model: Llama, state: dict[str, torch.Tensor]) -> None:
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)  # some tied checkpoints carry a redundant copy
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise UserError(f"checkpoint is missing {len(missing)} tensor(s), first {missing[0]!r}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise UserError(f"checkpoint has unexpected tensor {unexpected[0]!r} (and {len(unexpected) - 1} more)")
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
+            raise UserError(f"shape mismatch for {key}: checkpoint has {tuple(state[key].shape)}, config expects {shape}")
+
+
+def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
+    folder = resolve_model_path(name)
+    cfg = LlamaConfig.from_file(folder / "config.json")
+    files = weight_files(folder)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    state = read_state_dict(files, dtype)
+    check_state_dict(model, state)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.inv_freq = inverse_frequencies(cfg)
+    model = model.to(device).eval().requires_grad_(False)
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    return LoadedModel(model, load_tokenizer(folder), cfg, folder, gen)

@@ -1,0 +1,133 @@
+"""The Llama model (Touvron et al. 2023), as in Hugging Face's ``LlamaForCausalLM``.
+
+Parameter names are HF's so a checkpoint loads as an identity map. The cache is an
+explicit argument: ``model(tokens, cache)`` reads each layer's past from the cache,
+and writes the new keys and values in one ``cache.append`` call at the end. With
+``cache=None`` the call is a plain causal forward over ``tokens`` (no past).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillama.attention import attend
+from minillama.cache import KVCache
+from minillama.config import LlamaConfig
+from minillama.rope import apply_rope, inverse_frequencies, rope_tables
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 like HF, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.n_kv_heads
+        self.hq, self.hkv, self.d = hq, hkv, d
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache | None, layer: int):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.hq, self.d).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            out = attend(q, k, v, None, None, None)
+        else:
+            past = cache.read(layer, x.dtype)  # read the past before this step writes anything
+            out = attend(q, k, v, past, cache.spec.k, cache.spec.v)
+        out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache, layer):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class Backbone(nn.Module):
+    """HF's ``LlamaModel``: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)  # (D/2,)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with last_only.
+
+        With a cache, the tokens continue the cached sequence at ``cache.position`` and
+        their keys/values are appended to it; without one, they start at position 0.
+        """
+        b, t = tokens.shape
+        start = cache.position if cache is not None else 0
+        positions = torch.arange(start, start + t, device=tokens.device)  # (T,)
+        cos, sin = rope_tables(self.inv_freq, positions, self.dtype)  # (T, D) each
+        x = self.model.embed_tokens(tokens)  # (B, T, hidden)
+        new_kv = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, cos, sin, cache, i)
+            new_kv.append(kv)
+        if cache is not None:
+            cache.append(new_kv)  # the one place the cache grows
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))  # (B, T, vocab)

@@ -1,0 +1,117 @@
+"""Quantizers as pure functions: ``quantize(x) -> codes, scale, zero`` and ``dequantize``.
+
+Nothing here knows about caches or models; the cache calls these. All inputs are
+float tensors whose last two dimensions are (tokens, channels) = (T, D).
+
+Asymmetric uniform (min-max) quantization, as in KIVI (Liu et al. 2024):
+    scale = (max - min) / (2**b - 1),  zero = min,  code = round((x - zero) / scale)
+with scale and zero stored as float16 per group. Effective bits per element at group G:
+    b + 2 * 16 / G     (int4, G=32: 5.0 bits; int2, G=32: 3.0 bits)
+Groups run either along channels of one token (``axis="token"``, G consecutive channels
+share a scale) or along time for one channel (``axis="channel"``, G consecutive tokens
+share a scale: KIVI's per-channel keys, which keeps outlier channels from spoiling the
+others).
+
+Ternary (1.58-bit) uses the ternary-weight-network rule (Li et al. 2016): threshold
+t = 0.7 * mean|x| over the group, code = sign(x) where |x| > t else 0, and a symmetric
+fp16 scale = mean|x| over the kept entries, which minimises the squared error for that
+support. Effective bits: 8/5 (five trits per byte) + 16 / G.
+
+The Hadamard rotation (QuaRot, Ashkboos et al. 2024) spreads outliers across channels
+before quantization: H is the normalized Walsh-Hadamard matrix, orthonormal and
+symmetric, so H @ H = I and (x H)(y H)^T = x y^T.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+class NonFiniteError(ValueError):
+    """Raised when NaN or inf reaches a quantizer instead of silently poisoning a cache."""
+
+
+def check_finite(x: torch.Tensor) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise NonFiniteError("cannot quantize NaN or inf values: the model produced non-finite keys/values")
+
+
+def _grouped(x: torch.Tensor, group: int, axis: str) -> torch.Tensor:
+    """View x (..., T, D) so that each quantization group is the reduction dim -1 or -2."""
+    *lead, t, d = x.shape
+    if axis == "token":
+        return x.reshape(*lead, t, d // group, group)  # reduce over dim -1
+    return x.reshape(*lead, t // group, group, d)  # reduce over dim -2
+
+
+def _reduce_dim(axis: str) -> int:
+    return -1 if axis == "token" else -2
+
+
+def quantize_affine(x: torch.Tensor, bits: int, group: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (..., T, D) -> codes (..., T, D) uint8, scale and zero float16.
+
+    scale/zero are (..., T, D/G) for axis="token" and (..., T/G, D) for axis="channel".
+    Codes are computed against the float16-rounded scale and zero so that what
+    ``dequantize_affine`` sees is exactly what the codes were fitted to.
+    """
+    check_finite(x)
+    dim = _reduce_dim(axis)
+    xg = _grouped(x.float(), group, axis)
+    lo = xg.amin(dim=dim, keepdim=True)
+    hi = xg.amax(dim=dim, keepdim=True)
+    qmax = 2**bits - 1
+    scale = ((hi - lo) / qmax).to(torch.float16)
+    zero = lo.to(torch.float16)
+    s = scale.float()
+    s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: every code is 0
+    codes = ((xg - zero.float()) / s).round_().clamp_(0, qmax).to(torch.uint8)
+    return codes.reshape(x.shape), scale.squeeze(dim), zero.squeeze(dim)
+
+
+def dequantize_affine(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, axis: str) -> torch.Tensor:
+    """Inverse of quantize_affine: codes (..., T, D) -> float32 (..., T, D)."""
+    dim = _reduce_dim(axis)
+    cg = _grouped(codes, group, axis).float()
+    x = cg * scale.float().unsqueeze(dim) + zero.float().unsqueeze(dim)
+    return x.reshape(codes.shape)
+
+
+def quantize_ternary(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., T, D) -> codes (..., T, D) in {0, 1, 2} (meaning -1, 0, +1), scale (..., T, D/G) fp16."""
+    check_finite(x)
+    xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
+    mag = xg.abs()
+    keep = mag > 0.7 * mag.mean(dim=-1, keepdim=True)
+    n_keep = keep.sum(dim=-1, keepdim=True).clamp_(min=1)
+    scale = ((mag * keep).sum(dim=-1, keepdim=True) / n_keep).to(torch.float16)
+    codes = (torch.sign(xg) * keep + 1).to(torch.uint8)
+    return codes.reshape(x.shape), scale.squeeze(-1)
+
+
+def dequantize_ternary(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    cg = _grouped(codes, group, "token").float() - 1.0  # (..., T, D/G, G)
+    return (cg * scale.float().unsqueeze(-1)).reshape(codes.shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_cpu(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:  # Sylvester's construction: [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
+def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Normalized Walsh-Hadamard matrix (d, d); d must be a power of two."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head_dim, got {d}")
+    return _hadamard_cpu(d).to(device=device, dtype=dtype)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x (..., D) -> x @ H. Since H is symmetric and orthonormal this is also the inverse."""
+    return x @ hadamard_matrix(x.shape[-1], x.dtype, x.device)

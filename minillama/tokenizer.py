@@ -1,0 +1,136 @@
+"""Tokenizers: byte-level BPE (``tokenizer.json``) or sentencepiece (``tokenizer.model``).
+
+Plain text is always encoded as plain text: a user typing ``<|im_end|>`` gets the
+ordinary tokens for those characters, never the control token. Special tokens enter
+only through ``encode_with_specials``, which the chat template path uses on text the
+template produced (the special strings are matched there, everything else is plain).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minillama.errors import UserError
+
+
+def _content(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+@dataclass
+class Tokenizer:
+    backend: object
+    kind: str  # "bpe" | "sentencepiece"
+    specials: dict[str, int] = field(default_factory=dict)  # special token string -> id
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos: bool = False
+    chat_template: str | None = None
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.specials.get(self.bos_token) if self.bos_token else None
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.specials.get(self.eos_token) if self.eos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        if self.kind == "bpe":
+            return self.backend.get_vocab_size()
+        return self.backend.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids, with no special tokens added or parsed."""
+        if not text:
+            return []
+        if self.kind == "bpe":
+            return self.backend.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(text)
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Template output -> ids: special token strings become their ids, the rest is plain."""
+        if not self.specials:
+            return self.encode(text)
+        pattern = "(" + "|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True)) + ")"
+        ids: list[int] = []
+        for piece in re.split(pattern, text):
+            ids.extend([self.specials[piece]] if piece in self.specials else self.encode(piece))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.kind == "bpe":
+            return self.backend.decode(ids, skip_special_tokens=False)
+        return self.backend.decode(ids)
+
+    def token_str(self, i: int) -> str:
+        return self.backend.id_to_token(i) if self.kind == "bpe" else self.backend.id_to_piece(i)
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text, holding back bytes of unfinished characters.
+
+    Byte-level BPE splits multi-byte UTF-8 characters across tokens; decoding each token
+    alone would print replacement characters. We decode a sliding window and only emit
+    text once it no longer ends in an incomplete character (as HF's TextStreamer does).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # ids already turned into emitted text
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        after = self.tok.decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        rest = self.tok.decode(self.ids[self.prefix :])[len(before) :]
+        self.prefix = self.read = len(self.ids)
+        return rest
+
+
+def load_tokenizer(folder: Path) -> Tokenizer:
+    folder = Path(folder)
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    bos, eos = _content(cfg.get("bos_token")), _content(cfg.get("eos_token"))
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # HF allows named templates; take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    if (folder / "tokenizer.json").exists():
+        from tokenizers import Tokenizer as HFTokenizer
+
+        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        backend.encode_special_tokens = True  # never parse special strings inside plain text
+        specials = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        add_bos = bool(cfg.get("add_bos_token", False))
+        tok = Tokenizer(backend, "bpe", specials, bos, eos, add_bos, template)
+    elif (folder / "tokenizer.model").exists():
+        import sentencepiece as spm
+
+        backend = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+        specials = {}
+        for i in (backend.bos_id(), backend.eos_id(), backend.unk_id()):
+            if i >= 0:
+                specials[backend.id_to_piece(i)] = i
+        bos = bos or (backend.id_to_piece(backend.bos_id()) if backend.bos_id() >= 0 else None)
+        eos = eos or (backend.id_to_piece(backend.eos_id()) if backend.eos_id() >= 0 else None)
+        add_bos = bool(cfg.get("add_bos_token", True))  # Llama-2 tokenizers add <s> by default
+        tok = Tokenizer(backend, "sentencepiece", specials, bos, eos, add_bos, template)
+    else:
+        raise UserError(f"{folder} has no tokenizer.json or tokenizer.model: add the model's tokenizer files")
+    return tok
