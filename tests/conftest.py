@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny random-weight Llamas saved as Hugging Face folders.
+
+Each tiny model is written by transformers' own ``LlamaForCausalLM.save_pretrained`` so
+that minillama is always checked against an independent implementation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    """A 256-byte-token BPE tokenizer (no merges) plus three ChatML special tokens."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False}))
+
+
+def make_tiny(folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random tiny Llama (transformers) with a byte tokenizer into `folder`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY, **overrides})
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0; randomise them so they are tested
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The default tiny model: GQA 4 query heads / 2 KV heads, head_dim 16, untied."""
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    from minillama.loader import load_model
+
+    return load_model(str(tiny_dir), "float32")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from minillama.fetch import fetch_default
+
+    return fetch_default()
+
+
+@pytest.fixture(scope="session")
+def smollm(default_model_dir):
+    from minillama.loader import load_model
+
+    return load_model(str(default_model_dir), "float32")
+
+
+@pytest.fixture(scope="session")
+def wikitext() -> str:
+    return WIKITEXT.read_text(encoding="utf-8")

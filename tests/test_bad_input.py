@@ -1,0 +1,67 @@
+"""Bad input ends in one clear line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from minillama.cli import cli
+
+
+def run(args):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def broken(tmp_path, tiny_dir):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_dir, folder)
+    return folder
+
+
+def test_missing_config(broken):
+    (broken / "config.json").unlink()
+    assert "config.json" in run(["generate", "hi", "--model", str(broken)])
+
+
+def test_corrupt_safetensors_header(broken):
+    (broken / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert "safetensors" in run(["generate", "hi", "--model", str(broken)])
+
+
+def test_unknown_model_type(broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    assert "unsupported model_type 'gpt2'" in run(["generate", "hi", "--model", str(broken)])
+
+
+def test_shape_mismatch_names_tensor_and_shapes(broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    line = run(["generate", "hi", "--model", str(broken)])
+    assert "shape mismatch for model.layers.0.mlp.gate_proj.weight" in line and "(128, 64)" in line and "(96, 64)" in line
+
+
+def test_pickle_only_checkpoint_is_refused_not_unpickled(broken):
+    (broken / "model.safetensors").unlink()
+    (broken / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    assert "never unpickles" in run(["generate", "hi", "--model", str(broken)])
+
+
+def test_unknown_hub_id_offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert "Hugging Face hub" in run(["generate", "hi", "--model", "no-such-org/no-such-model"])
+
+
+def test_unknown_kv_preset_lists_choices(tiny_dir):
+    line = run(["generate", "hi", "--model", str(tiny_dir), "--kv", "int5"])
+    assert "hadv2" in line and "int4c" in line

