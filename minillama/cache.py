@@ -68,11 +68,13 @@ class TensorStore:
 
         Returns (bytes written, bytes read) for the counters.
         """
-        x = self.codec.to_space(x)
+        # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
+        # quantized from the same values whether or not it waited in the residual.
+        x = self.codec.to_space(x).to(self.residual.buf.dtype)
         written = read = 0
         take = min(self.sinks.slots - self.sinks.count, x.shape[2])
         if take:
-            written += self.sinks.push(x[:, :, :take].to(self.sinks.buf.dtype))
+            written += self.sinks.push(x[:, :, :take])
             x = x[:, :, take:]
         # Evict the oldest tokens: from the body, then the residual, then the new ones.
         from_body = min(evict, self.n_body)
@@ -88,13 +90,13 @@ class TensorStore:
             read += old.shape[2] * self.residual.row_bytes
             self.residual.drop_oldest(old.shape[2])
             n_new = n_flush - old.shape[2]
-            block = torch.cat([old.to(x.dtype), x[:, :, :n_new]], dim=2) if old.shape[2] else x[:, :, :n_new]  # (B, H, n_flush, D)
+            block = torch.cat([old, x[:, :, :n_new]], dim=2) if old.shape[2] else x[:, :, :n_new]  # (B, H, n_flush, D)
             for name, part in self.codec.encode(block, self.group).items():
                 written += self.body[name].push(part)
             self.n_body += n_flush
             x = x[:, :, n_new:]
         if x.shape[2]:
-            written += self.residual.push(x.to(self.residual.buf.dtype))
+            written += self.residual.push(x)
         return written, read
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:

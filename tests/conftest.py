@@ -15,7 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
 
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+TINY = dict(vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
@@ -53,7 +53,7 @@ def make_tiny(folder: Path, seed: int = 0, **overrides) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
-    """The default tiny model: GQA 4 query heads / 2 KV heads, head_dim 16, untied."""
+    """The default tiny model: GQA 4 query heads / 2 KV heads, head_dim 64, untied."""
     return make_tiny(tmp_path_factory.mktemp("tiny"))
 
 

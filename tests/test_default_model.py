@@ -71,3 +71,23 @@ def test_greedy_generate_knows_the_capital_of_france(default_model_dir):
     result = CliRunner().invoke(cli, ["generate", prompt, "--raw-special", "--max-tokens", "16"])
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16", "fp16", "int8", "kivi4", "kivi2", "hadv2", "ternary"])
+def test_generate_runs_end_to_end_with_every_preset(default_model_dir, preset):
+    result = CliRunner().invoke(cli, ["generate", "The capital of France is", "--kv", preset, "--max-tokens", "6"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+
+
+def test_every_codec_runs_end_to_end_on_the_default_model(smollm):
+    from minillama.cache import KVCache
+    from minillama.codecs import CODECS, parse_kv
+    from minillama.generate import generate
+    from minillama.sampling import SamplingParams
+
+    ids = smollm.tokenizer.encode("The capital of France is")
+    for codec in CODECS:
+        cache = KVCache.for_model(smollm.config, parse_kv(f"k={codec},v={codec},residual=2"), 64)
+        out = [t for t, _ in generate(smollm.model, ids, cache, 4, SamplingParams(temperature=0))]
+        assert len(out) == 4 and cache.position == len(ids) + 3, codec

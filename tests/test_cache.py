@@ -1,0 +1,203 @@
+"""The KV ring buffer: exactness, KIVI flushing, eviction, and byte accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillama.budget import fill_synthetic, formula_live_bytes
+from minillama.cache import ContextFullError, KVCache
+from minillama.codecs import CODECS, PRESETS, parse_kv
+from minillama.errors import UserError
+from minillama.loader import load_model
+from minillama.quantize import dequantize_affine, quantize_affine
+from tests.conftest import make_tiny
+
+
+class PlainCache:
+    """The simplest possible dense cache (grows by concatenation): the oracle for fp32."""
+
+    def __init__(self, n_layers):
+        self.spec = parse_kv("fp32")
+        self.kv = [None] * n_layers
+        self.position = 0
+
+    def read(self, layer, dtype):
+        if self.kv[layer] is None:
+            return torch.zeros(1, 2, 0, 64), torch.zeros(1, 2, 0, 64)
+        return self.kv[layer]
+
+    def append(self, new_kv):
+        self.kv = [kv if old is None else tuple(torch.cat([o, n], 2) for o, n in zip(old, kv)) for old, kv in zip(self.kv, new_kv)]
+        self.position += new_kv[0][0].shape[2]
+
+
+def run(model, cache, tokens, prefill=8):
+    outs = [model(tokens[:, :prefill], cache)]
+    outs += [model(tokens[:, i : i + 1], cache) for i in range(prefill, tokens.shape[1])]
+    return torch.cat(outs, dim=1)
+
+
+def tokens(n, seed=0, batch=1):
+    return torch.randint(0, 300, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_fp32_preset_reproduces_a_plain_dense_cache_bit_for_bit(tiny):
+    t = tokens(40)
+    ours = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64), t)
+    plain = run(tiny.model, PlainCache(tiny.config.num_hidden_layers), t)
+    assert torch.equal(ours, plain)
+
+
+def test_rotated_space_attention_equals_plain_attention_when_storage_is_exact(tiny):
+    # Hadamard "storage" with exact float codes: k=fp32 rotated is emulated by spec fields.
+    t = tokens(30)
+    plain = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64), t)
+    rotated = KVCache.for_model(tiny.config, parse_kv("fp32"), 64)
+    rot = CODECS["fp32"].__class__("fp32", "float", 32, rotate=True)
+    rotated.spec = rotated.spec.__class__(rot, rot, 32, 0, 0, "fp32-rotated")
+    for pair in rotated.layers:
+        for store in pair:
+            store.codec = rot
+    assert torch.allclose(run(tiny.model, rotated, t), plain, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_decodes_close_to_exact(tiny, preset):
+    t = tokens(48)
+    exact = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64), t)
+    got = run(tiny.model, KVCache.for_model(tiny.config, parse_kv(preset), 64), t)
+    assert torch.isfinite(got).all()
+    assert (got - exact).abs().max() < 0.5 * exact.abs().max()
+
+
+def reference_kivi_keys(k_all, residual, group, bits=4):
+    """KIVI's rule written directly: all but the newest (residual + r) tokens, r < group,
+    are quantized in whole groups along time, per channel; the rest stay exact (fp16)."""
+
+    n = k_all.shape[2]
+    n_q = max(0, (n - residual) // group * group)
+    k_all = k_all.half()  # the cache keeps exact tokens in fp16 and quantizes those
+    codes, scale, zero = quantize_affine(k_all[:, :, :n_q], bits, group, "channel")
+    deq = dequantize_affine(codes, scale, zero, group, "channel")
+    return torch.cat([deq, k_all[:, :, n_q:].half().float()], dim=2), n - n_q
+
+
+@pytest.mark.parametrize("chunks", [[1] * 100, [37, 1, 1, 50, 11], [100]])
+def test_kivi_key_flushing_matches_direct_rule(chunks):
+    spec = parse_kv("k=int4c,v=int4,group=32,residual=32")
+    cache = KVCache(spec, n_layers=1, n_kv_heads=2, head_dim=64, capacity=256)
+    k_all = torch.randn(1, 2, sum(chunks), 64, generator=torch.Generator().manual_seed(0))
+    done = 0
+    for n in chunks:
+        cache.append([(k_all[:, :, done : done + n], torch.randn(1, 2, n, 64))])
+        done += n
+        res = cache.layers[0][0].residual.count
+        if done >= 32:
+            assert 32 <= res <= 32 + 31
+        expected, expected_res = reference_kivi_keys(k_all[:, :, :done], 32, 32)
+        assert res == expected_res
+        assert torch.equal(cache.read(0, torch.float32)[0], expected)
+
+
+def test_per_token_values_leave_the_residual_one_at_a_time():
+    cache = KVCache(parse_kv("kivi4"), n_layers=1, n_kv_heads=1, head_dim=64, capacity=256)
+    fill_synthetic(cache, 100, chunk=1)
+    k_store, v_store = cache.layers[0]
+    assert v_store.residual.count == 32 and k_store.residual.count == 32 + (100 - 32) % 32
+
+
+def one_layer_model(tmp_path):
+    # With one layer a token's K/V depend only on the token and its position, so a cache
+    # rebuilt from the kept tokens must hold exactly the same keys and values.
+    return load_model(str(make_tiny(tmp_path / "one", num_hidden_layers=1)))
+
+
+@pytest.mark.parametrize("spec", ["fp32", "k=fp32,v=fp32,sinks=4", "k=int4,v=int2h,residual=0,sinks=3",
+                                  "k=int4c,v=int4,group=8,residual=8,sinks=4"])
+def test_ring_keeps_sinks_and_newest_tokens_and_equals_a_fresh_cache(tmp_path, spec):
+    lm = one_layer_model(tmp_path)
+    parsed, capacity = parse_kv(spec), 48
+    cache = KVCache.for_model(lm.config, parsed, capacity)
+    t = tokens(130, seed=3)
+    for i in range(129):
+        lm.model(t[:, i : i + 1], cache)
+    assert cache.held <= capacity and cache.evicted == 129 - cache.held and cache.position == 129
+    assert cache.evicted % parsed.unit == 0  # whole groups are evicted
+    sinks, kept = parsed.sinks, cache.held - parsed.sinks
+    assert kept >= capacity - sinks - parsed.unit  # nothing is evicted before it must be
+    fresh = KVCache.for_model(lm.config, parsed, capacity)
+    if sinks:
+        lm.model(t[:, :sinks], fresh)
+    fresh.seek(129 - kept)
+    lm.model(t[:, 129 - kept : 129], fresh)
+    assert fresh.held == cache.held and fresh.position == cache.position
+    a, b = lm.model(t[:, 129:130], cache), lm.model(t[:, 129:130], fresh)
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_on_full_stop_refuses_to_evict(tiny):
+    cache = KVCache.for_model(tiny.config, parse_kv("fp32"), 10, on_full="stop")
+    tiny.model(tokens(10), cache)
+    with pytest.raises(ContextFullError, match="context full"):
+        tiny.model(tokens(1), cache)
+    assert cache.held == 10 and cache.position == 10  # nothing was changed
+
+
+def test_capacity_too_small_is_a_clear_error():
+    with pytest.raises(UserError, match="too small"):
+        KVCache(parse_kv("hadv2"), 1, 1, 64, capacity=40)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS) + ["k=int3h,v=ternh,group=16,residual=8,sinks=4"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_byte_counters_equal_the_closed_form(tiny, preset, batch):
+    spec = parse_kv(preset)
+    cfg = tiny.config
+    for n in (1, 31, 32, 70, 129):
+        cache = KVCache.for_model(cfg, spec, 256, batch=batch)
+        fill_synthetic(cache, n, chunk=17)
+        assert cache.live_bytes() == formula_live_bytes(cfg, spec, n, batch)
+        bits = 8 * sum(cache.live_bytes().values()) / (cfg.num_hidden_layers * 2 * cfg.n_kv_heads * cfg.head_dim * n * batch)
+        assert cache.bits_per_element() == pytest.approx(bits)
+
+
+def test_hadv2_bytes_per_token_on_a_head_dim_64_model():
+    # The issue's worked example: K 32 + 8 bytes, V 16 + 8 bytes per token per KV head,
+    # the residual 128 bytes per token per head each (fp16, head_dim 64).
+    spec = parse_kv("hadv2")
+    cache = KVCache(spec, n_layers=1, n_kv_heads=1, head_dim=64, capacity=4096)
+    fill_synthetic(cache, 32 + 32 * 10)
+    live = cache.live_bytes()
+    assert live["codes"] == 320 * (32 + 16) and live["scales"] == 320 * (8 + 8)
+    assert live["residual"] == 32 * 128 * 2
+
+
+def test_decode_step_counts_bytes_read_and_written(tiny):
+    spec = parse_kv("hadv2")
+    cache = KVCache.for_model(tiny.config, spec, 256)
+    tiny.model(tokens(40), cache)  # K residual 40, V residual 32 + 8 flushed tokens
+    before = sum(cache.live_bytes().values())
+    tiny.model(tokens(1), cache)  # V flushes one token; K only grows its residual
+    cfg = tiny.config
+    heads = cfg.num_hidden_layers * cfg.n_kv_heads
+    residual_row = heads * cfg.head_dim * 2
+    v_row = heads * CODECS["int2h"].bytes_per_token(cfg.head_dim, 32)
+    assert cache.bytes.last_read == before + residual_row  # all held bytes + the V token leaving the residual
+    assert cache.bytes.last_written == 2 * residual_row + v_row
+    assert cache.bytes.total_written >= cache.bytes.last_written
+
+
+def test_allocated_bytes_cover_capacity_and_never_grow(tiny):
+    cache = KVCache.for_model(tiny.config, parse_kv("kivi4"), 128)
+    allocated = cache.allocated_bytes()
+    fill_synthetic(cache, 300, chunk=7)
+    assert cache.allocated_bytes() == allocated and cache.evicted > 0
+
+
+def test_truncate_keeps_a_prefix_and_cuts_groups_whole(tiny):
+    cache = KVCache.for_model(tiny.config, parse_kv("k=int4c,v=int4,group=8,residual=8"), 128)
+    fill_synthetic(cache, 60)
+    assert cache.truncate(50) == 50  # inside the residual: exact
+    assert cache.truncate(13) == 8  # cuts a quantized key group: back to its start
+    assert cache.held == 8 and cache.position == 8

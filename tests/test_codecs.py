@@ -1,0 +1,161 @@
+"""Pure quantizers, packing and the Hadamard rotation, checked against the math."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillama import packing
+from minillama.codecs import CODECS, parse_kv
+from minillama.errors import UserError
+from minillama.quantize import (
+    NonFiniteError,
+    dequantize_affine,
+    hadamard_matrix,
+    hadamard_rotate,
+    quantize_affine,
+    quantize_ternary,
+)
+
+PACKINGS = {8: 256, 4: 16, 3: 8, 2: 4, "trit": 3}
+
+
+@pytest.mark.parametrize("bits", PACKINGS)
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_pack_unpack_round_trip_every_code_value(bits, rows):
+    n = 40 if bits != "trit" else 43  # 43 trits: the last byte is partly padding
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, PACKINGS[bits], (rows, n), generator=g, dtype=torch.uint8)
+    codes[0, : PACKINGS[bits] if PACKINGS[bits] <= n else n] = torch.arange(min(PACKINGS[bits], n), dtype=torch.uint8)
+    packed = packing.pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == packing.packed_width(n, bits)
+    assert torch.equal(packing.unpack(packed, bits, n), codes)
+
+
+def test_packing_is_dense():
+    assert packing.packed_width(64, 4) == 32 and packing.packed_width(64, 2) == 16
+    assert packing.packed_width(64, 3) == 24 and packing.packed_width(64, "trit") == 13
+
+
+def relative_mse(x, y):
+    return float(((x - y) ** 2).mean() / (x**2).mean())
+
+
+def roundtrip(codec_name, x, group=32):
+    codec = CODECS[codec_name]
+    y = codec.to_space(x)
+    return codec.to_space(codec.decode(codec.encode(y, group), group, x.shape[-1]))
+
+
+def gaussian(outliers=False):
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    if outliers:
+        x[..., 5] *= 20  # a few channels much larger than the rest, as in real keys
+        x[..., 40] *= 12
+    return x
+
+
+# Uniform b-bit quantization of a Gaussian group of 32 over its min-max range: the step is
+# ~ range/(2^b - 1) with range ~ 4.1 sigma, and the error variance step^2/12. These bounds
+# are that estimate with ~50% headroom; ternary's TWN rule gives ~0.27 on Gaussians.
+BOUNDS = {"int8": 2e-4, "int4": 0.02, "int3": 0.08, "int2": 0.35, "int8c": 2e-4, "int4c": 0.02, "int2c": 0.35,
+          "int4h": 0.02, "int3h": 0.08, "int2h": 0.35, "tern": 0.4, "ternh": 0.4}
+
+
+@pytest.mark.parametrize("name", BOUNDS)
+def test_quantization_error_is_bounded_on_gaussian_data(name):
+    x = gaussian()
+    assert relative_mse(x, roundtrip(name, x)) < BOUNDS[name]
+
+
+@pytest.mark.parametrize("plain,rotated", [("int4", "int4h"), ("int3", "int3h"), ("int2", "int2h"), ("tern", "ternh")])
+def test_rotation_lowers_error_on_outlier_channels(plain, rotated):
+    x = gaussian(outliers=True)
+    assert relative_mse(x, roundtrip(rotated, x)) < relative_mse(x, roundtrip(plain, x))
+
+
+def test_per_channel_beats_per_token_on_outlier_channels():
+    x = gaussian(outliers=True)
+    assert relative_mse(x, roundtrip("int2c", x)) < relative_mse(x, roundtrip("int2", x))
+
+
+def test_fp_codecs_round_trip_in_their_dtype():
+    x = gaussian()
+    assert torch.equal(roundtrip("fp32", x), x)
+    assert torch.equal(roundtrip("bf16", x), x.to(torch.bfloat16).float())
+
+
+def test_hadamard_is_orthonormal_and_self_inverse():
+    for d in (1, 2, 16, 64, 128):
+        h = hadamard_matrix(d)
+        assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-6)
+        assert torch.allclose(h, h.T)
+    x = torch.randn(5, 64)
+    assert torch.allclose(hadamard_rotate(hadamard_rotate(x)), x, atol=1e-5)
+
+
+def test_hadamard_needs_power_of_two():
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_matrix(48)
+    with pytest.raises(UserError, match="power-of-two"):
+        parse_kv("k=int4h,v=fp16").validate(48)
+
+
+def test_affine_per_channel_groups_share_scale_along_time():
+    x = torch.randn(1, 1, 64, 8)
+    codes, scale, zero = quantize_affine(x, 4, 32, "channel")
+    assert scale.shape == (1, 1, 2, 8) and zero.shape == (1, 1, 2, 8)
+    assert torch.allclose(zero[0, 0, 0].float(), x[0, 0, :32].amin(0).half().float())
+
+
+@settings(max_examples=40, deadline=None)
+@given(value=st.floats(-1e4, 1e4, allow_nan=False), bits=st.sampled_from([2, 3, 4, 8]), axis=st.sampled_from(["token", "channel"]))
+def test_constant_groups_never_divide_by_zero(value, bits, axis):
+    x = torch.full((1, 1, 32, 32), value)
+    codes, scale, zero = quantize_affine(x, bits, 32, axis)
+    y = dequantize_affine(codes, scale, zero, 32, axis)
+    assert torch.isfinite(y).all()
+    assert torch.allclose(y, torch.full_like(y, float(torch.tensor(value).half())))
+    codes_t, scale_t = quantize_ternary(x, 32)
+    assert torch.isfinite(scale_t.float()).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]), codec=st.sampled_from(sorted(CODECS)))
+def test_non_finite_inputs_raise_a_clear_error(bad, codec):
+    x = torch.randn(1, 1, 32, 64)
+    x[0, 0, 3, 7] = bad
+    with pytest.raises(NonFiniteError, match="NaN or inf"):
+        CODECS[codec].encode(x, 32)
+
+
+@pytest.mark.parametrize("text,error", [
+    ("int5", "unknown --kv preset"), ("k=int4,v=int9", "unknown codec 'int9'"), ("k=int4", "must name both"),
+    ("k=int4,v=int4,group=-1", "must not be negative"), ("k=int4,v=int4,group=x", "not a whole number"),
+    ("k=int4,v=int4,foo=1", "malformed"), ("k=int4,v=int4,group=0", "at least 1"),
+])
+def test_bad_specs_give_clear_errors_listing_choices(text, error):
+    with pytest.raises(UserError, match=error):
+        parse_kv(text)
+
+
+def test_group_must_divide_head_dim_for_per_token_codecs():
+    with pytest.raises(UserError, match="does not divide head_dim"):
+        parse_kv("k=int4,v=int4,group=24").validate(64)
+    parse_kv("k=int4c,v=fp16,group=24").validate(64)  # per-channel groups run along time
+
+
+def test_presets_are_exactly_the_documented_ones():
+    spec = parse_kv("hadv2")
+    assert (spec.k.name, spec.v.name, spec.group, spec.residual, spec.sinks) == ("int4c", "int2h", 32, 32, 0)
+    assert parse_kv("fp16").residual == 0 and parse_kv("k=int4,v=int4").residual == 32
+    assert parse_kv("k=int4,v=int4,residual=0,sinks=4").sinks == 4
+
+
+def test_all_codec_pairs_parse():
+    for k, v in itertools.product(CODECS, repeat=2):
+        parse_kv(f"k={k},v={v}").validate(64)
