@@ -34,7 +34,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
-    if past is not None:
+    rotated = past is not None and past[0].shape[2] > 0  # with no past, stay in plain space
+    if rotated:
         q = k_codec.to_space(q)
         k = torch.cat([past[0], k_codec.to_space(k)], dim=2)  # (B, Hkv, P+T, D)
         v = torch.cat([past[1], v_codec.to_space(v)], dim=2)  # (B, Hkv, P+T, D)
@@ -45,6 +46,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     out = p @ v  # (B, Hkv, n_rep*T, D)
-    if past is not None:
+    if rotated:
         out = v_codec.to_space(out)  # rotate back once per query (H is its own inverse)
     return out.reshape(b, hq, t, d)

@@ -34,3 +34,74 @@ def kv(spec, list_, model_name, tokens):
     parsed = parse_kv(spec)
     cfg = LlamaConfig.from_file(resolve_model_path(resolve_model(model_name)) / "config.json")
     click.echo(byte_budget(cfg, parsed, tokens))
+
+
+def read_text_file(path: str) -> str:
+    from minillama.errors import UserError
+
+    try:
+        return open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text: convert it to UTF-8 first") from None
+
+
+@cli.command()
+@model_options
+@click.option("--text", "text_file", type=str, default=None, help="UTF-8 text file to evaluate on.")
+@click.option("--dataset", type=click.Choice(["wikitext2"]), default=None, help="Download a standard test set.")
+@click.option("--tokens", "n", default=896, show_default=True, type=int, help="Tokens per window (N).")
+@click.option("--prefill", default=128, show_default=True, type=int, help="Tokens prefilled before scoring (P).")
+@click.option("--offset", default=0, show_default=True, type=click.IntRange(0), help="First token of the first window.")
+@click.option("--windows", default=1, show_default=True, type=click.IntRange(1), help="Consecutive windows, run as one batch.")
+@click.option("--kv", "kvs", multiple=True, help="KV scheme (repeatable). Default: fp16, kivi4, hadv2.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of the table.")
+@click.option("--no-blind", is_flag=True, help="Skip the blind (no-cache) pass.")
+@click.option("--chunk", default=1, show_default=True, type=click.IntRange(1),
+              help="Decode K tokens per step (faster, an approximation).")
+def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs, dtype, as_json, no_blind, chunk):
+    """Cached-path perplexity of KV schemes, with the blind (no-cache) number beside it.
+
+    \b
+    Examples:
+      minillama ppl --text ../shared/data/wikitext-2-raw-test.txt --windows 4
+      minillama ppl --text book.txt --kv fp16 --kv int8 --kv kivi4 --kv hadv2 --json
+      minillama ppl --dataset wikitext2 --tokens 2048 --prefill 256
+    """
+    import json
+    import sys
+
+    from minillama.codecs import parse_kv
+    from minillama.datasets import wikitext2
+    from minillama.errors import UserError
+    from minillama.perplexity import evaluate, format_table
+
+    specs = [parse_kv(s) for s in (kvs or ("fp16", "kivi4", "hadv2"))]
+    if text_file and dataset:
+        raise UserError("give either --text or --dataset, not both")
+    if prefill < 1 or prefill >= n:
+        raise UserError(f"--prefill must be at least 1 and below --tokens ({n}), got {prefill}")
+    text = read_text_file(text_file) if text_file else wikitext2() if dataset else None
+    if text is None:
+        raise UserError("nothing to evaluate: pass --text FILE or --dataset wikitext2")
+    lm = load(model_name, dtype, device)
+    ids = lm.tokenizer.encode(text)
+    bars = []
+
+    def progress(label, total):
+        bar = click.progressbar(length=total, label=f"{label:<24}", file=sys.stderr, show_eta=True, show_pos=True)
+        bar.__enter__()
+        bars.append(bar)
+        return bar.update
+
+    try:
+        results = evaluate(lm, ids, specs, n, prefill, offset, windows, chunk, not no_blind, dtype, progress)
+    finally:
+        for bar in bars:
+            bar.__exit__(None, None, None)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        click.echo(format_table(results, chunk))

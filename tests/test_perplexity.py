@@ -1,0 +1,129 @@
+"""Cached-path perplexity: the ruler that can see the cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from minillama.cache import KVCache
+from minillama.cli import cli
+from minillama.codecs import parse_kv
+from minillama.perplexity import cached_nll, evaluate, make_windows
+
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, "
+        "it was the age of foolishness, it was the epoch of belief. ") * 12
+
+
+@pytest.fixture(scope="module")
+def ids(tiny):
+    return tiny.tokenizer.encode(TEXT)
+
+
+def test_fp32_cached_path_equals_blind(tiny, ids):
+    (r,) = evaluate(tiny, ids, [parse_kv("fp32")], n=96, prefill=16, windows=2)
+    assert r.ppl == pytest.approx(r.ppl_blind, rel=1e-5)
+
+
+def test_quantized_cached_path_differs_from_blind_and_blind_is_identical_across_schemes(tiny, ids):
+    results = evaluate(tiny, ids, [parse_kv(s) for s in ("fp32", "kivi2", "hadv2")], n=96, prefill=16)
+    assert results[1].ppl != pytest.approx(results[1].ppl_blind, rel=1e-4)
+    assert len({r.ppl_blind for r in results}) == 1
+
+
+def test_ppl_is_exp_mean_nll_of_full_forward_logits(tiny, ids):
+    n, p = 80, 20
+    (r,) = evaluate(tiny, ids, [parse_kv("fp32")], n=n, prefill=p, offset=5, blind=False)
+    window = torch.tensor([ids[5 : 5 + n]])
+    logp = torch.log_softmax(tiny.model(window)[0].double(), dim=-1)  # (N, V)
+    nll = [-float(logp[i - 1, ids[5 + i]]) for i in range(p, n)]
+    assert r.ppl == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+    assert r.tokens_scored == n - p
+
+
+def test_batched_windows_equal_windows_run_one_at_a_time(tiny, ids):
+    seq = make_windows(ids, 64, 3, 0, None)  # (3, 64)
+    spec = parse_kv("kivi4")
+    batched, _ = cached_nll(tiny.model, seq, 16, KVCache.for_model(tiny.config, spec, 64, batch=3))
+    for w in range(3):
+        alone, _ = cached_nll(tiny.model, seq[w : w + 1], 16, KVCache.for_model(tiny.config, spec, 64))
+        assert torch.allclose(batched[w], alone[0], atol=1e-5)
+
+
+def test_bos_is_prepended_unscored_when_the_tokenizer_adds_one(tiny, ids, monkeypatch):
+    monkeypatch.setattr(tiny.tokenizer, "add_bos", True)
+    monkeypatch.setattr(tiny.tokenizer, "bos_token", "<|im_start|>")
+    (r,) = evaluate(tiny, ids, [parse_kv("fp32")], n=64, prefill=16)
+    assert r.tokens_scored == 48 and r.ppl == pytest.approx(r.ppl_blind, rel=1e-5)
+
+
+def write_text(tmp_path, text=TEXT):
+    path = tmp_path / "t.txt"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_json_output_has_exactly_the_documented_keys(tiny_dir, tmp_path):
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "64",
+                                      "--prefill", "16", "--kv", "fp16", "--kv", "hadv2", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    keys = {"kv", "ppl", "ppl_blind", "delta_pct", "bits_per_element", "cache_bytes", "tokens_scored",
+            "decode_tokens_per_s", "model", "tokens", "prefill", "windows", "dtype"}
+    types = {"kv": str, "ppl": float, "ppl_blind": float, "delta_pct": float, "bits_per_element": float, "cache_bytes": int,
+             "tokens_scored": int, "decode_tokens_per_s": float, "model": str, "tokens": int, "prefill": int, "windows": int,
+             "dtype": str}
+    assert [r["kv"] for r in rows] == ["fp16", "hadv2"]
+    for row in rows:
+        assert set(row) == keys
+        assert all(isinstance(row[k], t) for k, t in types.items())
+
+
+def test_table_says_the_evaluation_precision(tiny_dir, tmp_path):
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "64",
+                                      "--prefill", "16", "--kv", "fp32", "--chunk", "4"])
+    assert result.exit_code == 0, result.output
+    assert "evaluation in float32" in result.stdout and "APPROXIMATION" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tokens", "5000"], "fewer than the 5000 needed"),
+    (["--prefill", "64", "--tokens", "64"], "--prefill must be"),
+    (["--prefill", "0"], "--prefill must be"),
+    (["--kv", "int9"], "unknown --kv preset"),
+])
+def test_bad_input_is_one_clear_line(tiny_dir, tmp_path, args, message):
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), *args])
+    assert result.exit_code != 0 and message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unreadable_and_non_utf8_files(tiny_dir, tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    for path, message in [(str(bad), "not UTF-8"), (str(tmp_path / "missing.txt"), "cannot read")]:
+        result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", path])
+        assert result.exit_code != 0 and message in result.stderr
+
+
+@pytest.mark.slow
+def test_fp32_cached_path_matches_transformers_dynamic_cache(smollm, wikitext):
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    ids = smollm.tokenizer.encode(wikitext[:20000])
+    (ours,) = evaluate(smollm, ids, [parse_kv("fp32")], n=896, prefill=128, blind=False)
+    hf = LlamaForCausalLM.from_pretrained(str(smollm.path), dtype=torch.float32).eval()
+    seq = torch.tensor([ids[:896]])
+    nll = []
+    with torch.no_grad():
+        cache = DynamicCache()
+        out = hf(seq[:, :128], past_key_values=cache, use_cache=True)
+        for i in range(128, 896):
+            nll.append(-torch.log_softmax(out.logits[0, -1].float(), -1)[seq[0, i]])
+            if i < 895:
+                out = hf(seq[:, i : i + 1], past_key_values=out.past_key_values, use_cache=True)
+    theirs = math.exp(float(torch.stack(nll).mean()))
+    assert ours.ppl == pytest.approx(theirs, rel=5e-4)
