@@ -1,0 +1,3 @@
+from minillama.cli import main
+
+main()

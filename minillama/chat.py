@@ -1,0 +1,317 @@
+"""A chat session that keeps its KV cache across turns, and the REPL around it.
+
+Each turn renders the whole conversation with the model's template, compares it with
+the tokens the cache already holds, truncates the cache to the common prefix (the cache
+may keep a little less when a quantized group would be cut) and prefills only the
+rest. The cache itself is the ``KVCache`` ring: when it is full it evicts old tokens and
+the chat goes on (or stops clearly with on_full="stop").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minillama.cache import KVCache
+from minillama.chat_template import encode_chat
+from minillama.codecs import KVSpec, parse_kv
+from minillama.errors import UserError
+from minillama.generate import GenerationStats, generate
+from minillama.loader import LoadedModel
+from minillama.sampling import SamplingParams
+from minillama.tokenizer import StreamDecoder
+
+DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_k=0, top_p=0.9, min_p=0.05, repeat_penalty=1.1)
+
+
+def sampling_from_generation_config(gen: dict, base: SamplingParams = DEFAULT_SAMPLING) -> SamplingParams:
+    """The model's generation_config.json sampling settings over our documented defaults."""
+    if gen.get("do_sample") is False:
+        return SamplingParams(temperature=0.0)
+    return SamplingParams(
+        temperature=gen.get("temperature", base.temperature), top_k=gen.get("top_k", base.top_k),
+        top_p=gen.get("top_p", base.top_p), min_p=gen.get("min_p", base.min_p),
+        repeat_penalty=gen.get("repetition_penalty", base.repeat_penalty))
+
+
+def stop_ids(lm: LoadedModel) -> set[int]:
+    """End-of-turn and end-of-sequence ids: generation_config, tokenizer eos, known turn ends."""
+    ids: set[int] = set()
+    for source in (lm.generation_config.get("eos_token_id"), lm.config.eos_token_id):
+        ids |= set(source if isinstance(source, list) else [source] if source is not None else [])
+    tok = lm.tokenizer
+    for name in (tok.eos_token, "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
+        if name in tok.specials:
+            ids.add(tok.specials[name])
+    return ids
+
+
+@contextmanager
+def sigint_as_flag() -> Iterator[threading.Event]:
+    """While generating, Ctrl-C sets a flag checked between tokens, so a cache append is
+    never interrupted half way and the cache stays consistent with the history."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@dataclass
+class TurnStats:
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generation: GenerationStats | None = None
+    interrupted: bool = False
+
+    def line(self) -> str:
+        g = self.generation
+        text = f"[reused {self.reused_tokens} cached tokens, prefilled {self.prefilled_tokens} new"
+        if g:
+            text += f" at {g.prefill_tokens_per_s:.1f} tok/s, decoded {g.generated_tokens} at {g.decode_tokens_per_s:.1f} tok/s"
+        return text + (", interrupted]" if self.interrupted else "]")
+
+
+class ChatSession:
+    """A conversation plus the cache holding its tokens; usable from Python or the REPL."""
+
+    def __init__(self, lm: LoadedModel, spec: KVSpec, ctx: int | None = None, system: str | None = None,
+                 params: SamplingParams = DEFAULT_SAMPLING, seed: int = 0, max_tokens: int = 512, on_full: str = "evict"):
+        self.lm, self.params, self.max_tokens, self.on_full = lm, params, max_tokens, on_full
+        self.ctx = ctx or lm.config.max_position_embeddings
+        self.generator = torch.Generator(lm.model.device).manual_seed(seed)
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        self.stops = stop_ids(lm)
+        self.cache = self._new_cache(spec)
+        self.cached_ids: list[int] = []  # every token fed to the cache, in order (evicted ones too)
+        self.last = TurnStats()
+
+    def _new_cache(self, spec: KVSpec) -> KVCache:
+        return KVCache.for_model(self.lm.config, spec, self.ctx, device=self.lm.model.device, on_full=self.on_full)
+
+    @property
+    def prefill_chunk(self) -> int:
+        return max(1, min(512, self.ctx // 2))
+
+    def _sync(self, ids: list[int]) -> list[int]:
+        """Keep the cached prefix that `ids` shares; return the tokens still to prefill."""
+        common = 0
+        for a, b in zip(self.cached_ids, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # feed at least one token, so there are logits to sample
+        kept = self.cache.truncate(common) if common < len(self.cached_ids) else common
+        self.cached_ids = self.cached_ids[:kept]
+        return ids[kept:]
+
+    def send(self, text: str) -> Iterator[str]:
+        """Add a user turn and stream the reply's text; the reply joins the history."""
+        self.messages.append({"role": "user", "content": text})
+        ids = encode_chat(self.lm.tokenizer, self.messages, add_generation_prompt=True)
+        new = self._sync(ids)
+        self.last = TurnStats(reused_tokens=len(ids) - len(new), prefilled_tokens=len(new))
+        stream = StreamDecoder(self.lm.tokenizer)
+        fed = self.cached_ids + new  # grows with every sampled token; the cache's position says how many were fed
+        reply: list[int] = []
+        try:
+            with sigint_as_flag() as interrupted:
+                for token, stats in generate(self.lm.model, new, self.cache, self.max_tokens, self.params, self.stops,
+                                             self.generator, self.prefill_chunk, history=self.cached_ids):
+                    self.last.generation = stats
+                    fed.append(token)
+                    if token in self.stops:
+                        break
+                    reply.append(token)
+                    yield stream.push(token)
+                    if interrupted.is_set():
+                        self.last.interrupted = True
+                        break
+        finally:
+            self.cached_ids = fed[: self.cache.position]
+            self.messages.append({"role": "assistant", "content": self.lm.tokenizer.decode(reply)})
+        tail = stream.flush()
+        if tail:
+            yield tail
+
+    def reset(self) -> None:
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+        self.cache.reset()
+        self.cached_ids = []
+
+    def set_system(self, text: str) -> None:
+        self.messages = [{"role": "system", "content": text}] + [m for m in self.messages if m["role"] != "system"]
+
+    def switch_kv(self, spec: KVSpec) -> None:
+        """Rebuild the cache in a new scheme by prefilling the conversation's tokens into it."""
+        old_ids = self.cached_ids
+        self.cache = self._new_cache(spec)
+        self.cached_ids = []
+        if old_ids:
+            from minillama.generate import prefill
+
+            prefill(self.lm.model, old_ids, self.cache, self.prefill_chunk)
+            self.cached_ids = old_ids
+
+    def save(self, path: str) -> None:
+        data = {"model": self.lm.name, "kv": str(self.cache.spec), "messages": self.messages}
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, target)  # atomic: the old file or the new one, never half of it
+
+    def load(self, path: str) -> None:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            messages = data["messages"]
+            assert all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages)
+        except OSError as e:
+            raise UserError(f"cannot read {path}: {e.strerror}") from None
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise UserError(f"{path} is not a minillama conversation (JSON with a messages list)") from None
+        self.messages = messages
+        self.cache.reset()
+        self.cached_ids = []
+
+    def stats(self) -> str:
+        c = self.cache
+        live = c.live_bytes()
+        g = self.last.generation
+        lines = [
+            f"kv {c.spec}: {c.held} tokens in cache (capacity {c.capacity}), {c.evicted} evicted, next position {c.position}",
+            "live bytes: " + ", ".join(f"{k} {v:,}" for k, v in live.items()) + f"; total {sum(live.values()):,}",
+            f"allocated bytes: {c.allocated_bytes():,}; effective bits/element {c.bits_per_element():.2f}",
+            f"last step: {c.bytes.last_read:,} bytes read, {c.bytes.last_written:,} bytes written",
+            f"last turn: reused {self.last.reused_tokens} cached tokens, prefilled {self.last.prefilled_tokens} new",
+        ]
+        if g:
+            lines.append(f"last turn speed: prefill {g.prefill_tokens_per_s:.1f} tok/s, decode {g.decode_tokens_per_s:.1f} tok/s "
+                         f"({g.generated_tokens} tokens)")
+        return "\n".join(lines)
+
+
+HELP = """Commands:
+  /help            this help
+  /stats           what the cache holds and costs, and the last turn's speed
+  /kv SPEC         switch the KV scheme (rebuilds the cache), e.g. /kv hadv2
+  /system TEXT     set the system prompt
+  /reset           forget the conversation (keeps the system prompt)
+  /save FILE       save the conversation as JSON
+  /load FILE       load a conversation saved with /save
+  /exit            quit (Ctrl-D works too)
+End a line with \\ to continue your message on the next line. Ctrl-C stops a reply."""
+
+
+def handle_command(session: ChatSession, line: str, out) -> bool:
+    """Run a /command; returns False when the REPL should exit."""
+    cmd, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    try:
+        if cmd in ("/exit", "/quit"):
+            return False
+        if cmd == "/help":
+            out(HELP)
+        elif cmd == "/stats":
+            out(session.stats())
+        elif cmd == "/kv" and arg:
+            session.switch_kv(parse_kv(arg))
+            out(f"kv {session.cache.spec}: {session.cache.held} tokens, {sum(session.cache.live_bytes().values()):,} bytes live, "
+                f"{session.cache.allocated_bytes():,} allocated")
+        elif cmd == "/system" and arg:
+            session.set_system(arg)
+            out("system prompt set")
+        elif cmd == "/reset":
+            session.reset()
+            out("conversation and cache cleared")
+        elif cmd == "/save" and arg:
+            session.save(arg)
+            out(f"saved {len(session.messages)} messages to {arg}")
+        elif cmd == "/load" and arg:
+            session.load(arg)
+            out(f"loaded {len(session.messages)} messages from {arg}")
+        else:
+            out(f"unknown or incomplete command {line.strip()!r}: type /help")
+    except UserError as e:
+        out(f"error: {e}")
+    return True
+
+
+def read_message(prompt: str) -> str:
+    """One user message from the terminal; a trailing backslash continues it on the next line."""
+    lines = []
+    while True:
+        line = input(prompt if not lines else "... ")
+        if line.endswith("\\"):
+            lines.append(line[:-1])
+            continue
+        lines.append(line)
+        return "\n".join(lines)
+
+
+def repl(session: ChatSession, interactive: bool, echo, echo_err) -> None:
+    """The read-eval-print loop. Non-interactive: one stdin line per turn, replies only on stdout."""
+    import sys
+
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+
+            history = Path.home() / ".minillama_history"
+            if history.exists():
+                readline.read_history_file(history)
+        except (ImportError, OSError):
+            history = None
+        echo_err(f"minillama chat: {session.lm.name}, kv {session.cache.spec}, ctx {session.ctx}. /help for commands.")
+    info = echo if interactive else echo_err
+    lines = iter(sys.stdin.readline, "") if not interactive else None
+    while True:
+        try:
+            if interactive:
+                text = read_message(">>> ")
+            else:
+                text = next(lines, None)
+                if text is None:
+                    break
+                text = text.rstrip("\n")
+        except KeyboardInterrupt:
+            echo("")  # Ctrl-C at the prompt clears the line
+            continue
+        except EOFError:
+            echo("")
+            break
+        if not text.strip():
+            continue
+        if text.startswith("/"):
+            if not handle_command(session, text, info):
+                break
+            continue
+        try:
+            for piece in session.send(text):
+                echo(piece, nl=False)
+            echo("")
+            if session.last.interrupted:
+                info("[reply stopped]")
+            echo_err(session.last.line())
+        except UserError as e:
+            echo("")
+            echo_err(f"error: {e}")
+    if interactive and history is not None:
+        try:
+            import readline
+
+            readline.write_history_file(history)
+        except OSError:
+            pass
