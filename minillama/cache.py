@@ -99,19 +99,21 @@ class TensorStore:
             written += self.residual.push(x)
         return written, read
 
+    def live_read_bytes(self) -> int:
+        """Bytes a full read of the held tokens touches (sinks, body parts, residual)."""
+        return self.sinks.live_bytes + sum(r.live_bytes for r in self.body.values()) + self.residual.live_bytes
+
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         """All held vectors in age order, (B, H, held, D) in storage space; and bytes read."""
-        pieces, nbytes = [], 0
+        pieces = []
         if self.sinks.count:
             pieces.append(self.sinks.read())
-            nbytes += self.sinks.live_bytes
         if self.n_body:
             parts = {name: ring.read() for name, ring in self.body.items()}
-            nbytes += sum(ring.live_bytes for ring in self.body.values())
             pieces.append(parts["values"] if "values" in parts else self.codec.decode(parts, self.group, self.head_dim))
         if self.residual.count:
             pieces.append(self.residual.read())
-            nbytes += self.residual.live_bytes
+        nbytes = self.live_read_bytes()
         if len(pieces) == 1:
             return pieces[0].to(dtype), nbytes
         if not pieces:
@@ -161,7 +163,7 @@ class KVCache:
     """
 
     def __init__(self, spec: KVSpec, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 batch: int = 1, device: torch.device | str = "cpu", on_full: str = "evict"):
+                 batch: int = 1, device: torch.device | str = "cpu", on_full: str = "evict", fused: bool = True):
         spec.validate(head_dim)
         if capacity - spec.sinks - spec.residual < spec.unit:
             raise UserError(
@@ -171,6 +173,7 @@ class KVCache:
         if on_full not in ("evict", "stop"):
             raise UserError(f"on_full must be 'evict' or 'stop', not {on_full!r}")
         self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
+        self.fused = fused and torch.device(device).type == "cpu"  # decode through the C++ kernel when it builds
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.layers = [
             (TensorStore(spec.k, spec, capacity, batch, n_kv_heads, head_dim, device),
@@ -183,9 +186,10 @@ class KVCache:
         self._pending_read = 0
 
     @classmethod
-    def for_model(cls, cfg, spec: KVSpec, capacity: int | None = None, batch: int = 1, device="cpu", on_full="evict") -> "KVCache":
+    def for_model(cls, cfg, spec: KVSpec, capacity: int | None = None, batch: int = 1, device="cpu", on_full="evict",
+                  fused: bool = True) -> "KVCache":
         return cls(spec, cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim,
-                   capacity or cfg.max_position_embeddings, batch, device, on_full)
+                   capacity or cfg.max_position_embeddings, batch, device, on_full, fused)
 
     @property
     def held(self) -> int:
@@ -196,8 +200,12 @@ class KVCache:
         k_store, v_store = self.layers[layer]
         k, nk = k_store.read(dtype)
         v, nv = v_store.read(dtype)
-        self._pending_read += nk + nv
+        self.count_read(nk + nv)
         return k, v
+
+    def count_read(self, nbytes: int) -> None:
+        """Bytes read from the cache during the current step (reported at the next append)."""
+        self._pending_read += nbytes
 
     def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full."""

@@ -15,6 +15,8 @@ from torch import nn
 from minillama.attention import attend
 from minillama.cache import KVCache
 from minillama.config import LlamaConfig
+from minillama.fused_attention import available as fused_available
+from minillama.fused_attention import fused_decode_attention
 from minillama.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -49,6 +51,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             out = attend(q, k, v, None, None, None)
+        elif t == 1 and cache.held and fused_available(cache):
+            out = fused_decode_attention(q, k, v, cache, layer)  # reads packed codes in place
         else:
             past = cache.read(layer, x.dtype)  # read the past before this step writes anything
             out = attend(q, k, v, past, cache.spec.k, cache.spec.v)

@@ -1,0 +1,81 @@
+"""The fused decode attention (C++ kernel on packed codes) equals the reference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minillama import kernels
+from minillama.attention import attend
+from minillama.budget import fill_synthetic
+from minillama.cache import KVCache
+from minillama.codecs import CODECS, PRESETS, parse_kv
+from minillama.fused_attention import fused_decode_attention
+
+needs_kernel = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler: the reference path is used")
+
+SPECS = list(PRESETS) + [f"k={c},v={c},group=16,residual=5" for c in CODECS] + [
+    "k=int4c,v=int2h,group=32,residual=32,sinks=4", "k=int3h,v=ternh,group=32,residual=0,sinks=2"]
+
+
+def compare(spec: str, batch: int, tokens: int, capacity: int = 512, chunk: int = 7):
+    cache = KVCache(parse_kv(spec), n_layers=1, n_kv_heads=2, head_dim=64, capacity=capacity, batch=batch)
+    fill_synthetic(cache, tokens, chunk=chunk)
+    g = torch.Generator().manual_seed(tokens)
+    q = torch.randn(batch, 6, 1, 64, generator=g)  # 3 query heads per KV head
+    k, v = torch.randn(batch, 2, 1, 64, generator=g), torch.randn(batch, 2, 1, 64, generator=g)
+    reference = attend(q, k, v, cache.read(0, torch.float32), cache.spec.k, cache.spec.v)
+    fused = fused_decode_attention(q, k, v, cache, 0)
+    return reference, fused, cache
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_equals_reference_for_every_codec(spec, batch):
+    for tokens in (1, 45, 77):  # not multiples of the group; 1 = only the residual or sinks
+        reference, fused, _ = compare(spec, batch, tokens)
+        assert torch.allclose(fused, reference, atol=2e-5, rtol=1e-4), (spec, tokens)
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", ["fp16", "kivi4", "hadv2", "k=int4c,v=int2h,group=8,residual=8,sinks=4", "ternary"])
+def test_fused_equals_reference_after_the_ring_wraps(spec):
+    reference, fused, cache = compare(spec, 2, 700, capacity=200, chunk=3)
+    assert cache.evicted > 0
+    assert torch.allclose(fused, reference, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
+def test_fused_counts_the_same_bytes_as_the_reference():
+    cache = KVCache(parse_kv("hadv2"), 1, 2, 64, 256)
+    fill_synthetic(cache, 100)
+    q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
+    cache.read(0, torch.float32)
+    by_reference = cache._pending_read
+    fused_decode_attention(q, k, v, cache, 0)
+    assert cache._pending_read == 2 * by_reference
+
+
+@needs_kernel
+def test_model_decode_with_fused_path_matches_reference_path(tiny):
+    t = torch.randint(0, 300, (2, 60), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for fused in (False, True):
+        cache = KVCache.for_model(tiny.config, parse_kv("k=int4c,v=int2h,residual=8,sinks=2"), 64, batch=2, fused=fused)
+        tiny.model(t[:, :20], cache)
+        outs.append(torch.cat([tiny.model(t[:, i : i + 1], cache) for i in range(20, 60)], dim=1))
+    assert torch.allclose(outs[0], outs[1], atol=1e-4)
+
+
+def test_reference_fallback_when_the_kernel_is_disabled(tiny, monkeypatch):
+    monkeypatch.setenv("MINILLAMA_KERNEL", "0")
+    kernels.load.cache_clear()
+    try:
+        assert kernels.load() is None
+        cache = KVCache.for_model(tiny.config, parse_kv("hadv2"), 64)
+        tiny.model(torch.tensor([[1, 2, 3]]), cache)
+        assert torch.isfinite(tiny.model(torch.tensor([[4]]), cache)).all()
+    finally:
+        monkeypatch.delenv("MINILLAMA_KERNEL")
+        kernels.load.cache_clear()
