@@ -1,0 +1,165 @@
+"""Decode-speed benchmark: tokens/s, bytes read per token, and the share of memory bandwidth.
+
+For each KV scheme and context length: fill the cache to N tokens (a real prefill of
+the shared wikitext text, or ``synthetic`` K/V written straight into the cache: unit
+Gaussians with a few large key channels, the shape of real Llama keys), then time T
+decode steps after a warm-up and report the median. ``roofline_pct`` compares bytes
+read per token (weights + cache, from the cache's own counters) over the step time
+with a read bandwidth measured at start. ``peak_rss_mb`` is the process's peak
+resident memory during that row (the kernel's high-water mark, reset per row).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from minillama.budget import fill_synthetic
+from minillama.cache import KVCache
+from minillama.codecs import KVSpec
+from minillama.generate import decode_step, prefill
+from minillama.loader import LoadedModel
+
+WARMUP = 3
+
+
+@dataclass
+class BenchRow:
+    kv: str
+    context: int
+    decode_ms_per_token: float
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float | None
+    cache_bytes: int
+    bytes_read_per_token: int
+    roofline_pct: float
+    peak_rss_mb: float
+    model: str
+    dtype: str
+    fill: str
+    fused: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def return_freed_memory_to_the_os() -> None:
+    """Large allocations via mmap (fixed threshold), so RSS falls when a cache is freed
+    and each row's peak RSS is its own."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux)
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure_bandwidth(mb: int = 512, repeats: int = 7) -> float:
+    """Memory read bandwidth in bytes/s: the median time to sum a large float32 tensor."""
+    x = torch.ones(mb * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Weight bytes one decode step reads: every matrix once; from the embedding only one
+    row, unless the LM head is tied to it (then the whole table, once)."""
+    unique = {p.data_ptr(): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in unique.values())
+    emb = model.model.embed_tokens.weight
+    if model.lm_head.weight.data_ptr() != emb.data_ptr():
+        total -= emb.numel() * emb.element_size() - emb.shape[1] * emb.element_size()
+    return total
+
+
+def bench_row(lm: LoadedModel, spec: KVSpec, context: int, decode_tokens: int, fill: str, ids: list[int],
+              bandwidth: float, dtype: str, fused: bool = True) -> BenchRow:
+    reset_peak_rss()
+    cache = KVCache.for_model(lm.config, spec, context + decode_tokens + WARMUP + 1, fused=fused)
+    prefill_tps = None
+    if fill == "prefill":
+        t0 = time.perf_counter()
+        logits = prefill(lm.model, ids[:context], cache)
+        prefill_tps = context / (time.perf_counter() - t0)
+    else:
+        fill_synthetic(cache, context)
+        logits = decode_step(lm.model, ids[0], cache)
+    token = int(logits.argmax())
+    times = []
+    for i in range(WARMUP + decode_tokens):
+        t0 = time.perf_counter()
+        logits = decode_step(lm.model, token, cache)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+        token = int(logits.argmax())
+    step = statistics.median(times)
+    read = weight_bytes_per_token(lm.model) + cache.bytes.last_read
+    return BenchRow(
+        kv=str(spec), context=context, decode_ms_per_token=1000 * step, decode_tokens_per_s=1 / step,
+        prefill_tokens_per_s=prefill_tps, cache_bytes=sum(cache.live_bytes().values()), bytes_read_per_token=read,
+        roofline_pct=100 * read / step / bandwidth, peak_rss_mb=peak_rss_mb(), model=lm.name, dtype=dtype, fill=fill,
+        fused=fused and cache.fused)
+
+
+def format_table(rows: list[BenchRow], bandwidth: float) -> str:
+    lines = [f"decode benchmark: {rows[0].model}, weights {rows[0].dtype}, fill {rows[0].fill}; "
+             f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s",
+             f"{'kv':<14}{'context':>8}{'ms/tok':>9}{'tok/s':>8}{'prefill/s':>10}{'cache MB':>10}{'read MB/tok':>12}"
+             f"{'roofline':>9}{'peak RSS':>10}"]
+    for r in rows:
+        pre = f"{r.prefill_tokens_per_s:.0f}" if r.prefill_tokens_per_s else "-"
+        lines.append(f"{r.kv:<14}{r.context:>8}{r.decode_ms_per_token:>9.2f}{r.decode_tokens_per_s:>8.1f}{pre:>10}"
+                     f"{r.cache_bytes / 1e6:>10.1f}{r.bytes_read_per_token / 1e6:>12.1f}{r.roofline_pct:>8.0f}%"
+                     f"{r.peak_rss_mb:>9.0f}M")
+    return "\n".join(lines)
+
+
+def plot(rows: list[BenchRow], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from minillama.errors import UserError
+
+        raise UserError("--plot needs matplotlib: pip install 'minillama[bench]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kv in dict.fromkeys(r.kv for r in rows):
+        pts = sorted((r.context, r.decode_ms_per_token) for r in rows if r.kv == kv)
+        ax.plot(*zip(*pts), marker="o", label=kv)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode ms / token")
+    ax.set_title(f"minillama decode latency, {rows[0].model} ({rows[0].dtype} weights)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
