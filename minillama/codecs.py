@@ -21,9 +21,11 @@ from minillama.errors import UserError
 from minillama.quantize import (
     check_finite,
     dequantize_affine,
+    dequantize_codebook,
     dequantize_ternary,
     hadamard_rotate,
     quantize_affine,
+    quantize_codebook,
     quantize_ternary,
 )
 
@@ -41,7 +43,7 @@ class PartSpec:
 @dataclass(frozen=True)
 class Codec:
     name: str
-    kind: str  # "float" | "token" | "channel" | "ternary"
+    kind: str  # "float" | "token" | "channel" | "ternary" | "codebook"
     bits: int
     rotate: bool = False
     about: str = ""
@@ -66,13 +68,15 @@ class Codec:
             return f"{self.bits}"
         if self.kind == "ternary":
             return "8/5 + 16/G  (5 trits per byte, fp16 scale per G channels)"
+        if self.kind == "codebook":
+            return f"{self.bits} + 16/G  (Gaussian Lloyd-Max levels, fp16 RMS scale per G channels)"
         where = "G tokens, per channel" if self.kind == "channel" else "G channels"
         return f"{self.bits} + 32/G  (fp16 scale + zero per {where})"
 
     def validate(self, head_dim: int, group: int) -> None:
         if self.rotate and head_dim & (head_dim - 1):
             raise UserError(f"codec {self.name} needs a power-of-two head_dim for the Hadamard rotation, got {head_dim}")
-        if self.kind in ("token", "ternary") and head_dim % group:
+        if self.kind in ("token", "ternary", "codebook") and head_dim % group:
             raise UserError(f"group={group} does not divide head_dim={head_dim}: pick a divisor of {head_dim}")
         if self.quantized:
             try:
@@ -84,7 +88,7 @@ class Codec:
         if self.kind == "float":
             return [PartSpec("values", self.float_dtype, head_dim, 1)]
         codes = PartSpec("codes", torch.uint8, packing.packed_width(head_dim, self.packing()), 1)
-        if self.kind == "ternary":
+        if self.kind in ("ternary", "codebook"):
             return [codes, PartSpec("scale", torch.float16, head_dim // group, 1)]
         if self.kind == "channel":
             return [codes, PartSpec("scale", torch.float16, head_dim, group), PartSpec("zero", torch.float16, head_dim, group)]
@@ -107,6 +111,9 @@ class Codec:
         if self.kind == "ternary":
             codes, scale = quantize_ternary(x, group)
             return {"codes": packing.pack(codes, bits), "scale": scale}
+        if self.kind == "codebook":
+            codes, scale = quantize_codebook(x, self.bits, group)
+            return {"codes": packing.pack(codes, bits), "scale": scale}
         codes, scale, zero = quantize_affine(x, self.bits, group, "channel" if self.kind == "channel" else "token")
         return {"codes": packing.pack(codes, bits), "scale": scale, "zero": zero}
 
@@ -117,6 +124,8 @@ class Codec:
         codes = packing.unpack(parts["codes"], self.packing(), head_dim)  # (B, H, T, D)
         if self.kind == "ternary":
             return dequantize_ternary(codes, parts["scale"], group)
+        if self.kind == "codebook":
+            return dequantize_codebook(codes, parts["scale"], self.bits, group)
         axis = "channel" if self.kind == "channel" else "token"
         return dequantize_affine(codes, parts["scale"], parts["zero"], group, axis)
 
@@ -139,6 +148,9 @@ CODECS: dict[str, Codec] = {
         Codec("int2h", "token", 2, rotate=True, about="Hadamard-rotated, then per-token groups"),
         Codec("tern", "ternary", 2, about="ternary {-1,0,+1} x fp16 scale per G channels"),
         Codec("ternh", "ternary", 2, rotate=True, about="Hadamard-rotated ternary"),
+        Codec("lm4h", "codebook", 4, rotate=True, about="Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)"),
+        Codec("lm3h", "codebook", 3, rotate=True, about="Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)"),
+        Codec("lm2h", "codebook", 2, rotate=True, about="Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)"),
     ]
 }
 

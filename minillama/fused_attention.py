@@ -16,6 +16,7 @@ import torch
 
 from minillama.cache import KVCache, TensorStore
 from minillama.kernels import load
+from minillama.quantize import gaussian_codebook
 
 FLOAT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -48,8 +49,9 @@ def _body_call(kind: str, store: TensorStore, x: torch.Tensor, out: torch.Tensor
         getattr(lib, f"{kind}_channel")(_ptr(x), _ptr(codes.buf), _ptr(scale.buf), _ptr(zero), b, h, r, d, _bits(store),
                                         store.group, codes.slots, codes.start, scale.slots, scale.start, n, _ptr(out))
     else:
-        getattr(lib, f"{kind}_token")(_ptr(x), _ptr(codes.buf), _ptr(scale.buf), _ptr(zero), b, h, r, d, _bits(store),
-                                      store.group, codes.slots, codes.start, n, _ptr(out))
+        levels = gaussian_codebook(codec.bits) if codec.kind == "codebook" else None  # (2**bits,) float32
+        getattr(lib, f"{kind}_token")(_ptr(x), _ptr(codes.buf), _ptr(scale.buf), _ptr(zero), _ptr(levels), b, h, r, d,
+                                      _bits(store), store.group, codes.slots, codes.start, n, _ptr(out))
 
 
 def _pieces(store: TensorStore) -> list[tuple[str, int]]:

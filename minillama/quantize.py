@@ -17,6 +17,13 @@ t = 0.7 * mean|x| over the group, code = sign(x) where |x| > t else 0, and a sym
 fp16 scale = mean|x| over the kept entries, which minimises the squared error for that
 support. Effective bits: 8/5 (five trits per byte) + 16 / G.
 
+Codebook (Lloyd-Max) quantization, as in TurboQuant (Zandieh et al. 2025): after a
+Hadamard rotation the coordinates of a vector are close to Gaussian, so instead of a
+uniform grid we use the 2**b-level Lloyd-Max quantizer of N(0, 1) (the levels that
+minimise the expected squared error of a standard Gaussian), scaled per group by the
+group's RMS (fp16). Nothing is fitted to text: the codebook is a property of the Gaussian.
+Effective bits: b + 16 / G.
+
 The Hadamard rotation (QuaRot, Ashkboos et al. 2024) spreads outliers across channels
 before quantization: H is the normalized Walsh-Hadamard matrix, orthonormal and
 symmetric, so H @ H = I and (x H)(y H)^T = x y^T.
@@ -94,6 +101,38 @@ def quantize_ternary(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
 
 def dequantize_ternary(codes: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     cg = _grouped(codes, group, "token").float() - 1.0  # (..., T, D/G, G)
+    return (cg * scale.float().unsqueeze(-1)).reshape(codes.shape)
+
+
+@functools.lru_cache(maxsize=8)
+def gaussian_codebook(bits: int) -> torch.Tensor:
+    """Lloyd-Max levels for N(0, 1) with 2**bits levels, ascending, float32."""
+    normal = torch.distributions.Normal(0.0, 1.0)
+    n = 2**bits
+    levels = torch.linspace(-2.5, 2.5, n, dtype=torch.float64)
+    for _ in range(500):  # Lloyd's iteration: boundaries at midpoints, levels at conditional means
+        edges = torch.cat([torch.tensor([-torch.inf]), (levels[1:] + levels[:-1]) / 2, torch.tensor([torch.inf])])
+        pdf = torch.exp(normal.log_prob(edges.clamp(-40, 40))).double()
+        mass = normal.cdf(edges[1:]) - normal.cdf(edges[:-1])
+        levels = (pdf[:-1] - pdf[1:]) / mass
+    return levels.float()
+
+
+def quantize_codebook(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., T, D) -> codes (..., T, D) uint8 (index of the nearest level), scale (..., T, D/G) fp16 (RMS)."""
+    check_finite(x)
+    xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
+    scale = xg.pow(2).mean(dim=-1, keepdim=True).sqrt().to(torch.float16)
+    s = scale.float()
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    levels = gaussian_codebook(bits)
+    codes = torch.bucketize(xg / s, (levels[1:] + levels[:-1]) / 2).to(torch.uint8)  # nearest level
+    return codes.reshape(x.shape), scale.squeeze(-1)
+
+
+def dequantize_codebook(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    levels = gaussian_codebook(bits)
+    cg = levels[_grouped(codes, group, "token").long()]  # (..., T, D/G, G)
     return (cg * scale.float().unsqueeze(-1)).reshape(codes.shape)
 
 

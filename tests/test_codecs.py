@@ -63,7 +63,9 @@ def gaussian(outliers=False):
 # ~ range/(2^b - 1) with range ~ 4.1 sigma, and the error variance step^2/12. These bounds
 # are that estimate with ~50% headroom; ternary's TWN rule gives ~0.27 on Gaussians.
 BOUNDS = {"int8": 2e-4, "int4": 0.02, "int3": 0.08, "int2": 0.35, "int8c": 2e-4, "int4c": 0.02, "int2c": 0.35,
-          "int4h": 0.02, "int3h": 0.08, "int2h": 0.35, "tern": 0.4, "ternh": 0.4}
+          "int4h": 0.02, "int3h": 0.08, "int2h": 0.35, "tern": 0.4, "ternh": 0.4,
+          # Lloyd-Max on N(0,1): 0.0095 (4 bits), 0.0345 (3), 0.1175 (2), plus RMS-estimate noise.
+          "lm4h": 0.015, "lm3h": 0.05, "lm2h": 0.16}
 
 
 @pytest.mark.parametrize("name", BOUNDS)
@@ -76,6 +78,21 @@ def test_quantization_error_is_bounded_on_gaussian_data(name):
 def test_rotation_lowers_error_on_outlier_channels(plain, rotated):
     x = gaussian(outliers=True)
     assert relative_mse(x, roundtrip(rotated, x)) < relative_mse(x, roundtrip(plain, x))
+
+
+def test_gaussian_codebook_is_the_lloyd_max_quantizer():
+    from minillama.quantize import gaussian_codebook
+
+    assert torch.allclose(gaussian_codebook(1), torch.tensor([-0.7979, 0.7979]), atol=1e-4)  # ±sqrt(2/pi)
+    assert torch.allclose(gaussian_codebook(2), torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104]), atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_codebook_beats_uniform_grid_on_rotated_gaussian_data(bits):
+    # Same group (one scale per 64 channels; the codebook stores no zero point). On
+    # Gaussian coordinates, the codebook's design case, it has the lower error.
+    x = gaussian()
+    assert relative_mse(x, roundtrip(f"lm{bits}h", x, 64)) < relative_mse(x, roundtrip(f"int{bits}h", x, 64))
 
 
 def test_per_channel_beats_per_token_on_outlier_channels():

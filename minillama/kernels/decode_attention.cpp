@@ -8,7 +8,8 @@
 //   values, per-token groups:         o_d = sum_t (p_t s_tg) c_td + sum_t p_t z_tg
 //       -> the scale is folded into the attention weight;
 //   values, per-channel groups:       o_d = sum_g s_gd (sum_{t in g} p_t c_td) + z_gd sum_{t in g} p_t.
-// Ternary codes are {0,1,2} meaning {-1,0,+1} times a per-group scale (zero = 0).
+// Ternary codes are {0,1,2} meaning {-1,0,+1} times a per-group scale (zero = 0);
+// codebook codes index a table of levels (Lloyd-Max), times a per-group scale (zero = 0).
 // Hadamard rotations happen outside (on q and on the output), once per query.
 //
 // Layout: every buffer is (B, H, slots, width) contiguous, used as a ring: logical
@@ -105,8 +106,9 @@ void values_float(const float* p, const void* vals, int dtype, int B, int H, int
     }
 }
 
-// Keys quantized per token in groups of `group` channels (affine, or ternary when zero == nullptr).
-void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R,
+// Keys quantized per token in groups of `group` channels (affine; ternary or codebook when zero == nullptr).
+void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                  const float* codebook, int B, int H, int R,
                   int D, int bits, int group, int slots, int start, int n, float* scores) {
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
 #pragma omp parallel for schedule(static)
@@ -118,6 +120,8 @@ void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, c
         for (int i = 0; i < n; i++) {
             int64_t slot = (int64_t)bh * slots + (start + i) % slots;
             unpack_row(codes + slot * W, bits, D, c);
+            if (codebook)
+                for (int d = 0; d < D; d++) c[d] = codebook[(int)c[d]];
             for (int r = 0; r < R; r++) {
                 const float* qr = q + ((int64_t)bh * R + r) * D;
                 float acc = 0.f;
@@ -134,7 +138,8 @@ void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, c
 }
 
 // out = p . V for values quantized per token (affine, or ternary when zero == nullptr).
-void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R,
+void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                  const float* codebook, int B, int H, int R,
                   int D, int bits, int group, int slots, int start, int n, float* out) {
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
 #pragma omp parallel for schedule(static)
@@ -144,6 +149,8 @@ void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, c
         for (int i = 0; i < n; i++) {
             int64_t slot = (int64_t)bh * slots + (start + i) % slots;
             unpack_row(codes + slot * W, bits, D, c);
+            if (codebook)
+                for (int d = 0; d < D; d++) c[d] = codebook[(int)c[d]];
             for (int r = 0; r < R; r++) {
                 float pt = p[((int64_t)bh * R + r) * n + i];
                 float* a = &acc[(size_t)r * D];
