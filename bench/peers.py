@@ -1,0 +1,166 @@
+"""Peers measured on this machine beside minillama: transformers and llama.cpp.
+
+    python bench/peers.py --context 512 --context 8192 --json bench/results/peers.json
+
+For each peer: decode tokens/s at each context (cache filled by a chunked prefill of the
+shared wikitext-2 text, median of timed steps after a warm-up) and cached-path
+perplexity on the same text (N 896, P 128: prefill 128 tokens, then one token at a time).
+Peers are optional extras and are skipped with a note when missing:
+- transformers eager, DynamicCache, float32 and bfloat16;
+- transformers QuantizedCache with the quanto backend (int4 and int2, group 32, residual 32);
+- llama.cpp through llama-cpp-python on the very GGUF the default model comes from,
+  K/V f16, q8_0 and q4_0, flash attention on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
+WARMUP = 2
+
+
+def hf_cache(model, kind: str):
+    from transformers import DynamicCache, QuantizedCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    nbits = int(kind[-1])
+    return QuantizedCache("quanto", model.config, nbits=nbits, q_group_size=32, residual_length=32)
+
+
+@torch.inference_mode()
+def hf_rows(folder: Path, ids: list[int], contexts: list[int], decode_tokens: int) -> list[dict]:
+    from transformers import LlamaForCausalLM
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+        kinds = ["dynamic", "quanto4", "quanto2"] if dtype == torch.float32 else ["dynamic"]
+        for kind in kinds:
+            try:
+                hf_cache(model, kind)
+            except ImportError as e:
+                print(f"skipping transformers {kind}: {e}", file=sys.stderr)
+                continue
+            name = f"transformers-{kind}-{str(dtype).split('.')[-1]}"
+            row = {"peer": name, "ppl": hf_ppl(model, kind, ids), "kv_bits": {"dynamic": 32 if dtype == torch.float32 else 16,
+                                                                                "quanto4": 4, "quanto2": 2}[kind]}
+            for context in contexts:
+                row[f"decode_tokens_per_s_{context}"] = hf_decode(model, kind, ids, context, decode_tokens)
+            print(json.dumps(row), file=sys.stderr)
+            rows.append(row)
+    return rows
+
+
+def hf_fill(model, kind, ids, n, chunk=256):
+    cache = hf_cache(model, kind)
+    out = None
+    for s in range(0, n, chunk):
+        out = model(torch.tensor([ids[s : min(n, s + chunk)]]), past_key_values=cache, use_cache=True)
+    return cache, out
+
+
+def hf_decode(model, kind, ids, context, steps) -> float:
+    cache, out = hf_fill(model, kind, ids, context)
+    token = out.logits[0, -1].argmax()
+    times = []
+    for i in range(WARMUP + steps):
+        t0 = time.perf_counter()
+        out = model(token.view(1, 1), past_key_values=cache, use_cache=True)
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+        token = out.logits[0, -1].argmax()
+    return 1 / statistics.median(times)
+
+
+def hf_ppl(model, kind, ids, n=896, p=128) -> float:
+    cache, out = hf_fill(model, kind, ids, p, chunk=p)
+    nll = []
+    for i in range(p, n):
+        nll.append(-torch.log_softmax(out.logits[0, -1].float(), -1)[ids[i]])
+        if i < n - 1:
+            out = model(torch.tensor([[ids[i]]]), past_key_values=cache, use_cache=True)
+    return math.exp(float(torch.stack(nll).mean()))
+
+
+def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_tokens: int) -> list[dict]:
+    try:
+        import llama_cpp
+    except ImportError:
+        print("skipping llama.cpp: pip install llama-cpp-python to include it", file=sys.stderr)
+        return []
+    types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+    bits = {"f16": 16, "q8_0": 8.5, "q4_0": 4.5}
+    rows = []
+    for name, t in types.items():
+        row = {"peer": f"llama.cpp-{name}", "kv_bits": bits[name]}
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(contexts) + 64, n_batch=512, flash_attn=True,
+                              type_k=t, type_v=t, logits_all=False, verbose=False, n_threads=2)
+        row["ppl"] = llama_cpp_ppl(llm, ids)
+        for context in contexts:
+            llm.reset()
+            llm.eval(ids[:context])
+            token = int(llm.scores[llm.n_tokens - 1].argmax())
+            times = []
+            for i in range(WARMUP + decode_tokens):
+                t0 = time.perf_counter()
+                llm.eval([token])
+                if i >= WARMUP:
+                    times.append(time.perf_counter() - t0)
+                token = int(llm.scores[llm.n_tokens - 1].argmax())
+            row[f"decode_tokens_per_s_{context}"] = 1 / statistics.median(times)
+        print(json.dumps(row), file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
+def llama_cpp_ppl(llm, ids, n=896, p=128) -> float:
+    import numpy as np
+
+    llm.reset()
+    llm.eval(ids[:p])
+    nll = []
+    for i in range(p, n):
+        logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+        nll.append(np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[ids[i]])
+        if i < n - 1:
+            llm.eval([ids[i]])
+    return math.exp(float(np.mean(nll)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, action="append", default=None)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument("--skip", action="append", default=[], choices=["transformers", "llama.cpp"])
+    args = ap.parse_args()
+    contexts = args.context or [512, 8192]
+    from minillama.fetch import fetch_default, find_gguf
+    from minillama.tokenizer import load_tokenizer
+
+    folder = fetch_default()
+    ids = load_tokenizer(folder).encode(WIKITEXT.read_text(encoding="utf-8"))
+    rows = []
+    if "transformers" not in args.skip:
+        rows += hf_rows(folder, ids, contexts, args.decode_tokens)
+    if "llama.cpp" not in args.skip:
+        rows += llama_cpp_rows(find_gguf(install=False), ids, contexts, args.decode_tokens)
+    text = json.dumps(rows, indent=2)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
