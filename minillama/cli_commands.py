@@ -61,7 +61,12 @@ def read_text_file(path: str) -> str:
 @click.option("--no-blind", is_flag=True, help="Skip the blind (no-cache) pass.")
 @click.option("--chunk", default=1, show_default=True, type=click.IntRange(1),
               help="Decode K tokens per step (faster, an approximation).")
-def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs, dtype, as_json, no_blind, chunk):
+@click.option("--frontier", is_flag=True, help="Evaluate every preset (the bits-vs-quality frontier).")
+@click.option("--plot", "plot_path", default=None, help="With --frontier: write ppl vs bits/element as a PNG.")
+@click.option("--peers", "peers_file", default="bench/results/peers.json", show_default=True,
+              help="Peer points for the plot (from bench/peers.py).")
+def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs, dtype, as_json, no_blind, chunk,
+        frontier, plot_path, peers_file):
     """Cached-path perplexity of KV schemes, with the blind (no-cache) number beside it.
 
     \b
@@ -69,6 +74,7 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
       minillama ppl --text ../shared/data/wikitext-2-raw-test.txt --windows 4
       minillama ppl --text book.txt --kv fp16 --kv int8 --kv kivi4 --kv hadv2 --json
       minillama ppl --dataset wikitext2 --tokens 2048 --prefill 256
+      minillama ppl --text ../shared/data/wikitext-2-raw-test.txt --windows 4 --frontier --plot frontier.png
     """
     import json
     import sys
@@ -78,7 +84,14 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     from minillama.errors import UserError
     from minillama.perplexity import evaluate, format_table
 
-    specs = [parse_kv(s) for s in (kvs or ("fp16", "kivi4", "hadv2"))]
+    from minillama.codecs import PRESETS
+
+    if plot_path and not frontier:
+        raise UserError("--plot draws the frontier: add --frontier")
+    names = list(PRESETS) if frontier else list(kvs or ("fp16", "kivi4", "hadv2"))
+    if frontier and "fp16" in names:
+        names.insert(0, names.pop(names.index("fp16")))  # the baseline row first
+    specs = [parse_kv(s) for s in names]
     if text_file and dataset:
         raise UserError("give either --text or --dataset, not both")
     if prefill < 1 or prefill >= n:
@@ -101,6 +114,12 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     finally:
         for bar in bars:
             bar.__exit__(None, None, None)
+    if plot_path:
+        from pathlib import Path
+
+        from minillama.frontier import load_peers, plot
+
+        plot(results, plot_path, load_peers(Path(peers_file)))
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:

@@ -127,3 +127,22 @@ def test_fp32_cached_path_matches_transformers_dynamic_cache(smollm, wikitext):
                 out = hf(seq[:, i : i + 1], past_key_values=out.past_key_values, use_cache=True)
     theirs = math.exp(float(torch.stack(nll).mean()))
     assert ours.ppl == pytest.approx(theirs, rel=5e-4)
+
+
+def test_frontier_evaluates_every_preset_with_fp16_first(tiny_dir, tmp_path):
+    from minillama.codecs import PRESETS
+
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "64",
+                                      "--prefill", "16", "--frontier", "--json", "--no-blind"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert rows[0]["kv"] == "fp16" and sorted(r["kv"] for r in rows) == sorted(PRESETS)
+
+
+def test_frontier_plot_is_written(tiny_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "frontier.png"
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "48",
+                                      "--prefill", "16", "--frontier", "--plot", str(png), "--no-blind"])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:4] == b"\x89PNG"
