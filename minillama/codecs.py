@@ -192,6 +192,13 @@ PRESETS: dict[str, str] = {
     "kivi2": "k=int2c,v=int2,group=32,residual=32",
     "hadv2": "k=int4c,v=int2h,group=32,residual=32",
     "ternary": "k=int4c,v=tern,group=32,residual=32",
+    # Frontier presets (see the README's ablation): exact attention sinks, rotated keys,
+    # 3-bit rotated values, Lloyd-Max codebooks.
+    "kivi4s": "k=int4c,v=int4,group=32,residual=32,sinks=4",
+    "hadv2s": "k=int4c,v=int2h,group=32,residual=32,sinks=4",
+    "k4v3h": "k=int4h,v=int3h,group=64,residual=32,sinks=4",
+    "k4v3lm": "k=int4h,v=lm3h,group=64,residual=32,sinks=4",
+    "k3v2lm": "k=lm3h,v=lm2h,group=64,residual=8,sinks=4",
 }
 
 PRESET_NOTES: dict[str, str] = {
@@ -199,6 +206,11 @@ PRESET_NOTES: dict[str, str] = {
     "kivi4": "KIVI: per-channel int4 keys, per-token int4 values",
     "kivi2": "KIVI: per-channel int2 keys, per-token int2 values",
     "ternary": "KIVI int4 keys + ternary values",
+    "kivi4s": "kivi4 + the first 4 tokens kept exact (attention sinks)",
+    "hadv2s": "hadv2 + the first 4 tokens kept exact (attention sinks)",
+    "k4v3h": "Hadamard int4 keys, Hadamard int3 values, group 64, 4 sinks",
+    "k4v3lm": "Hadamard int4 keys, Hadamard Lloyd-Max 3-bit values, group 64, 4 sinks",
+    "k3v2lm": "Hadamard Lloyd-Max 3-bit keys and 2-bit values, group 64, residual 8, 4 sinks",
 }
 
 _FIELD = re.compile(r"^(k|v|group|residual|sinks)=(.+)$")

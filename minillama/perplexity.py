@@ -110,13 +110,14 @@ def evaluate(lm: LoadedModel, ids: list[int], specs: list[KVSpec], n: int = 896,
     results: list[PplResult] = []
     blinds: list[float] = []
     for spec in specs:
-        cache = KVCache.for_model(lm.config, spec, seq.shape[1], batch=windows, device=lm.model.device)
+        capacity = max(seq.shape[1], spec.sinks + spec.residual + spec.unit)  # never evicts: the window fits
+        cache = KVCache.for_model(lm.config, spec, capacity, batch=windows, device=lm.model.device)
         on_step = progress(str(spec), (seq.shape[1] - first) * windows) if progress else None
         nll, decode_s = cached_nll(lm.model, seq, first, cache, chunk, on_step)
         ppl = math.exp(float(nll.mean()))
         ppl_blind = None
         if blind:
-            blind_cache = KVCache.for_model(lm.config, spec, seq.shape[1], batch=windows, device=lm.model.device)
+            blind_cache = KVCache.for_model(lm.config, spec, capacity, batch=windows, device=lm.model.device)
             ppl_blind = math.exp(float(blind_nll(lm.model, seq, first, blind_cache).mean()))
             blinds.append(ppl_blind)
         steps = seq.shape[1] - first
