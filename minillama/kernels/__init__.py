@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {

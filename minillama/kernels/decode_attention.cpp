@@ -19,31 +19,38 @@
 // The pure-PyTorch reference in attention.py is the specification these must match.
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 static inline float half_to_float(uint16_t h) {
-    return (float)(*reinterpret_cast<const _Float16*>(&h));
+    _Float16 f;
+    std::memcpy(&f, &h, 2);
+    return (float)f;
 }
 
-static inline float bf16_to_float(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
+// Byte -> codes lookup tables for 4- and 2-bit packing (one byte holds 2 or 4 codes):
+// a table load replaces the shifts and masks, which vectorize poorly.
+struct Tables {
+    float nib[256][2];
+    float crumb[256][4];
+    Tables() {
+        for (int b = 0; b < 256; b++) {
+            nib[b][0] = b & 15; nib[b][1] = b >> 4;
+            for (int j = 0; j < 4; j++) crumb[b][j] = (b >> (2 * j)) & 3;
+        }
+    }
+};
+static const Tables tables;
 
 // Unpack one row of D codes (bits 8, 4, 3 or 2; 5 = trits) into floats.
 static inline void unpack_row(const uint8_t* row, int bits, int D, float* out) {
-    if (bits == 8) {
-        for (int d = 0; d < D; d++) out[d] = row[d];
-    } else if (bits == 4) {
-        for (int i = 0; i < D / 2; i++) { out[2 * i] = row[i] & 15; out[2 * i + 1] = row[i] >> 4; }
+    if (bits == 4) {
+        for (int i = 0; i < D / 2; i++) std::memcpy(out + 2 * i, tables.nib[row[i]], 2 * sizeof(float));
     } else if (bits == 2) {
-        for (int i = 0; i < D / 4; i++) {
-            uint8_t b = row[i];
-            out[4 * i] = b & 3; out[4 * i + 1] = (b >> 2) & 3; out[4 * i + 2] = (b >> 4) & 3; out[4 * i + 3] = b >> 6;
-        }
+        for (int i = 0; i < D / 4; i++) std::memcpy(out + 4 * i, tables.crumb[row[i]], 4 * sizeof(float));
+    } else if (bits == 8) {
+        for (int d = 0; d < D; d++) out[d] = row[d];
     } else if (bits == 3) {
         for (int i = 0; i < D / 8; i++) {
             uint32_t w = row[3 * i] | (row[3 * i + 1] << 8) | (row[3 * i + 2] << 16);
@@ -58,10 +65,37 @@ static inline void unpack_row(const uint8_t* row, int bits, int D, float* out) {
     }
 }
 
-static inline float load_float(const void* base, int64_t idx, int dtype) {  // dtype: 0 f32, 1 f16, 2 bf16
-    if (dtype == 0) return ((const float*)base)[idx];
-    uint16_t h = ((const uint16_t*)base)[idx];
-    return dtype == 1 ? half_to_float(h) : bf16_to_float(h);
+// One stored row of unquantized floats (dtype 0 f32, 1 f16, 2 bf16) into float32.
+static inline void load_row(const void* base, int64_t offset, int dtype, int D, float* out) {
+    if (dtype == 0) {
+        std::memcpy(out, (const float*)base + offset, D * sizeof(float));
+    } else if (dtype == 1) {
+        const _Float16* h = (const _Float16*)base + offset;
+        for (int d = 0; d < D; d++) out[d] = (float)h[d];
+    } else {
+        const uint16_t* b = (const uint16_t*)base + offset;
+        for (int d = 0; d < D; d++) {
+            uint32_t u = (uint32_t)b[d] << 16;
+            std::memcpy(out + d, &u, 4);
+        }
+    }
+}
+
+// Work is split over (batch x head) and blocks of BLOCK tokens, so that few KV heads still
+// keep every core busy; value kernels sum per-block partial outputs at the end.
+static const int BLOCK = 512;
+
+static inline int n_blocks(int n) { return (n + BLOCK - 1) / BLOCK; }
+
+// out[bh] = sum over blocks of part[bh][block]  (each R*D floats)
+static void reduce_blocks(const std::vector<float>& part, int BH, int nb, int RD, float* out) {
+#pragma omp parallel for schedule(static)
+    for (int bh = 0; bh < BH; bh++)
+        for (int x = 0; x < RD; x++) {
+            float acc = 0.f;
+            for (int b = 0; b < nb; b++) acc += part[((size_t)bh * nb + b) * RD + x];
+            out[(int64_t)bh * RD + x] = acc;
+        }
 }
 
 extern "C" {
@@ -71,11 +105,11 @@ void scores_float(const float* q, const void* keys, int dtype, int B, int H, int
                   float* scores) {
 #pragma omp parallel for collapse(2) schedule(static)
     for (int bh = 0; bh < B * H; bh++) {
-        for (int i = 0; i < n; i++) {
+        for (int blk = 0; blk < n_blocks(n); blk++)
+        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
             int64_t slot = (start + i) % slots;
-            int64_t base = ((int64_t)bh * slots + slot) * D;
             float k[512];
-            for (int d = 0; d < D; d++) k[d] = load_float(keys, base + d, dtype);
+            load_row(keys, ((int64_t)bh * slots + slot) * D, dtype, D, k);
             for (int r = 0; r < R; r++) {
                 const float* qr = q + ((int64_t)bh * R + r) * D;
                 float acc = 0.f;
@@ -89,21 +123,24 @@ void scores_float(const float* q, const void* keys, int dtype, int B, int H, int
 // out = p . V for unquantized values.
 void values_float(const float* p, const void* vals, int dtype, int B, int H, int R, int D, int slots, int start, int n,
                   float* out) {
-#pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < B * H; bh++) {
-        std::vector<float> acc((size_t)R * D, 0.f);
+    int nb = n_blocks(n);
+    std::vector<float> part((size_t)B * H * nb * R * D);
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int bh = 0; bh < B * H; bh++)
+    for (int blk = 0; blk < nb; blk++) {
+        float* acc = &part[((size_t)bh * nb + blk) * R * D];
+        std::fill(acc, acc + R * D, 0.f);
         float v[512];
-        for (int i = 0; i < n; i++) {
-            int64_t base = ((int64_t)bh * slots + (start + i) % slots) * D;
-            for (int d = 0; d < D; d++) v[d] = load_float(vals, base + d, dtype);
+        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
+            load_row(vals, ((int64_t)bh * slots + (start + i) % slots) * D, dtype, D, v);
             for (int r = 0; r < R; r++) {
                 float w = p[((int64_t)bh * R + r) * n + i];
                 float* a = &acc[(size_t)r * D];
                 for (int d = 0; d < D; d++) a[d] += w * v[d];
             }
         }
-        std::memcpy(out + (int64_t)bh * R * D, acc.data(), sizeof(float) * R * D);
     }
+    reduce_blocks(part, B * H, nb, R * D, out);
 }
 
 // Keys quantized per token in groups of `group` channels (affine; ternary or codebook when zero == nullptr).
@@ -111,13 +148,14 @@ void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, c
                   const float* codebook, int B, int H, int R,
                   int D, int bits, int group, int slots, int start, int n, float* scores) {
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
-#pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < B * H; bh++) {
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int bh = 0; bh < B * H; bh++)
+    for (int blk = 0; blk < n_blocks(n); blk++) {
         std::vector<float> qsum((size_t)R * G, 0.f);  // sum of q over each channel group (for the zeros)
         for (int r = 0; r < R; r++)
             for (int d = 0; d < D; d++) qsum[r * G + d / group] += q[((int64_t)bh * R + r) * D + d];
         float c[512];
-        for (int i = 0; i < n; i++) {
+        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
             int64_t slot = (int64_t)bh * slots + (start + i) % slots;
             unpack_row(codes + slot * W, bits, D, c);
             if (codebook)
@@ -142,11 +180,14 @@ void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, c
                   const float* codebook, int B, int H, int R,
                   int D, int bits, int group, int slots, int start, int n, float* out) {
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
-#pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < B * H; bh++) {
+    int nb = n_blocks(n);
+    std::vector<float> part((size_t)B * H * nb * R * D);
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int bh = 0; bh < B * H; bh++)
+    for (int blk = 0; blk < nb; blk++) {
         std::vector<float> acc((size_t)R * D, 0.f), zacc((size_t)R * G, 0.f);
         float c[512];
-        for (int i = 0; i < n; i++) {
+        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
             int64_t slot = (int64_t)bh * slots + (start + i) % slots;
             unpack_row(codes + slot * W, bits, D, c);
             if (codebook)
@@ -161,21 +202,25 @@ void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, c
                 }
             }
         }
+        float* dst = &part[((size_t)bh * nb + blk) * R * D];
         for (int r = 0; r < R; r++)
-            for (int d = 0; d < D; d++)
-                out[((int64_t)bh * R + r) * D + d] = acc[(size_t)r * D + d] + zacc[r * G + d / group];
+            for (int d = 0; d < D; d++) dst[r * D + d] = acc[(size_t)r * D + d] + zacc[r * G + d / group];
     }
+    reduce_blocks(part, B * H, nb, R * D, out);
 }
 
 // Keys quantized per channel over groups of `group` tokens (KIVI).
 void scores_channel(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R,
                     int D, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* scores) {
     int W = D * bits / 8;
-#pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < B * H; bh++) {
+    int span = (BLOCK / group > 0 ? BLOCK / group : 1) * group;  // whole groups per block
+    int nb = (n + span - 1) / span;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int bh = 0; bh < B * H; bh++)
+    for (int blk = 0; blk < nb; blk++) {
         std::vector<float> qs((size_t)R * D), cz(R);
         float c[512];
-        for (int i = 0; i < n; i++) {
+        for (int i = blk * span; i < std::min(n, (blk + 1) * span); i++) {
             if (i % group == 0) {  // new group: fold its scales into the query, its zeros into a constant
                 int64_t row = (int64_t)bh * sslots + (sstart + i / group) % sslots;
                 for (int r = 0; r < R; r++) {
