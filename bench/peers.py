@@ -4,7 +4,8 @@
 
 For each peer: decode tokens/s at each context (cache filled by a chunked prefill of the
 shared wikitext-2 text, median of timed steps after a warm-up) and cached-path
-perplexity on the same text (N 896, P 128: prefill 128 tokens, then one token at a time).
+perplexity on the same text and windows as `minillama ppl --windows 4` (N 896, P 128:
+prefill 128 tokens, then one token at a time; 4 consecutive windows from token 0).
 Peers are optional extras and are skipped with a note when missing:
 - transformers eager, DynamicCache, float32 and bfloat16;
 - transformers QuantizedCache with the quanto backend (int4 and int2, group 32, residual 32);
@@ -62,16 +63,17 @@ def hf_rows(folder: Path, ids: list[int], contexts: list[int], decode_tokens: in
     return rows
 
 
-def hf_fill(model, kind, ids, n, chunk=256):
+def hf_fill(model, kind, batch: torch.Tensor, n, chunk=256):
+    """Prefill batch[:, :n] (B, T) in chunks into a fresh cache."""
     cache = hf_cache(model, kind)
     out = None
     for s in range(0, n, chunk):
-        out = model(torch.tensor([ids[s : min(n, s + chunk)]]), past_key_values=cache, use_cache=True)
+        out = model(batch[:, s : min(n, s + chunk)], past_key_values=cache, use_cache=True)
     return cache, out
 
 
 def hf_decode(model, kind, ids, context, steps) -> float:
-    cache, out = hf_fill(model, kind, ids, context)
+    cache, out = hf_fill(model, kind, torch.tensor([ids]), context)
     token = out.logits[0, -1].argmax()
     times = []
     for i in range(WARMUP + steps):
@@ -83,14 +85,16 @@ def hf_decode(model, kind, ids, context, steps) -> float:
     return 1 / statistics.median(times)
 
 
-def hf_ppl(model, kind, ids, n=896, p=128) -> float:
-    cache, out = hf_fill(model, kind, ids, p, chunk=p)
+def hf_ppl(model, kind, ids, n=896, p=128, windows=4) -> float:
+    """Cached-path ppl over `windows` consecutive windows, run as one batch (as minillama ppl does)."""
+    batch = torch.tensor(ids[: n * windows]).view(windows, n)  # (W, N)
+    cache, out = hf_fill(model, kind, batch, p, chunk=p)
     nll = []
     for i in range(p, n):
-        nll.append(-torch.log_softmax(out.logits[0, -1].float(), -1)[ids[i]])
+        nll.append(-torch.log_softmax(out.logits[:, -1].float(), -1).gather(1, batch[:, i : i + 1]))
         if i < n - 1:
-            out = model(torch.tensor([[ids[i]]]), past_key_values=cache, use_cache=True)
-    return math.exp(float(torch.stack(nll).mean()))
+            out = model(batch[:, i : i + 1], past_key_values=cache, use_cache=True)
+    return math.exp(float(torch.cat(nll).mean()))
 
 
 def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_tokens: int) -> list[dict]:
@@ -124,17 +128,19 @@ def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_token
     return rows
 
 
-def llama_cpp_ppl(llm, ids, n=896, p=128) -> float:
+def llama_cpp_ppl(llm, ids, n=896, p=128, windows=4) -> float:
     import numpy as np
 
-    llm.reset()
-    llm.eval(ids[:p])
     nll = []
-    for i in range(p, n):
-        logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
-        nll.append(np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[ids[i]])
-        if i < n - 1:
-            llm.eval([ids[i]])
+    for w in range(windows):
+        window = ids[w * n : (w + 1) * n]
+        llm.reset()
+        llm.eval(window[:p])
+        for i in range(p, n):
+            logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+            nll.append(np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[window[i]])
+            if i < n - 1:
+                llm.eval([window[i]])
     return math.exp(float(np.mean(nll)))
 
 
