@@ -38,19 +38,26 @@ def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, floa
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'minillama[bench]'") from None
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in results:
-        ax.scatter(r.bits_per_element, r.ppl, color="tab:blue", zorder=3)
-        ax.annotate(r.kv, (r.bits_per_element, r.ppl), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    for label, bits, ppl in peers:
-        ax.scatter(bits, ppl, color="tab:red", marker="x", zorder=3)
-        ax.annotate(label, (bits, ppl), fontsize=7, color="tab:red", xytext=(3, -9), textcoords="offset points")
     r0 = results[0]
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("effective bits per element (scales, zeros, residual, sinks included)")
-    ax.set_ylabel("cached-path perplexity")
-    ax.set_title(f"{r0.model}: {r0.windows} x {r0.tokens} tokens, prefill {r0.prefill} (blue: minillama, red: peers)")
-    ax.grid(alpha=0.3, which="both")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    base = min(r.ppl for r in results)
+    for ax, zoom in zip(axes, (False, True)):
+        for r in results:
+            if zoom and r.ppl > base * 1.05:
+                continue
+            ax.scatter(r.bits_per_element, r.ppl, color="tab:blue", zorder=3)
+            ax.annotate(r.kv, (r.bits_per_element, r.ppl), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for label, bits, ppl in peers:
+            if zoom and ppl > base * 1.05:
+                continue
+            ax.scatter(bits, ppl, color="tab:red", marker="x", zorder=3)
+            ax.annotate(label, (bits, ppl), fontsize=7, color="tab:red", xytext=(3, -9), textcoords="offset points")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("effective bits per element (scales, zeros, residual, sinks included)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("cached-path perplexity")
+    axes[0].set_title(f"{r0.model}: {r0.windows} x {r0.tokens} tokens, prefill {r0.prefill}")
+    axes[1].set_title("zoom: within 5% of the best (blue: minillama, red: peers)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
