@@ -104,7 +104,8 @@ def weight_bytes_per_token(model) -> int:
 def bench_row(lm: LoadedModel, spec: KVSpec, context: int, decode_tokens: int, fill: str, ids: list[int],
               bandwidth: float, dtype: str, fused: bool = True) -> BenchRow:
     reset_peak_rss()
-    cache = KVCache.for_model(lm.config, spec, context + decode_tokens + WARMUP + 1, fused=fused)
+    capacity = max(context + decode_tokens + WARMUP + 1, spec.sinks + spec.residual + spec.unit)  # never evicts
+    cache = KVCache.for_model(lm.config, spec, capacity, fused=fused)
     prefill_tps = None
     if fill == "prefill":
         t0 = time.perf_counter()
