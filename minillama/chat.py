@@ -25,7 +25,7 @@ from minillama.cache import KVCache
 from minillama.chat_template import encode_chat
 from minillama.codecs import KVSpec, parse_kv
 from minillama.errors import UserError
-from minillama.generate import GenerationStats, generate
+from minillama.generate import GenerationStats, generate, prefill
 from minillama.loader import LoadedModel
 from minillama.sampling import SamplingParams
 from minillama.tokenizer import StreamDecoder
@@ -161,8 +161,6 @@ class ChatSession:
         self.cache = self._new_cache(spec)
         self.cached_ids = []
         if old_ids:
-            from minillama.generate import prefill
-
             prefill(self.lm.model, old_ids, self.cache, self.prefill_chunk)
             self.cached_ids = old_ids
 

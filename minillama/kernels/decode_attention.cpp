@@ -76,6 +76,13 @@ static inline void unpack_row(const uint8_t* row, int bits, int D, float* out) {
     }
 }
 
+// Unpack a row and, for codebook codecs, map each code to its level.
+static inline void decode_row(const uint8_t* row, int bits, int D, const float* codebook, float* out) {
+    unpack_row(row, bits, D, out);
+    if (codebook)
+        for (int d = 0; d < D; d++) out[d] = codebook[(int)out[d]];
+}
+
 // One stored row of unquantized floats (dtype 0 f32, 1 f16, 2 bf16) into float32.
 static inline void load_row(const void* base, int64_t offset, int dtype, int D, float* out) {
     if (dtype == 0) {
@@ -171,9 +178,7 @@ void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, c
         float c[512];
         for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
             int64_t slot = (int64_t)bh * slots + (start + i) % slots;
-            unpack_row(codes + slot * W, bits, D, c);
-            if (codebook)
-                for (int d = 0; d < D; d++) c[d] = codebook[(int)c[d]];
+            decode_row(codes + slot * W, bits, D, codebook, c);
             for (int r = 0; r < R; r++) {
                 const float* qr = q + ((int64_t)bh * R + r) * D;
                 float acc = 0.f;
@@ -204,9 +209,7 @@ void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, c
         float c[512];
         for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
             int64_t slot = (int64_t)bh * slots + (start + i) % slots;
-            unpack_row(codes + slot * W, bits, D, c);
-            if (codebook)
-                for (int d = 0; d < D; d++) c[d] = codebook[(int)c[d]];
+            decode_row(codes + slot * W, bits, D, codebook, c);
             for (int r = 0; r < R; r++) {
                 float pt = p[((int64_t)bh * R + r) * n + i];
                 float* a = &acc[(size_t)r * D];
