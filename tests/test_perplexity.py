@@ -146,3 +146,11 @@ def test_frontier_plot_is_written(tiny_dir, tmp_path):
                                       "--prefill", "16", "--frontier", "--plot", str(png), "--no-blind"])
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dataset_offline_without_a_cached_copy_suggests_text(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty hub cache
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--dataset", "wikitext2"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "--text" in result.stderr and len(result.stderr.strip().splitlines()) == 1
