@@ -82,7 +82,7 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     from minillama.codecs import parse_kv
     from minillama.datasets import wikitext2
     from minillama.errors import UserError
-    from minillama.perplexity import evaluate, format_table
+    from minillama.perplexity import check_window, evaluate, format_table
 
     from minillama.codecs import PRESETS
 
@@ -94,8 +94,7 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     specs = [parse_kv(s) for s in names]
     if text_file and dataset:
         raise UserError("give either --text or --dataset, not both")
-    if prefill < 1 or prefill >= n:
-        raise UserError(f"--prefill must be at least 1 and below --tokens ({n}), got {prefill}")
+    check_window(n, prefill, chunk)  # before the model loads
     text = read_text_file(text_file) if text_file else wikitext2() if dataset else None
     if text is None:
         raise UserError("nothing to evaluate: pass --text FILE or --dataset wikitext2")

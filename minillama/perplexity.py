@@ -60,6 +60,14 @@ def make_windows(ids: list[int], n: int, windows: int, offset: int, bos: int | N
     return batch
 
 
+def check_window(n: int, prefill: int, chunk: int = 1) -> None:
+    """Window arguments that cannot work: one clear error before anything is loaded."""
+    if prefill < 1 or prefill >= n:
+        raise UserError(f"--prefill must be at least 1 and below --tokens ({n}), got {prefill}")
+    if chunk < 1:
+        raise UserError("--chunk must be at least 1")
+
+
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """logits (W, T, V), targets (W, T) -> NLL per token (W, T), in float32."""
     return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
@@ -99,10 +107,7 @@ def evaluate(lm: LoadedModel, ids: list[int], specs: list[KVSpec], n: int = 896,
              offset: int = 0, windows: int = 1, chunk: int = 1, blind: bool = True, dtype: str = "float32",
              progress: Callable[[str, int], Callable[[int], None]] | None = None) -> list[PplResult]:
     """Cached-path (and blind) perplexity of each KV scheme on the same token windows."""
-    if prefill < 1 or prefill >= n:
-        raise UserError(f"--prefill must be at least 1 and below --tokens ({n}), got {prefill}")
-    if chunk < 1:
-        raise UserError("--chunk must be at least 1")
+    check_window(n, prefill, chunk)
     tok = lm.tokenizer
     bos = tok.bos_id if tok.add_bos else None
     seq = make_windows(ids, n, windows, offset, bos).to(lm.model.device)  # (W, L)

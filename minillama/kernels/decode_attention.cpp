@@ -122,13 +122,12 @@ extern "C" {
 void scores_float(const float* q, const void* keys, int dtype, int B, int H, int R, int D, int slots, int start, int n,
                   float* scores) {
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int bh = 0; bh < B * H; bh++) {
-        for (int blk = 0; blk < n_blocks(n); blk++)
+    for (int bh = 0; bh < B * H; bh++)
+    for (int blk = 0; blk < n_blocks(n); blk++) {
+        FlushDenormals guard;  // once per block, not per token
+        float k[512];
         for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
-            FlushDenormals guard;
-            int64_t slot = (start + i) % slots;
-            float k[512];
-            load_row(keys, ((int64_t)bh * slots + slot) * D, dtype, D, k);
+            load_row(keys, ((int64_t)bh * slots + (start + i) % slots) * D, dtype, D, k);
             for (int r = 0; r < R; r++) {
                 const float* qr = q + ((int64_t)bh * R + r) * D;
                 float acc = 0.f;
