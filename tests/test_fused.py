@@ -79,3 +79,37 @@ def test_reference_fallback_when_the_kernel_is_disabled(tiny, monkeypatch):
     finally:
         monkeypatch.delenv("MINILLAMA_KERNEL")
         kernels.load.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim,q_per_kv", [(32, 3), (64, 1), (64, 2), (128, 1), (128, 4), (128, 2)])
+@pytest.mark.parametrize("spec", ["fp16", "kivi4", "hadv2", "k=lm3h,v=lm2h,group=32,residual=4,sinks=2"])
+def test_fused_equals_reference_for_other_head_shapes(head_dim, q_per_kv, spec):
+    """The kernel has compile-time versions for common (head_dim, query heads per KV head) and a generic one."""
+    cache = KVCache(parse_kv(spec), n_layers=1, n_kv_heads=2, head_dim=head_dim, capacity=256)
+    fill_synthetic(cache, 99, chunk=5)
+    q = torch.randn(1, 2 * q_per_kv, 1, head_dim)
+    k, v = torch.randn(1, 2, 1, head_dim), torch.randn(1, 2, 1, head_dim)
+    reference = attend(q, k, v, cache.read(0, torch.float32), cache.spec.k, cache.spec.v)
+    assert torch.allclose(fused_decode_attention(q, k, v, cache, 0), reference, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n_out,n_in", [(7, 576), (576, 1536), (1029, 100), (64, 4096)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_matrix_vector_kernel_equals_float_math(n_out, n_in, bias):
+    """DecodeLinear's kernel path: y = x W^T (+ b) with bf16 weights, accumulated in float32."""
+    from minillama.linear import DecodeLinear
+
+    layer = DecodeLinear(n_in, n_out, bias=bias).to(torch.bfloat16)
+    x = torch.randn(1, 1, n_in).to(torch.bfloat16)
+    with torch.no_grad():
+        fast = layer(x)  # one row, bf16 weights: the kernel
+        layer.kernel = False
+        reference = torch.nn.functional.linear(x.float(), layer.weight.float(),
+                                               None if layer.bias is None else layer.bias.float())
+        torch_bf16 = layer(x)
+    assert fast.shape == (1, 1, n_out) and fast.dtype == torch.bfloat16
+    # Both round the float32 result to bf16 once: within one bf16 ulp of exact float math.
+    assert torch.allclose(fast.float(), reference, rtol=2 ** -7, atol=1e-3)
+    assert torch.allclose(fast.float(), torch_bf16.float(), rtol=2 ** -6, atol=2e-3)

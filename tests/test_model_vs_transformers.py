@@ -65,3 +65,23 @@ def test_bfloat16_weights_stay_close_to_float32(tiny_dir):
     bf16 = load_model(str(tiny_dir), "bfloat16").model(tokens).float()
     assert load_model(str(tiny_dir), "bfloat16").model.lm_head.weight.dtype == torch.bfloat16
     assert (f32 - bf16).abs().max() < 0.1 * f32.abs().max()
+
+
+@pytest.mark.parametrize("name", ["gqa-untied", "biases"])
+def test_bfloat16_decode_with_the_matrix_vector_kernel_matches_transformers(tmp_path, name):
+    """bf16 one-token decode steps (the bf16 kernel path when it builds) stay as close to
+    transformers' float32 logits as the torch-only bf16 path does."""
+    folder = make_tiny(tmp_path / name, **CONFIGS[name])
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(4))
+    reference = hf_logits(folder, tokens)[:, 8:]  # (1, 12, V)
+    errors = []
+    for kernels in (True, False):
+        lm = load_model(str(folder), "bfloat16")
+        lm.model.use_kernels(kernels)
+        cache = KVCache.for_model(lm.config, parse_kv("bf16"), capacity=32)
+        with torch.no_grad():
+            steps = [lm.model(tokens[:, :9], cache)[:, -1:]]
+            steps += [lm.model(tokens[:, i : i + 1], cache) for i in range(9, 20)]
+        errors.append((torch.cat(steps, dim=1).float() - reference).abs().max().item())
+    fast, plain = errors
+    assert fast < 0.1 * reference.abs().max() and fast < 2 * plain + 1e-2, errors

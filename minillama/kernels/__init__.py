@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel: compiled on first use, called through ctypes.
+"""The CPU decode kernels (attention over packed codes, bf16 matrix-vector): compiled on
+first use, called through ctypes.
 
 Why ctypes and a plain shared library rather than ``torch.utils.cpp_extension``: the
 kernel only needs raw pointers, so it builds with one ``g++`` call in about a second,
@@ -15,16 +16,19 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
+SOURCES = [Path(__file__).with_name("decode_attention.cpp"), Path(__file__).with_name("linear.cpp")]
 # Reassociation lets GCC vectorize the float reductions; unlike -ffast-math it does not link
 # crtfastmath, which would flush denormals to zero for the whole Python process.
 FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
          "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    FLAGS.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it (GCC defaults to 256)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
@@ -34,6 +38,7 @@ SIGNATURES = {
     "values_token": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
     "scores_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
     "values_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "gemv_bf16": [_P, _P, _I, _I, _P],
 }
 
 
@@ -48,18 +53,18 @@ def load() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
-        print("minillama: no C++ compiler found; using the PyTorch reference attention (slower)", file=sys.stderr)
+        print("minillama: no C++ compiler found; using the PyTorch reference paths (slower)", file=sys.stderr)
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"decode_attention-{key}.so"
+    lib_path = _cache_dir() / f"minillama-kernels-{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True)
         if done.returncode:
             first = (done.stderr.strip().splitlines() or ["unknown error"])[0]
-            print(f"minillama: kernel build failed ({first[:120]}); using the PyTorch reference attention", file=sys.stderr)
+            print(f"minillama: kernel build failed ({first[:120]}); using the PyTorch reference paths", file=sys.stderr)
             return None
         os.replace(tmp, lib_path)
     lib = ctypes.CDLL(str(lib_path))

@@ -105,6 +105,13 @@ static const int BLOCK = 512;
 
 static inline int n_blocks(int n) { return (n + BLOCK - 1) / BLOCK; }
 
+// Walks the ring slots of consecutive logical tokens without a division per token.
+struct Cursor {
+    int slot, slots;
+    Cursor(int start, int first, int slots) : slot((int)(((int64_t)start + first) % slots)), slots(slots) {}
+    void next() { if (++slot == slots) slot = 0; }
+};
+
 // out[bh] = sum over blocks of part[bh][block]  (each R*D floats)
 static void reduce_blocks(const std::vector<float>& part, int BH, int nb, int RD, float* out) {
 #pragma omp parallel for schedule(static)
@@ -116,18 +123,20 @@ static void reduce_blocks(const std::vector<float>& part, int BH, int nb, int RD
         }
 }
 
-extern "C" {
 
 // Scores of q against unquantized keys stored as f32/f16/bf16.
-void scores_float(const float* q, const void* keys, int dtype, int B, int H, int R, int D, int slots, int start, int n,
+template <int DC, int RC>
+static void scores_float_impl(const float* q, const void* keys, int dtype, int B, int H, int R_, int D_, int slots, int start, int n,
                   float* scores) {
+    const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
 #pragma omp parallel for collapse(2) schedule(static)
     for (int bh = 0; bh < B * H; bh++)
     for (int blk = 0; blk < n_blocks(n); blk++) {
         FlushDenormals guard;  // once per block, not per token
         float k[512];
-        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
-            load_row(keys, ((int64_t)bh * slots + (start + i) % slots) * D, dtype, D, k);
+        Cursor at(start, blk * BLOCK, slots);
+        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
+            load_row(keys, ((int64_t)bh * slots + at.slot) * D, dtype, D, k);
             for (int r = 0; r < R; r++) {
                 const float* qr = q + ((int64_t)bh * R + r) * D;
                 float acc = 0.f;
@@ -139,8 +148,10 @@ void scores_float(const float* q, const void* keys, int dtype, int B, int H, int
 }
 
 // out = p . V for unquantized values.
-void values_float(const float* p, const void* vals, int dtype, int B, int H, int R, int D, int slots, int start, int n,
+template <int DC, int RC>
+static void values_float_impl(const float* p, const void* vals, int dtype, int B, int H, int R_, int D_, int slots, int start, int n,
                   float* out) {
+    const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int nb = n_blocks(n);
     std::vector<float> part((size_t)B * H * nb * R * D);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -150,8 +161,9 @@ void values_float(const float* p, const void* vals, int dtype, int B, int H, int
         float* acc = &part[((size_t)bh * nb + blk) * R * D];
         std::fill(acc, acc + R * D, 0.f);
         float v[512];
-        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
-            load_row(vals, ((int64_t)bh * slots + (start + i) % slots) * D, dtype, D, v);
+        Cursor at(start, blk * BLOCK, slots);
+        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
+            load_row(vals, ((int64_t)bh * slots + at.slot) * D, dtype, D, v);
             for (int r = 0; r < R; r++) {
                 float w = p[((int64_t)bh * R + r) * n + i];
                 float* a = &acc[(size_t)r * D];
@@ -163,9 +175,11 @@ void values_float(const float* p, const void* vals, int dtype, int B, int H, int
 }
 
 // Keys quantized per token in groups of `group` channels (affine; ternary or codebook when zero == nullptr).
-void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
-                  const float* codebook, int B, int H, int R,
-                  int D, int bits, int group, int slots, int start, int n, float* scores) {
+template <int DC, int RC>
+static void scores_token_impl(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                  const float* codebook, int B, int H, int R_,
+                  int D_, int bits, int group, int slots, int start, int n, float* scores) {
+    const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int bh = 0; bh < B * H; bh++)
@@ -175,8 +189,9 @@ void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, c
         for (int r = 0; r < R; r++)
             for (int d = 0; d < D; d++) qsum[r * G + d / group] += q[((int64_t)bh * R + r) * D + d];
         float c[512];
-        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
-            int64_t slot = (int64_t)bh * slots + (start + i) % slots;
+        Cursor at(start, blk * BLOCK, slots);
+        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
+            int64_t slot = (int64_t)bh * slots + at.slot;
             decode_row(codes + slot * W, bits, D, codebook, c);
             for (int r = 0; r < R; r++) {
                 const float* qr = q + ((int64_t)bh * R + r) * D;
@@ -194,9 +209,11 @@ void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, c
 }
 
 // out = p . V for values quantized per token (affine, or ternary when zero == nullptr).
-void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
-                  const float* codebook, int B, int H, int R,
-                  int D, int bits, int group, int slots, int start, int n, float* out) {
+template <int DC, int RC>
+static void values_token_impl(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                  const float* codebook, int B, int H, int R_,
+                  int D_, int bits, int group, int slots, int start, int n, float* out) {
+    const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
     int nb = n_blocks(n);
     std::vector<float> part((size_t)B * H * nb * R * D);
@@ -206,8 +223,9 @@ void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, c
         FlushDenormals guard;
         std::vector<float> acc((size_t)R * D, 0.f), zacc((size_t)R * G, 0.f);
         float c[512];
-        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++) {
-            int64_t slot = (int64_t)bh * slots + (start + i) % slots;
+        Cursor at(start, blk * BLOCK, slots);
+        for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
+            int64_t slot = (int64_t)bh * slots + at.slot;
             decode_row(codes + slot * W, bits, D, codebook, c);
             for (int r = 0; r < R; r++) {
                 float pt = p[((int64_t)bh * R + r) * n + i];
@@ -227,8 +245,10 @@ void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, c
 }
 
 // Keys quantized per channel over groups of `group` tokens (KIVI).
-void scores_channel(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R,
-                    int D, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* scores) {
+template <int DC, int RC>
+static void scores_channel_impl(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R_,
+                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* scores) {
+    const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = D * bits / 8;
     int span = (BLOCK / group > 0 ? BLOCK / group : 1) * group;  // whole groups per block
     int nb = (n + span - 1) / span;
@@ -238,8 +258,9 @@ void scores_channel(const float* q, const uint8_t* codes, const uint16_t* scale,
         FlushDenormals guard;
         std::vector<float> qs((size_t)R * D), cz(R);
         float c[512];
-        for (int i = blk * span; i < std::min(n, (blk + 1) * span); i++) {
-            if (i % group == 0) {  // new group: fold its scales into the query, its zeros into a constant
+        Cursor at(start, blk * span, slots);
+        for (int i = blk * span, in_group = 0; i < std::min(n, (blk + 1) * span); i++, at.next()) {
+            if (in_group++ == 0) {  // new group: fold its scales into the query, its zeros into a constant
                 int64_t row = (int64_t)bh * sslots + (sstart + i / group) % sslots;
                 for (int r = 0; r < R; r++) {
                     const float* qr = q + ((int64_t)bh * R + r) * D;
@@ -251,7 +272,8 @@ void scores_channel(const float* q, const uint8_t* codes, const uint16_t* scale,
                     cz[r] = z;
                 }
             }
-            int64_t slot = (int64_t)bh * slots + (start + i) % slots;
+            if (in_group == group) in_group = 0;
+            int64_t slot = (int64_t)bh * slots + at.slot;
             unpack_row(codes + slot * W, bits, D, c);
             for (int r = 0; r < R; r++) {
                 const float* qr = &qs[(size_t)r * D];
@@ -264,15 +286,18 @@ void scores_channel(const float* q, const uint8_t* codes, const uint16_t* scale,
 }
 
 // out = p . V for values quantized per channel over groups of tokens.
-void values_channel(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R,
-                    int D, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* out) {
+template <int DC, int RC>
+static void values_channel_impl(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R_,
+                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* out) {
+    const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = D * bits / 8;
 #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < B * H; bh++) {
         std::vector<float> acc((size_t)R * D, 0.f), gacc((size_t)R * D, 0.f), psum(R, 0.f);
         float c[512];
-        for (int i = 0; i < n; i++) {
-            int64_t slot = (int64_t)bh * slots + (start + i) % slots;
+        Cursor at(start, 0, slots);
+        for (int i = 0; i < n; i++, at.next()) {
+            int64_t slot = (int64_t)bh * slots + at.slot;
             unpack_row(codes + slot * W, bits, D, c);
             for (int r = 0; r < R; r++) {
                 float pt = p[((int64_t)bh * R + r) * n + i];
@@ -293,6 +318,54 @@ void values_channel(const float* p, const uint8_t* codes, const uint16_t* scale,
         }
         std::memcpy(out + (int64_t)bh * R * D, acc.data(), sizeof(float) * R * D);
     }
+}
+
+
+// Head sizes and query-heads-per-KV-head known at compile time let the compiler keep the
+// query in registers and fully unroll the per-token loops; other shapes use the generic code.
+#define DISPATCH(fn, ...)                                                   \
+    do {                                                                    \
+        if (D == 64 && R == 1) fn<64, 1>(__VA_ARGS__);                      \
+        else if (D == 64 && R == 3) fn<64, 3>(__VA_ARGS__);                 \
+        else if (D == 64) fn<64, 0>(__VA_ARGS__);                           \
+        else if (D == 128 && R == 1) fn<128, 1>(__VA_ARGS__);               \
+        else if (D == 128 && R == 4) fn<128, 4>(__VA_ARGS__);               \
+        else if (D == 128) fn<128, 0>(__VA_ARGS__);                         \
+        else fn<0, 0>(__VA_ARGS__);                                         \
+    } while (0)
+
+extern "C" {
+
+void scores_float(const float* q, const void* keys, int dtype, int B, int H, int R, int D, int slots, int start, int n,
+                  float* scores) {
+    DISPATCH(scores_float_impl, q, keys, dtype, B, H, R, D, slots, start, n, scores);
+}
+
+void values_float(const float* p, const void* vals, int dtype, int B, int H, int R, int D, int slots, int start, int n,
+                  float* out) {
+    DISPATCH(values_float_impl, p, vals, dtype, B, H, R, D, slots, start, n, out);
+}
+
+void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                  const float* codebook, int B, int H, int R,
+                  int D, int bits, int group, int slots, int start, int n, float* scores) {
+    DISPATCH(scores_token_impl, q, codes, scale, zero, codebook, B, H, R, D, bits, group, slots, start, n, scores);
+}
+
+void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+                  const float* codebook, int B, int H, int R,
+                  int D, int bits, int group, int slots, int start, int n, float* out) {
+    DISPATCH(values_token_impl, p, codes, scale, zero, codebook, B, H, R, D, bits, group, slots, start, n, out);
+}
+
+void scores_channel(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R,
+                    int D, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* scores) {
+    DISPATCH(scores_channel_impl, q, codes, scale, zero, B, H, R, D, bits, group, slots, start, sslots, sstart, n, scores);
+}
+
+void values_channel(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R,
+                    int D, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* out) {
+    DISPATCH(values_channel_impl, p, codes, scale, zero, B, H, R, D, bits, group, slots, start, sslots, sstart, n, out);
 }
 
 }  // extern "C"
