@@ -108,24 +108,31 @@ def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_token
     rows = []
     for name, t in types.items():
         row = {"peer": f"llama.cpp-{name}", "kv_bits": bits[name]}
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(contexts) + 64, n_batch=512, flash_attn=True,
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(*contexts, 896) + 64, n_batch=512, flash_attn=True,
                               type_k=t, type_v=t, logits_all=False, verbose=False, n_threads=2)
         row["ppl"] = llama_cpp_ppl(llm, ids)
         for context in contexts:
             llm.reset()
             llm.eval(ids[:context])
-            token = int(llm.scores[llm.n_tokens - 1].argmax())
+            token = int(last_logits(llm).argmax())
             times = []
             for i in range(WARMUP + decode_tokens):
                 t0 = time.perf_counter()
                 llm.eval([token])
                 if i >= WARMUP:
                     times.append(time.perf_counter() - t0)
-                token = int(llm.scores[llm.n_tokens - 1].argmax())
+                token = int(last_logits(llm).argmax())
             row[f"decode_tokens_per_s_{context}"] = 1 / statistics.median(times)
         print(json.dumps(row), file=sys.stderr)
         rows.append(row)
     return rows
+
+
+def last_logits(llm):
+    """Logits of the last evaluated token (llama-cpp-python keeps no copy without logits_all)."""
+    import numpy as np
+
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
 
 
 def llama_cpp_ppl(llm, ids, n=896, p=128, windows=4) -> float:
@@ -137,7 +144,7 @@ def llama_cpp_ppl(llm, ids, n=896, p=128, windows=4) -> float:
         llm.reset()
         llm.eval(window[:p])
         for i in range(p, n):
-            logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float64)
+            logits = np.asarray(last_logits(llm), dtype=np.float64)
             nll.append(np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[window[i]])
             if i < n - 1:
                 llm.eval([window[i]])

@@ -27,17 +27,22 @@ def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           past: tuple[torch.Tensor, torch.Tensor] | None, k_codec: Codec | None, v_codec: Codec | None) -> torch.Tensor:
+           past: tuple[torch.Tensor, torch.Tensor] | None, k_codec: Codec | None, v_codec: Codec | None,
+           k_center: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hq, T, D) and new k, v (B, Hkv, T, D) -> output (B, Hq, T, D).
 
-    ``past`` is the cache's (keys, values), each (B, Hkv, P, D) in the codecs' storage space.
+    ``past`` is the cache's (keys, values), each (B, Hkv, P, D) in the codecs' storage space;
+    ``k_center`` (B, Hkv, 1, D) is subtracted from the new keys when the stored ones are centered.
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     rotated = past is not None and past[0].shape[2] > 0  # with no past, stay in plain space
     if rotated:
         q = k_codec.to_space(q)
-        k = torch.cat([past[0], k_codec.to_space(k)], dim=2)  # (B, Hkv, P+T, D)
+        k = k_codec.to_space(k)
+        if k_center is not None:
+            k = k - k_center.to(k.dtype)  # the same shift as the stored keys: scores move together
+        k = torch.cat([past[0], k], dim=2)  # (B, Hkv, P+T, D)
         v = torch.cat([past[1], v_codec.to_space(v)], dim=2)  # (B, Hkv, P+T, D)
     t_past = k.shape[2] - t
     qg = q.reshape(b, hkv, hq // hkv * t, d)  # (B, Hkv, n_rep*T, D): heads sharing a KV head stacked

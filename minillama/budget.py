@@ -13,7 +13,7 @@ from minillama.codecs import CODECS, PRESET_NOTES, PRESETS, Codec, KVSpec, parse
 from minillama.config import LlamaConfig
 
 
-def store_live_bytes(codec: Codec, spec: KVSpec, tokens: int, head_dim: int) -> dict[str, float]:
+def store_live_bytes(codec: Codec, spec: KVSpec, tokens: int, head_dim: int, centered: bool = False) -> dict[str, float]:
     """Closed-form bytes per KV head for one tensor holding `tokens` tokens (no eviction)."""
     exact = codec.float_dtype.itemsize if not codec.quantized else 2
     sinks = min(spec.sinks, tokens)
@@ -24,14 +24,16 @@ def store_live_bytes(codec: Codec, spec: KVSpec, tokens: int, head_dim: int) -> 
     for p in codec.parts(head_dim, spec.group):
         key = "codes" if p.name in ("codes", "values") else "scales"
         out[key] += body // p.tokens_per_row * p.width * p.dtype.itemsize
+    if centered and tokens:
+        out["scales"] += head_dim * exact  # the per-channel key mean, one row per head
     return out
 
 
 def formula_live_bytes(cfg: LlamaConfig, spec: KVSpec, tokens: int, batch: int = 1) -> dict[str, int]:
     heads = cfg.num_hidden_layers * cfg.n_kv_heads * batch
     total = {"codes": 0, "scales": 0, "residual": 0, "sinks": 0}
-    for codec in (spec.k, spec.v):
-        for key, value in store_live_bytes(codec, spec, tokens, cfg.head_dim).items():
+    for codec, centered in ((spec.k, spec.center), (spec.v, False)):
+        for key, value in store_live_bytes(codec, spec, tokens, cfg.head_dim, centered).items():
             total[key] += int(value) * heads
     return total
 

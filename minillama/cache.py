@@ -12,7 +12,14 @@ Layout, per layer and per tensor (K or V), in age order:
   holds between ``residual`` and ``residual + unit - 1`` tokens.
 
 Only KV heads are stored (GQA expands after the read). Keys are stored after RoPE, so
-positions keep increasing when the ring evicts. Everything is in each codec's storage
+positions keep increasing when the ring evicts.
+
+With ``center=1`` in the spec, keys are stored minus a per-channel mean taken once per
+sequence from the first tokens written (B, H, 1, D; counted with the scales). Attention
+is unchanged by it: q.(k_t - m) = q.k_t - q.m shifts every score of a query by the same
+amount, which softmax ignores, as long as the new keys are shifted too (``key_center``).
+What changes is quantization: the large, nearly constant key channels of Llama models no
+longer inflate each token's range, so per-token (rotated) key codes get finer. Everything is in each codec's storage
 space (Hadamard-rotated for ``*h`` codecs; attention undoes that once per query).
 
 The model reads each layer during a forward pass and hands all new K/V to ``append``
@@ -38,8 +45,11 @@ class ContextFullError(UserError):
 class TensorStore:
     """Sinks, quantized body and residual for one tensor (K or V) of one layer."""
 
-    def __init__(self, codec: Codec, spec: KVSpec, capacity: int, batch: int, heads: int, head_dim: int, device):
+    def __init__(self, codec: Codec, spec: KVSpec, capacity: int, batch: int, heads: int, head_dim: int, device,
+                 centered: bool = False):
         self.codec, self.group, self.head_dim = codec, spec.group, head_dim
+        self.centered = centered
+        self.center: torch.Tensor | None = None  # (B, H, 1, D) per-channel mean in storage space, set by the first append
         self.residual_len, self.unit = spec.residual, codec.unit(spec.group)
         exact = codec.float_dtype if not codec.quantized else torch.float16
         body_tokens = capacity - spec.sinks - spec.residual
@@ -70,7 +80,12 @@ class TensorStore:
         """
         # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
         # quantized from the same values whether or not it waited in the residual.
-        x = self.codec.to_space(x).to(self.residual.buf.dtype)
+        x = self.codec.to_space(x)
+        if self.centered:
+            if self.center is None:
+                self.center = x.float().mean(dim=2, keepdim=True).to(self.residual.buf.dtype)  # (B, H, 1, D)
+            x = x.float() - self.center.float()
+        x = x.to(self.residual.buf.dtype)
         written = read = 0
         take = min(self.sinks.slots - self.sinks.count, x.shape[2])
         if take:
@@ -99,9 +114,14 @@ class TensorStore:
             written += self.residual.push(x)
         return written, read
 
+    @property
+    def center_bytes(self) -> int:
+        return self.center.numel() * self.center.element_size() if self.center is not None else 0
+
     def live_read_bytes(self) -> int:
-        """Bytes a full read of the held tokens touches (sinks, body parts, residual)."""
-        return self.sinks.live_bytes + sum(r.live_bytes for r in self.body.values()) + self.residual.live_bytes
+        """Bytes a full read of the held tokens touches (sinks, body parts, residual, key center)."""
+        return (self.sinks.live_bytes + sum(r.live_bytes for r in self.body.values()) + self.residual.live_bytes
+                + self.center_bytes)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         """All held vectors in age order, (B, H, held, D) in storage space; and bytes read."""
@@ -137,14 +157,15 @@ class TensorStore:
         for ring in [self.sinks, self.residual, *self.body.values()]:
             ring.clear()
         self.n_body = 0
+        self.center = None
 
     def live_bytes(self) -> dict[str, int]:
         codes = sum(r.live_bytes for n, r in self.body.items() if n in ("codes", "values"))
-        scales = sum(r.live_bytes for n, r in self.body.items() if n in ("scale", "zero"))
+        scales = sum(r.live_bytes for n, r in self.body.items() if n in ("scale", "zero")) + self.center_bytes
         return {"codes": codes, "scales": scales, "residual": self.residual.live_bytes, "sinks": self.sinks.live_bytes}
 
     def allocated_bytes(self) -> int:
-        return sum(r.allocated_bytes for r in [self.sinks, self.residual, *self.body.values()])
+        return sum(r.allocated_bytes for r in [self.sinks, self.residual, *self.body.values()]) + self.center_bytes
 
 
 @dataclass
@@ -176,7 +197,7 @@ class KVCache:
         self.fused = fused and torch.device(device).type == "cpu"  # decode through the C++ kernel when it builds
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.layers = [
-            (TensorStore(spec.k, spec, capacity, batch, n_kv_heads, head_dim, device),
+            (TensorStore(spec.k, spec, capacity, batch, n_kv_heads, head_dim, device, centered=spec.center),
              TensorStore(spec.v, spec, capacity, batch, n_kv_heads, head_dim, device))
             for _ in range(n_layers)
         ]
@@ -202,6 +223,12 @@ class KVCache:
         v, nv = v_store.read(dtype)
         self.count_read(nk + nv)
         return k, v
+
+    def key_center(self, layer: int) -> torch.Tensor | None:
+        """The mean subtracted from this layer's stored keys (B, H_kv, 1, D), or None.
+
+        New keys must be shifted by it before they meet the stored ones (attention.py)."""
+        return self.layers[layer][0].center
 
     def count_read(self, nbytes: int) -> None:
         """Bytes read from the cache during the current step (reported at the next append)."""

@@ -165,6 +165,7 @@ class KVSpec:
     residual: int = 0
     sinks: int = 0
     name: str = ""
+    center: bool = False  # subtract each sequence's per-channel key mean (see cache.py)
 
     @property
     def quantized(self) -> bool:
@@ -180,7 +181,10 @@ class KVSpec:
         self.v.validate(head_dim, self.group)
 
     def __str__(self) -> str:
-        return self.name or f"k={self.k.name},v={self.v.name},group={self.group},residual={self.residual},sinks={self.sinks}"
+        if self.name:
+            return self.name
+        return (f"k={self.k.name},v={self.v.name},group={self.group},residual={self.residual},sinks={self.sinks}"
+                + (",center=1" if self.center else ""))
 
 
 PRESETS: dict[str, str] = {
@@ -213,7 +217,7 @@ PRESET_NOTES: dict[str, str] = {
     "k3v2lm": "Hadamard Lloyd-Max 3-bit keys and 2-bit values, group 64, residual 8, 4 sinks",
 }
 
-_FIELD = re.compile(r"^(k|v|group|residual|sinks)=(.+)$")
+_FIELD = re.compile(r"^(k|v|group|residual|sinks|center)=(.+)$")
 
 
 def _choices() -> str:
@@ -221,18 +225,18 @@ def _choices() -> str:
 
 
 def parse_kv(text: str) -> KVSpec:
-    """Parse a preset name or ``k=CODEC,v=CODEC[,group=G][,residual=R][,sinks=S]``."""
+    """Parse a preset name or ``k=CODEC,v=CODEC[,group=G][,residual=R][,sinks=S][,center=0|1]``."""
     text = text.strip()
     if text in PRESETS:
         spec = parse_kv(PRESETS[text])
-        return KVSpec(spec.k, spec.v, spec.group, spec.residual, spec.sinks, name=text)
+        return KVSpec(spec.k, spec.v, spec.group, spec.residual, spec.sinks, name=text, center=spec.center)
     if "=" not in text:
         raise UserError(f"unknown --kv preset {text!r} ({_choices()})")
     fields: dict[str, str] = {}
     for item in text.split(","):
         m = _FIELD.match(item.strip())
         if not m:
-            raise UserError(f"malformed --kv item {item!r}: expected k=CODEC,v=CODEC[,group=G][,residual=R][,sinks=S] ({_choices()})")
+            raise UserError(f"malformed --kv item {item!r}: expected k=CODEC,v=CODEC[,group=G][,residual=R][,sinks=S][,center=0|1] ({_choices()})")
         fields[m.group(1)] = m.group(2).strip()
     if "k" not in fields or "v" not in fields:
         raise UserError(f"--kv {text!r} must name both k= and v= codecs ({_choices()})")
@@ -241,7 +245,7 @@ def parse_kv(text: str) -> KVSpec:
             raise UserError(f"unknown codec {fields[key]!r} for {key}= ({_choices()})")
     k, v = CODECS[fields["k"]], CODECS[fields["v"]]
     nums = {}
-    for key in ("group", "residual", "sinks"):
+    for key in ("group", "residual", "sinks", "center"):
         if key in fields:
             try:
                 nums[key] = int(fields[key])
@@ -254,4 +258,7 @@ def parse_kv(text: str) -> KVSpec:
         raise UserError("--kv group must be at least 1")
     quantized = k.quantized or v.quantized
     residual = nums.get("residual", 32 if quantized else 0)
-    return KVSpec(k, v, group, residual, nums.get("sinks", 0), name=text if text not in PRESETS.values() else "")
+    if nums.get("center", 0) > 1:
+        raise UserError("--kv center must be 0 or 1")
+    return KVSpec(k, v, group, residual, nums.get("sinks", 0), name=text if text not in PRESETS.values() else "",
+                  center=bool(nums.get("center", 0)))

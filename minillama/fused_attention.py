@@ -76,6 +76,8 @@ def fused_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
             s = qg @ getattr(k_store, name).read().float().transpose(-1, -2)  # (B, Hkv, R, n)
         scores.append(s)
     k_own = k_store.codec.to_space(k.float())  # (B, Hkv, 1, D)
+    if k_store.center is not None:
+        k_own = k_own - k_store.center.float()  # stored keys are centered: shift the new one alike
     scores.append(qg @ k_own.transpose(-1, -2))  # (B, Hkv, R, 1)
     p = torch.softmax(torch.cat(scores, dim=-1) / math.sqrt(d), dim=-1)  # (B, Hkv, R, held+1)
     out = p[..., -1:] * v_store.codec.to_space(v.float())  # (B, Hkv, R, D): the new token's own value

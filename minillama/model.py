@@ -56,7 +56,7 @@ class Attention(nn.Module):
             out = fused_decode_attention(q, k, v, cache, layer)  # reads packed codes in place
         else:
             past = cache.read(layer, x.dtype)  # read the past before this step writes anything
-            out = attend(q, k, v, past, cache.spec.k, cache.spec.v)
+            out = attend(q, k, v, past, cache.spec.k, cache.spec.v, cache.key_center(layer))
         out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
         return self.o_proj(out), (k, v)
 

@@ -32,6 +32,9 @@ class PlainCache:
             return torch.zeros(1, 2, 0, 64), torch.zeros(1, 2, 0, 64)
         return self.kv[layer]
 
+    def key_center(self, layer):
+        return None  # keys are stored as they are
+
     def append(self, new_kv):
         self.kv = [kv if old is None else tuple(torch.cat([o, n], 2) for o, n in zip(old, kv)) for old, kv in zip(self.kv, new_kv)]
         self.position += new_kv[0][0].shape[2]
@@ -66,6 +69,31 @@ def test_rotated_space_attention_equals_plain_attention_when_storage_is_exact(ti
         for store in pair:
             store.codec = rot
     assert torch.allclose(run(tiny.model, rotated, t), plain, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_centering_keys_leaves_attention_unchanged_when_storage_is_exact(tiny, fused):
+    """Subtracting one per-channel mean from every key shifts all scores of a query
+    equally, so softmax (and the logits) must not move. Chunked prefill included."""
+    t = tokens(40, seed=5)
+    plain = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64, fused=fused), t)
+    cache = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp32,center=1"), 64, fused=fused)
+    centered = torch.cat([tiny.model(t[:, :5], cache), tiny.model(t[:, 5:12], cache),
+                          *[tiny.model(t[:, i : i + 1], cache) for i in range(12, 40)]], dim=1)
+    assert torch.allclose(centered, plain, atol=1e-5)
+    center = cache.key_center(0)  # (B, H, 1, D): the mean of the first chunk's keys
+    assert center.shape == (1, tiny.config.n_kv_heads, 1, tiny.config.head_dim) and center.abs().sum() > 0
+
+
+def test_centering_shrinks_the_range_of_keys_with_a_constant_offset():
+    """Keys = offset + noise: centered, they are stored as noise (what makes codes finer)."""
+    cache = KVCache(parse_kv("k=fp32,v=fp32,center=1"), 1, 1, 8, 64)
+    g = torch.Generator().manual_seed(0)
+    offset = torch.tensor([20.0, -15, 0, 0, 0, 0, 0, 30])
+    k = offset + torch.randn(1, 1, 32, 8, generator=g)
+    cache.append([(k, torch.zeros(1, 1, 32, 8))])
+    stored, _ = cache.read(0, torch.float32)
+    assert stored.abs().max() < 5 and torch.allclose(stored + cache.key_center(0), k, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -120,7 +148,7 @@ def one_layer_model(tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["fp32", "k=fp32,v=fp32,sinks=4", "k=int4,v=int2h,residual=0,sinks=3",
-                                  "k=int4c,v=int4,group=8,residual=8,sinks=4"])
+                                  "k=int4c,v=int4,group=8,residual=8,sinks=4", "k=fp32,v=fp32,sinks=2,center=1"])
 def test_ring_keeps_sinks_and_newest_tokens_and_equals_a_fresh_cache(tmp_path, spec):
     lm = one_layer_model(tmp_path)
     parsed, capacity = parse_kv(spec), 48
@@ -155,7 +183,8 @@ def test_capacity_too_small_is_a_clear_error():
         KVCache(parse_kv("hadv2"), 1, 1, 64, capacity=40)
 
 
-@pytest.mark.parametrize("preset", list(PRESETS) + ["k=int3h,v=ternh,group=16,residual=8,sinks=4"])
+@pytest.mark.parametrize("preset", list(PRESETS) + ["k=int3h,v=ternh,group=16,residual=8,sinks=4",
+                                                    "k=lm3h,v=int4c,group=16,residual=8,sinks=2,center=1"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_byte_counters_equal_the_closed_form(tiny, preset, batch):
     spec = parse_kv(preset)
