@@ -79,11 +79,12 @@ def describe_codecs() -> str:
     lines = ["Presets (--kv NAME):"]
     for name, text in PRESETS.items():
         note = PRESET_NOTES.get(name, "")
-        lines.append(f"  {name:<9} {text:<42} {note}")
-    lines += ["", "Codecs (--kv k=CODEC,v=CODEC[,group=G][,residual=R][,sinks=S]); bits/element (G = group):"]
+        lines.append(f"  {name:<9} {text:<56} {note}")
+    lines += ["", "Codecs (--kv k=CODEC,v=CODEC[,group=G][,residual=R][,sinks=S][,center=0|1]); bits/element (G = group):"]
     for c in CODECS.values():
         lines.append(f"  {c.name:<7} {c.bits_formula():<58} {c.about}")
-    lines += ["", "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0.",
+    lines += ["", "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0; center 0.",
+              "center=1 stores keys minus a per-sequence channel mean (softmax ignores the shift; codes get finer).",
               "Residual and sink tokens are stored in fp16 (unquantized codecs: in their own dtype)."]
     return "\n".join(lines)
 

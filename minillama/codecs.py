@@ -203,6 +203,9 @@ PRESETS: dict[str, str] = {
     "k4v3h": "k=int4h,v=int3h,group=64,residual=32,sinks=4",
     "k4v3lm": "k=int4h,v=lm3h,group=64,residual=32,sinks=4",
     "k3v2lm": "k=lm3h,v=lm2h,group=64,residual=8,sinks=4",
+    # Centered keys (center=1): the winners of the second round.
+    "k4v3hc": "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
+    "k4v3lmc": "k=lm4h,v=lm3h,group=64,residual=8,sinks=4,center=1",
 }
 
 PRESET_NOTES: dict[str, str] = {
@@ -215,6 +218,8 @@ PRESET_NOTES: dict[str, str] = {
     "k4v3h": "Hadamard int4 keys, Hadamard int3 values, group 64, 4 sinks",
     "k4v3lm": "Hadamard int4 keys, Hadamard Lloyd-Max 3-bit values, group 64, 4 sinks",
     "k3v2lm": "Hadamard Lloyd-Max 3-bit keys and 2-bit values, group 64, residual 8, 4 sinks",
+    "k4v3hc": "k4v3h with centered keys (per-sequence channel mean subtracted)",
+    "k4v3lmc": "Lloyd-Max 4-bit keys (centered) and 3-bit values, group 64, residual 8, 4 sinks",
 }
 
 _FIELD = re.compile(r"^(k|v|group|residual|sinks|center)=(.+)$")
