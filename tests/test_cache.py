@@ -236,3 +236,28 @@ def test_truncate_keeps_a_prefix_and_cuts_groups_whole(tiny):
     assert cache.truncate(50) == 50  # inside the residual: exact
     assert cache.truncate(13) == 8  # cuts a quantized key group: back to its start
     assert cache.held == 8 and cache.position == 8
+
+
+@pytest.mark.parametrize("spec", ["fp16", "kivi4", "hadv2", "k4v3hc", "k=lm3h,v=tern,group=16,residual=3,sinks=2"])
+def test_appending_all_layers_at_once_equals_one_layer_at_a_time(spec):
+    """KVCache.append quantizes every layer in one batch; storing each layer on its own
+    (TensorStore.append) must leave exactly the same bytes in every ring."""
+    parsed = parse_kv(spec)
+    batched = KVCache(parsed, n_layers=3, n_kv_heads=2, head_dim=64, capacity=96)
+    single = KVCache(parsed, n_layers=3, n_kv_heads=2, head_dim=64, capacity=96)
+    g = torch.Generator().manual_seed(7)
+    for n in [20, 1, 1, 33, 1, 50, 1]:  # wraps the ring (capacity 96)
+        new_kv = [(torch.randn(1, 2, n, 64, generator=g) * 3, torch.randn(1, 2, n, 64, generator=g)) for _ in range(3)]
+        batched.append(new_kv)
+        evict = batched.evicted - single.evicted
+        for (ks, vs), (k, v) in zip(single.layers, new_kv):
+            ks.append(k, evict)
+            vs.append(v, evict)
+        single.position, single.evicted = batched.position, batched.evicted
+    for pair_a, pair_b in zip(batched.layers, single.layers):
+        for a, b in zip(pair_a, pair_b):
+            assert a.held == b.held and a.n_body == b.n_body
+            rings_a = [a.sinks, a.residual, *a.body.values()]
+            rings_b = [b.sinks, b.residual, *b.body.values()]
+            for ra, rb in zip(rings_a, rings_b):
+                assert ra.start == rb.start and ra.count == rb.count and torch.equal(ra.read(), rb.read())

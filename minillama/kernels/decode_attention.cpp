@@ -4,9 +4,9 @@
 // never writes a dequantized copy of the history:
 //   keys, per-channel groups (KIVI):  q.k_t = sum_d (q_d s_gd) c_td + sum_d q_d z_gd
 //       -> the scale is folded into the query once per group of tokens;
-//   keys, per-token groups:           q.k_t = sum_g s_tg (sum_{d in g} q_d c_td) + z_tg sum_{d in g} q_d;
-//   values, per-token groups:         o_d = sum_t (p_t s_tg) c_td + sum_t p_t z_tg
-//       -> the scale is folded into the attention weight;
+//   keys and values, per-token groups: the row's scale and zero are applied to the row in
+//       registers once (one multiply-add per element), and the row then serves the R query
+//       heads that share its KV head; for values that is o_d = sum_t p_t (s_tg c_td + z_tg);
 //   values, per-channel groups:       o_d = sum_g s_gd (sum_{t in g} p_t c_td) + z_gd sum_{t in g} p_t.
 // Ternary codes are {0,1,2} meaning {-1,0,+1} times a per-group scale (zero = 0);
 // codebook codes index a table of levels (Lloyd-Max), times a per-group scale (zero = 0).
@@ -54,16 +54,74 @@ struct Tables {
 };
 static const Tables tables;
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define MINILLAMA_AVX512 1
+// SIMD unpacking, same results as the lookup tables below: split each byte into its
+// codes with shifts and masks, interleave them back into order, widen to float.
+
+// 16 bytes of 4-bit codes (low nibble first) -> 32 floats.
+static inline void unpack16_int4(const uint8_t* p, float* out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))));       // codes 0..15
+    _mm512_storeu_ps(out + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))));  // codes 16..31
+}
+
+// 16 bytes of 2-bit codes (lowest bits first) -> 64 floats.
+static inline void unpack16_int2(const uint8_t* p, float* out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(3);
+    const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+    const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+    const __m128i p01lo = _mm_unpacklo_epi8(c0, c1), p01hi = _mm_unpackhi_epi8(c0, c1);  // (c0, c1) of bytes 0-7, 8-15
+    const __m128i p23lo = _mm_unpacklo_epi8(c2, c3), p23hi = _mm_unpackhi_epi8(c2, c3);
+    const __m128i q[4] = {_mm_unpacklo_epi16(p01lo, p23lo), _mm_unpackhi_epi16(p01lo, p23lo),   // bytes 0-3, 4-7
+                          _mm_unpacklo_epi16(p01hi, p23hi), _mm_unpackhi_epi16(p01hi, p23hi)};  // bytes 8-11, 12-15
+    for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + 16 * j, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[j])));
+}
+
+#ifdef __AVX512VBMI__
+// Codes 8i..8i+15 of a 3-bit row already in a register (8 codes per 3 bytes, lowest bits
+// first) -> 16 floats: each 32-bit lane gathers its 3-byte word, shifts and masks.
+static inline void unpack16_int3(__m512i bytes, int i, float* out) {
+    alignas(64) uint8_t idx[64];
+    for (int j = 0; j < 16; j++) {
+        const int word = 3 * (i + j / 8);
+        idx[4 * j] = word, idx[4 * j + 1] = word + 1, idx[4 * j + 2] = word + 2, idx[4 * j + 3] = word + 2;
+    }
+    const __m512i words = _mm512_permutexvar_epi8(_mm512_load_si512(idx), bytes);
+    const __m512i shifts = _mm512_set_epi32(21, 18, 15, 12, 9, 6, 3, 0, 21, 18, 15, 12, 9, 6, 3, 0);
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(7));
+    _mm512_storeu_ps(out, _mm512_cvtepi32_ps(codes));
+}
+#endif
+#endif
+
 // Unpack one row of D codes (bits 8, 4, 3 or 2; 5 = trits) into floats.
 static inline void unpack_row(const uint8_t* row, int bits, int D, float* out) {
     if (bits == 4) {
-        for (int i = 0; i < D / 2; i++) std::memcpy(out + 2 * i, tables.nib[row[i]], 2 * sizeof(float));
+        int i = 0;
+#ifdef MINILLAMA_AVX512
+        for (; i + 16 <= D / 2; i += 16) unpack16_int4(row + i, out + 2 * i);
+#endif
+        for (; i < D / 2; i++) std::memcpy(out + 2 * i, tables.nib[row[i]], 2 * sizeof(float));
     } else if (bits == 2) {
-        for (int i = 0; i < D / 4; i++) std::memcpy(out + 4 * i, tables.crumb[row[i]], 4 * sizeof(float));
+        int i = 0;
+#ifdef MINILLAMA_AVX512
+        for (; i + 16 <= D / 4; i += 16) unpack16_int2(row + i, out + 4 * i);
+#endif
+        for (; i < D / 4; i++) std::memcpy(out + 4 * i, tables.crumb[row[i]], 4 * sizeof(float));
     } else if (bits == 8) {
         for (int d = 0; d < D; d++) out[d] = row[d];
     } else if (bits == 3) {
-        for (int i = 0; i < D / 8; i++) {
+        int i = 0;
+#if defined(MINILLAMA_AVX512) && defined(__AVX512VBMI__)
+        if (D <= 168) {  // the whole packed row (3D/8 <= 63 bytes) fits one register
+            const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (3 * D / 8)) - 1), row);
+            for (; i + 2 <= D / 8; i += 2) unpack16_int3(bytes, i, out + 8 * i);
+        }
+#endif
+        for (; i < D / 8; i++) {
             uint32_t w = row[3 * i] | (row[3 * i + 1] << 8) | (row[3 * i + 2] << 16);
             for (int j = 0; j < 8; j++) out[8 * i + j] = (w >> (3 * j)) & 7;
         }
@@ -79,8 +137,18 @@ static inline void unpack_row(const uint8_t* row, int bits, int D, float* out) {
 // Unpack a row and, for codebook codecs, map each code to its level.
 static inline void decode_row(const uint8_t* row, int bits, int D, const float* codebook, float* out) {
     unpack_row(row, bits, D, out);
-    if (codebook)
-        for (int d = 0; d < D; d++) out[d] = codebook[(int)out[d]];
+    if (!codebook) return;
+    int d = 0;
+#ifdef MINILLAMA_AVX512
+    if (bits <= 4) {  // at most 16 levels: one register, a permute looks them up
+        alignas(64) float table[16] = {0};
+        std::memcpy(table, codebook, sizeof(float) << bits);
+        const __m512 levels = _mm512_load_ps(table);
+        for (; d + 16 <= D; d += 16)
+            _mm512_storeu_ps(out + d, _mm512_permutexvar_ps(_mm512_cvttps_epi32(_mm512_loadu_ps(out + d)), levels));
+    }
+#endif
+    for (; d < D; d++) out[d] = codebook[(int)out[d]];
 }
 
 // One stored row of unquantized floats (dtype 0 f32, 1 f16, 2 bf16) into float32.
@@ -89,7 +157,11 @@ static inline void load_row(const void* base, int64_t offset, int dtype, int D, 
         std::memcpy(out, (const float*)base + offset, D * sizeof(float));
     } else if (dtype == 1) {
         const _Float16* h = (const _Float16*)base + offset;
-        for (int d = 0; d < D; d++) out[d] = (float)h[d];
+        int d = 0;
+#ifdef MINILLAMA_AVX512
+        for (; d + 16 <= D; d += 16) _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + d))));
+#endif
+        for (; d < D; d++) out[d] = (float)h[d];
     } else {
         const uint16_t* b = (const uint16_t*)base + offset;
         for (int d = 0; d < D; d++) {
@@ -174,6 +246,17 @@ static void values_float_impl(const float* p, const void* vals, int dtype, int B
     reduce_blocks(part, B * H, nb, R * D, out);
 }
 
+// Per-token codecs: the row's scale and zero are applied to the decoded row once, in
+// registers (D multiply-adds), and the row then serves all R query heads that share this
+// KV head; nothing is written back. With few channel groups per row this beats folding
+// the scales into q or p per group and query head, which needs a loop over groups.
+static inline void scale_row(const uint16_t* scale, const uint16_t* zero, int D, int group, float* c) {
+    for (int g = 0; g < D / group; g++) {
+        const float s = half_to_float(scale[g]), z = zero ? half_to_float(zero[g]) : 0.f;
+        for (int d = g * group; d < (g + 1) * group; d++) c[d] = c[d] * s + z;
+    }
+}
+
 // Keys quantized per token in groups of `group` channels (affine; ternary or codebook when zero == nullptr).
 template <int DC, int RC>
 static void scores_token_impl(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
@@ -185,30 +268,23 @@ static void scores_token_impl(const float* q, const uint8_t* codes, const uint16
     for (int bh = 0; bh < B * H; bh++)
     for (int blk = 0; blk < n_blocks(n); blk++) {
         FlushDenormals guard;
-        std::vector<float> qsum((size_t)R * G, 0.f);  // sum of q over each channel group (for the zeros)
-        for (int r = 0; r < R; r++)
-            for (int d = 0; d < D; d++) qsum[r * G + d / group] += q[((int64_t)bh * R + r) * D + d];
         float c[512];
         Cursor at(start, blk * BLOCK, slots);
         for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
             int64_t slot = (int64_t)bh * slots + at.slot;
             decode_row(codes + slot * W, bits, D, codebook, c);
+            scale_row(scale + slot * G, zero ? zero + slot * G : nullptr, D, group, c);
             for (int r = 0; r < R; r++) {
                 const float* qr = q + ((int64_t)bh * R + r) * D;
                 float acc = 0.f;
-                for (int g = 0; g < G; g++) {
-                    float dot = 0.f;
-                    for (int d = g * group; d < (g + 1) * group; d++) dot += qr[d] * c[d];
-                    acc += half_to_float(scale[slot * G + g]) * dot;
-                    if (zero) acc += half_to_float(zero[slot * G + g]) * qsum[r * G + g];
-                }
+                for (int d = 0; d < D; d++) acc += qr[d] * c[d];
                 scores[((int64_t)bh * R + r) * n + i] = acc;
             }
         }
     }
 }
 
-// out = p . V for values quantized per token (affine, or ternary when zero == nullptr).
+// out = p . V for values quantized per token (affine; ternary or codebook when zero == nullptr).
 template <int DC, int RC>
 static void values_token_impl(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                   const float* codebook, int B, int H, int R_,
@@ -221,25 +297,20 @@ static void values_token_impl(const float* p, const uint8_t* codes, const uint16
     for (int bh = 0; bh < B * H; bh++)
     for (int blk = 0; blk < nb; blk++) {
         FlushDenormals guard;
-        std::vector<float> acc((size_t)R * D, 0.f), zacc((size_t)R * G, 0.f);
+        float* acc = &part[((size_t)bh * nb + blk) * R * D];
+        std::fill(acc, acc + R * D, 0.f);
         float c[512];
         Cursor at(start, blk * BLOCK, slots);
         for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
             int64_t slot = (int64_t)bh * slots + at.slot;
             decode_row(codes + slot * W, bits, D, codebook, c);
+            scale_row(scale + slot * G, zero ? zero + slot * G : nullptr, D, group, c);
             for (int r = 0; r < R; r++) {
                 float pt = p[((int64_t)bh * R + r) * n + i];
                 float* a = &acc[(size_t)r * D];
-                for (int g = 0; g < G; g++) {
-                    float w = pt * half_to_float(scale[slot * G + g]);  // scale folded into the weight
-                    for (int d = g * group; d < (g + 1) * group; d++) a[d] += w * c[d];
-                    if (zero) zacc[r * G + g] += pt * half_to_float(zero[slot * G + g]);
-                }
+                for (int d = 0; d < D; d++) a[d] += pt * c[d];
             }
         }
-        float* dst = &part[((size_t)bh * nb + blk) * R * D];
-        for (int r = 0; r < R; r++)
-            for (int d = 0; d < D; d++) dst[r * D + d] = acc[(size_t)r * D + d] + zacc[r * G + d / group];
     }
     reduce_blocks(part, B * H, nb, R * D, out);
 }
