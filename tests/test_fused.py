@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -114,3 +116,18 @@ def test_bf16_matrix_vector_kernel_equals_float_math(n_out, n_in, bias):
     # Both round the float32 result to bf16 once: within one bf16 ulp of exact float math.
     assert torch.allclose(fast.float(), reference, rtol=2 ** -7, atol=1e-3)
     assert torch.allclose(fast.float(), torch_bf16.float(), rtol=2 ** -6, atol=2e-3)
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="baseline build is x86-64 specific")
+@pytest.mark.parametrize("spec", ["fp16", "kivi4", "hadv2", "k4v3hc", "k4v3lmc", "k=lm2h,v=int8,group=16,residual=3"])
+def test_portable_build_without_avx512_equals_reference(spec, monkeypatch):
+    """The kernels compiled for a baseline x86-64 CPU (lookup-table unpacking, no AVX-512)
+    must match the reference too: that is the code other machines run."""
+    from minillama import fused_attention
+
+    portable = kernels.build(kernels.PORTABLE_FLAGS)
+    assert portable is not None
+    monkeypatch.setattr(fused_attention, "load", lambda: portable)
+    reference, fused, _ = compare(spec, 2, 77)
+    assert torch.allclose(fused, reference, atol=2e-5, rtol=1e-4)

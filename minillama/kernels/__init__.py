@@ -29,6 +29,8 @@ FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fn
          "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     FLAGS.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it (GCC defaults to 256)
+# The same sources for a baseline x86-64 CPU (no AVX-512): the portable lookup-table paths.
+PORTABLE_FLAGS = [f for f in FLAGS if not f.startswith(("-march", "-mprefer"))] + ["-march=x86-64"]
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
@@ -46,22 +48,19 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MINILLAMA_CACHE", Path.home() / ".cache" / "minillama")) / "kernels"
 
 
-@functools.lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (with a one-line notice) when it cannot be built."""
-    if os.environ.get("MINILLAMA_KERNEL", "1") == "0":
-        return None
+def build(flags: list[str]) -> ctypes.CDLL | None:
+    """Compile (or reuse from the cache) the kernels with these flags; None when that fails."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         print("minillama: no C++ compiler found; using the PyTorch reference paths (slower)", file=sys.stderr)
         return None
     source = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"minillama-kernels-{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True)
         if done.returncode:
             first = (done.stderr.strip().splitlines() or ["unknown error"])[0]
             print(f"minillama: kernel build failed ({first[:120]}); using the PyTorch reference paths", file=sys.stderr)
@@ -72,3 +71,11 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
     return lib
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library for this CPU, or None (with a one-line notice) when it cannot be built."""
+    if os.environ.get("MINILLAMA_KERNEL", "1") == "0":
+        return None
+    return build(FLAGS)
