@@ -118,16 +118,31 @@ def gaussian_codebook(bits: int) -> torch.Tensor:
     return levels.float()
 
 
-def quantize_codebook(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., T, D) -> codes (..., T, D) uint8 (index of the nearest level), scale (..., T, D/G) fp16 (RMS)."""
+def quantize_codebook(x: torch.Tensor, bits: int, group: int, refine: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., T, D) -> codes (..., T, D) uint8 (index of the nearest level), scale (..., T, D/G) fp16.
+
+    The scale starts at the group's RMS (right for unit-Gaussian levels on average) and is
+    then refined ``refine`` times by alternating minimization of the squared error: for
+    fixed codes the best scale is <x, l> / <l, l> (l = the chosen levels), and for a fixed
+    scale the best codes are the nearest levels. Neither step can raise the error, so the
+    refined scale fits each group at least as well as its RMS (up to fp16 rounding).
+    """
     check_finite(x)
     xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
-    scale = xg.pow(2).mean(dim=-1, keepdim=True).sqrt().to(torch.float16)
-    s = scale.float()
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    levels = gaussian_codebook(bits)
-    codes = torch.bucketize(xg / s, (levels[1:] + levels[:-1]) / 2).to(torch.uint8)  # nearest level
-    return codes.reshape(x.shape), scale.squeeze(-1)
+    levels = gaussian_codebook(bits).to(x.device)
+    mids = (levels[1:] + levels[:-1]) / 2
+
+    def stored(s: torch.Tensor) -> torch.Tensor:  # the scale as it will be stored (fp16), never 0
+        s = s.to(torch.float16).float()
+        return torch.where(s > 0, s, torch.ones_like(s))
+
+    s = stored(xg.pow(2).mean(dim=-1, keepdim=True).sqrt())  # (..., T, D/G, 1)
+    for _ in range(refine):
+        chosen = levels[torch.bucketize(xg / s, mids)]  # (..., T, D/G, G)
+        fit = (xg * chosen).sum(-1, keepdim=True) / chosen.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
+        s = stored(fit)
+    codes = torch.bucketize(xg / s, mids).to(torch.uint8)  # nearest level for the stored scale
+    return codes.reshape(x.shape), s.squeeze(-1).to(torch.float16)
 
 
 def dequantize_codebook(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int) -> torch.Tensor:
