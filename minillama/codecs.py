@@ -206,6 +206,7 @@ PRESETS: dict[str, str] = {
     # Centered keys (center=1): the winners of the second round.
     "k4v3hc": "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
     "k4v3lmc": "k=lm4h,v=lm3h,group=64,residual=8,sinks=4,center=1",
+    "k4v4lmc": "k=lm4h,v=lm4h,group=64,residual=8,sinks=4,center=1",
 }
 
 PRESET_NOTES: dict[str, str] = {
@@ -220,6 +221,7 @@ PRESET_NOTES: dict[str, str] = {
     "k3v2lm": "Hadamard Lloyd-Max 3-bit keys and 2-bit values, group 64, residual 8, 4 sinks",
     "k4v3hc": "k4v3h with centered keys (per-sequence channel mean subtracted)",
     "k4v3lmc": "Lloyd-Max 4-bit keys (centered) and 3-bit values, group 64, residual 8, 4 sinks",
+    "k4v4lmc": "Lloyd-Max 4-bit keys (centered) and 4-bit values, group 64, residual 8, 4 sinks",
 }
 
 _FIELD = re.compile(r"^(k|v|group|residual|sinks|center)=(.+)$")
