@@ -13,26 +13,49 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minillama.kernels import load
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool = True) -> torch.Tensor:
+    """x (..., in) @ weight (out, in)^T + bias: the bf16 matrix-vector kernel for one row, else F.linear."""
+    if not (kernel and x.numel() == weight.shape[1] and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.is_contiguous() and not torch.is_grad_enabled()):
+        return F.linear(x, weight, bias)
+    lib = load()
+    if lib is None:
+        return F.linear(x, weight, bias)
+    xf = x.reshape(-1).float().contiguous()  # (in,) float32
+    y = torch.empty(weight.shape[0])  # (out,) float32
+    lib.gemv_bf16(ctypes.c_void_p(xf.data_ptr()), ctypes.c_void_p(weight.data_ptr()), weight.shape[0], weight.shape[1],
+                  ctypes.c_void_p(y.data_ptr()))
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # (..., out), rounded like torch's bf16 linear
+
+
+def concat_rows(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (sum of outs, in) weight (and bias) for several projections of the same input.
+
+    The layers' parameters are replaced by views into it, so nothing is stored twice and
+    the layers still work (and load, and save) on their own.
+    """
+    weight = torch.cat([m.weight.detach() for m in layers])  # (sum out, in)
+    bias = torch.cat([m.bias.detach() for m in layers]) if layers[0].bias is not None else None
+    row = 0
+    for m in layers:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
 
 
 class DecodeLinear(nn.Linear):
     kernel: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight  # (out, in)
-        if not (self.kernel and x.numel() == w.shape[1] and w.dtype == torch.bfloat16 and w.device.type == "cpu"
-                and w.is_contiguous() and not torch.is_grad_enabled()):
-            return super().forward(x)
-        lib = load()
-        if lib is None:
-            return super().forward(x)
-        xf = x.reshape(-1).float().contiguous()  # (in,) float32
-        y = torch.empty(w.shape[0])  # (out,) float32
-        lib.gemv_bf16(ctypes.c_void_p(xf.data_ptr()), ctypes.c_void_p(w.data_ptr()), w.shape[0], w.shape[1],
-                      ctypes.c_void_p(y.data_ptr()))
-        if self.bias is not None:
-            y += self.bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])  # (..., out), rounded like torch's bf16 linear
+        return project(x, self.weight, self.bias, self.kernel)

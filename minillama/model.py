@@ -17,7 +17,7 @@ from minillama.cache import KVCache
 from minillama.config import LlamaConfig
 from minillama.fused_attention import available as fused_available
 from minillama.fused_attention import fused_decode_attention
-from minillama.linear import DecodeLinear
+from minillama.linear import DecodeLinear, concat_rows, project
 from minillama.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -44,11 +44,18 @@ class Attention(nn.Module):
         self.v_proj = DecodeLinear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
         self.o_proj = DecodeLinear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
 
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
+
     def forward(self, x, cos, sin, cache: KVCache | None, layer: int):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.hq, self.d).transpose(1, 2)  # (B, Hq, T, D)
-        k = self.k_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.qkv is not None:  # one matrix product for q, k and v (their weights are views of it)
+            qkv = project(x, *self.qkv, self.q_proj.kernel)  # (B, T, (Hq + 2 Hkv) D)
+            q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(b, t, self.hq, self.d).transpose(1, 2)  # (B, Hq, T, D)
+        k = k.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             out = attend(q, k, v, None, None, None)
@@ -67,9 +74,14 @@ class MLP(nn.Module):
         self.gate_proj = DecodeLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = DecodeLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        if self.gate_up is not None:  # gate and up in one matrix product
+            gate, up = project(x, *self.gate_up, self.gate_proj.kernel).chunk(2, dim=-1)  # (..., I) each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -109,6 +121,17 @@ class Llama(nn.Module):
         for m in self.modules():
             if isinstance(m, DecodeLinear):
                 m.kernel = enabled
+        return self
+
+    def fuse_projections(self) -> "Llama":
+        """Concatenate q/k/v and gate/up weights so each group is one matrix product.
+
+        The separate projections become views into the fused weights (no extra memory),
+        so loading, the reference path and ``state_dict`` are unchanged."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = concat_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up = concat_rows([mlp.gate_proj, mlp.up_proj])
         return self
 
     def tie_weights(self) -> None:

@@ -85,3 +85,19 @@ def test_bfloat16_decode_with_the_matrix_vector_kernel_matches_transformers(tmp_
         errors.append((torch.cat(steps, dim=1).float() - reference).abs().max().item())
     fast, plain = errors
     assert fast < 0.1 * reference.abs().max() and fast < 2 * plain + 1e-2, errors
+
+
+def test_fused_projections_share_memory_and_change_nothing(tmp_path):
+    """load_model fuses q/k/v and gate/up into one weight each; the separate projections
+    are views into it, and the logits equal the unfused model's."""
+    folder = make_tiny(tmp_path / "biases", **CONFIGS["biases"])
+    lm = load_model(str(folder))
+    attn, mlp = lm.model.model.layers[0].self_attn, lm.model.model.layers[0].mlp
+    assert attn.q_proj.weight.data_ptr() == attn.qkv[0].data_ptr()
+    assert attn.v_proj.bias.data_ptr() == attn.qkv[1][-attn.v_proj.bias.numel():].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[0][mlp.gate_proj.weight.shape[0]:].data_ptr()
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(5))
+    fused = lm.model(tokens)
+    for layer in lm.model.model.layers:
+        layer.self_attn.qkv = layer.mlp.gate_up = None  # back to one product per projection
+    assert torch.allclose(lm.model(tokens), fused, atol=1e-5)

@@ -61,7 +61,7 @@ static const Tables tables;
 // codes with shifts and masks, interleave them back into order, widen to float.
 
 // 16 bytes of 4-bit codes (low nibble first) -> 32 floats.
-static inline void unpack16_int4(const uint8_t* p, float* out) {
+static inline void unpack16_int4(const uint8_t* p, float* __restrict__ out) {
     const __m128i b = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
     _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))));       // codes 0..15
@@ -69,7 +69,7 @@ static inline void unpack16_int4(const uint8_t* p, float* out) {
 }
 
 // 16 bytes of 2-bit codes (lowest bits first) -> 64 floats.
-static inline void unpack16_int2(const uint8_t* p, float* out) {
+static inline void unpack16_int2(const uint8_t* p, float* __restrict__ out) {
     const __m128i b = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(3);
     const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
     const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
@@ -83,7 +83,7 @@ static inline void unpack16_int2(const uint8_t* p, float* out) {
 #ifdef __AVX512VBMI__
 // Codes 8i..8i+15 of a 3-bit row already in a register (8 codes per 3 bytes, lowest bits
 // first) -> 16 floats: each 32-bit lane gathers its 3-byte word, shifts and masks.
-static inline void unpack16_int3(__m512i bytes, int i, float* out) {
+static inline void unpack16_int3(__m512i bytes, int i, float* __restrict__ out) {
     alignas(64) uint8_t idx[64];
     for (int j = 0; j < 16; j++) {
         const int word = 3 * (i + j / 8);
@@ -98,7 +98,7 @@ static inline void unpack16_int3(__m512i bytes, int i, float* out) {
 #endif
 
 // Unpack one row of D codes (bits 8, 4, 3 or 2; 5 = trits) into floats.
-static inline void unpack_row(const uint8_t* row, int bits, int D, float* out) {
+static inline void unpack_row(const uint8_t* row, int bits, int D, float* __restrict__ out) {
     if (bits == 4) {
         int i = 0;
 #ifdef MINILLAMA_AVX512
@@ -135,7 +135,7 @@ static inline void unpack_row(const uint8_t* row, int bits, int D, float* out) {
 }
 
 // Unpack a row and, for codebook codecs, map each code to its level.
-static inline void decode_row(const uint8_t* row, int bits, int D, const float* codebook, float* out) {
+static inline void decode_row(const uint8_t* row, int bits, int D, const float* codebook, float* __restrict__ out) {
     unpack_row(row, bits, D, out);
     if (!codebook) return;
     int d = 0;
@@ -152,7 +152,7 @@ static inline void decode_row(const uint8_t* row, int bits, int D, const float* 
 }
 
 // One stored row of unquantized floats (dtype 0 f32, 1 f16, 2 bf16) into float32.
-static inline void load_row(const void* base, int64_t offset, int dtype, int D, float* out) {
+static inline void load_row(const void* base, int64_t offset, int dtype, int D, float* __restrict__ out) {
     if (dtype == 0) {
         std::memcpy(out, (const float*)base + offset, D * sizeof(float));
     } else if (dtype == 1) {
@@ -184,8 +184,21 @@ struct Cursor {
     void next() { if (++slot == slots) slot = 0; }
 };
 
+// A block's output accumulator: on the stack when its size is known at compile time (the
+// compiler can then keep it in registers across the token loop), else the caller's buffer.
+// The destructor writes it to `dst`.
+template <int N>
+struct Accumulator {
+    alignas(64) float local[N > 0 ? N : 1];
+    float* dst;
+    float* data;
+    int n;
+    Accumulator(float* dst, int n) : dst(dst), data(N > 0 ? local : dst), n(n) { std::fill(data, data + n, 0.f); }
+    ~Accumulator() { if (N > 0) std::memcpy(dst, local, sizeof(float) * n); }
+};
+
 // out[bh] = sum over blocks of part[bh][block]  (each R*D floats)
-static void reduce_blocks(const std::vector<float>& part, int BH, int nb, int RD, float* out) {
+static void reduce_blocks(const std::vector<float>& part, int BH, int nb, int RD, float* __restrict__ out) {
 #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < BH; bh++)
         for (int x = 0; x < RD; x++) {
@@ -198,8 +211,8 @@ static void reduce_blocks(const std::vector<float>& part, int BH, int nb, int RD
 
 // Scores of q against unquantized keys stored as f32/f16/bf16.
 template <int DC, int RC>
-static void scores_float_impl(const float* q, const void* keys, int dtype, int B, int H, int R_, int D_, int slots, int start, int n,
-                  float* scores) {
+static void scores_float_impl(const float* __restrict__ q, const void* keys, int dtype, int B, int H, int R_, int D_, int slots, int start, int n,
+                  float* __restrict__ scores) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
 #pragma omp parallel for collapse(2) schedule(static)
     for (int bh = 0; bh < B * H; bh++)
@@ -221,8 +234,8 @@ static void scores_float_impl(const float* q, const void* keys, int dtype, int B
 
 // out = p . V for unquantized values.
 template <int DC, int RC>
-static void values_float_impl(const float* p, const void* vals, int dtype, int B, int H, int R_, int D_, int slots, int start, int n,
-                  float* out) {
+static void values_float_impl(const float* __restrict__ p, const void* vals, int dtype, int B, int H, int R_, int D_, int slots, int start, int n,
+                  float* __restrict__ out) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int nb = n_blocks(n);
     std::vector<float> part((size_t)B * H * nb * R * D);
@@ -230,8 +243,8 @@ static void values_float_impl(const float* p, const void* vals, int dtype, int B
     for (int bh = 0; bh < B * H; bh++)
     for (int blk = 0; blk < nb; blk++) {
         FlushDenormals guard;
-        float* acc = &part[((size_t)bh * nb + blk) * R * D];
-        std::fill(acc, acc + R * D, 0.f);
+        Accumulator<DC * RC> accum(&part[((size_t)bh * nb + blk) * R * D], R * D);
+        float* acc = accum.data;
         float v[512];
         Cursor at(start, blk * BLOCK, slots);
         for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
@@ -259,9 +272,9 @@ static inline void scale_row(const uint16_t* scale, const uint16_t* zero, int D,
 
 // Keys quantized per token in groups of `group` channels (affine; ternary or codebook when zero == nullptr).
 template <int DC, int RC>
-static void scores_token_impl(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+static void scores_token_impl(const float* __restrict__ q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                   const float* codebook, int B, int H, int R_,
-                  int D_, int bits, int group, int slots, int start, int n, float* scores) {
+                  int D_, int bits, int group, int slots, int start, int n, float* __restrict__ scores) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -286,9 +299,9 @@ static void scores_token_impl(const float* q, const uint8_t* codes, const uint16
 
 // out = p . V for values quantized per token (affine; ternary or codebook when zero == nullptr).
 template <int DC, int RC>
-static void values_token_impl(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
+static void values_token_impl(const float* __restrict__ p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                   const float* codebook, int B, int H, int R_,
-                  int D_, int bits, int group, int slots, int start, int n, float* out) {
+                  int D_, int bits, int group, int slots, int start, int n, float* __restrict__ out) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
     int nb = n_blocks(n);
@@ -297,8 +310,8 @@ static void values_token_impl(const float* p, const uint8_t* codes, const uint16
     for (int bh = 0; bh < B * H; bh++)
     for (int blk = 0; blk < nb; blk++) {
         FlushDenormals guard;
-        float* acc = &part[((size_t)bh * nb + blk) * R * D];
-        std::fill(acc, acc + R * D, 0.f);
+        Accumulator<DC * RC> accum(&part[((size_t)bh * nb + blk) * R * D], R * D);
+        float* acc = accum.data;
         float c[512];
         Cursor at(start, blk * BLOCK, slots);
         for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
@@ -317,8 +330,8 @@ static void values_token_impl(const float* p, const uint8_t* codes, const uint16
 
 // Keys quantized per channel over groups of `group` tokens (KIVI).
 template <int DC, int RC>
-static void scores_channel_impl(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R_,
-                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* scores) {
+static void scores_channel_impl(const float* __restrict__ q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R_,
+                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* __restrict__ scores) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = D * bits / 8;
     int span = (BLOCK / group > 0 ? BLOCK / group : 1) * group;  // whole groups per block
@@ -347,7 +360,7 @@ static void scores_channel_impl(const float* q, const uint8_t* codes, const uint
             int64_t slot = (int64_t)bh * slots + at.slot;
             unpack_row(codes + slot * W, bits, D, c);
             for (int r = 0; r < R; r++) {
-                const float* qr = &qs[(size_t)r * D];
+                const float* __restrict__ qr = &qs[(size_t)r * D];
                 float acc = cz[r];
                 for (int d = 0; d < D; d++) acc += qr[d] * c[d];
                 scores[((int64_t)bh * R + r) * n + i] = acc;
@@ -358,8 +371,8 @@ static void scores_channel_impl(const float* q, const uint8_t* codes, const uint
 
 // out = p . V for values quantized per channel over groups of tokens.
 template <int DC, int RC>
-static void values_channel_impl(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R_,
-                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* out) {
+static void values_channel_impl(const float* __restrict__ p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R_,
+                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* __restrict__ out) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = D * bits / 8;
 #pragma omp parallel for schedule(static)
