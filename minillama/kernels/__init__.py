@@ -33,13 +33,13 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 PORTABLE_FLAGS = [f for f in FLAGS if not f.startswith(("-march", "-mprefer"))] + ["-march=x86-64"]
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
-SIGNATURES = {
-    "scores_float": [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P],
-    "values_float": [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _P],
-    "scores_token": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
-    "values_token": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
-    "scores_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
-    "values_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+SIGNATURES = {  # every attention kernel ends with (n, ld, output)
+    "scores_float": [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "values_float": [_P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "scores_token": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "values_token": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "scores_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "values_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
     "gemv_bf16": [_P, _P, _I, _I, _P],
 }
 

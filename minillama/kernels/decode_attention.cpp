@@ -15,7 +15,9 @@
 // Layout: every buffer is (B, H, slots, width) contiguous, used as a ring: logical
 // token i lives in slot (start + i) % slots; per-channel scale rows in
 // (sstart + i / group) % sslots. q is (B, H, R, D) float32 (R query heads per KV head);
-// scores are (B, H, R, n); p is (B, H, R, n); out is (B, H, R, D) and is overwritten.
+// scores and p are (B, H, R, n) with rows `ld` floats apart (ld >= n), so that each part of
+// the cache (sinks, body, residual) fills its own columns of one score matrix; out is
+// (B, H, R, D) and value kernels add to it.
 // The pure-PyTorch reference in attention.py is the specification these must match.
 
 #include <cstdint>
@@ -197,21 +199,21 @@ struct Accumulator {
     ~Accumulator() { if (N > 0) std::memcpy(dst, local, sizeof(float) * n); }
 };
 
-// out[bh] = sum over blocks of part[bh][block]  (each R*D floats)
+// out[bh] += sum over blocks of part[bh][block]  (each R*D floats)
 static void reduce_blocks(const std::vector<float>& part, int BH, int nb, int RD, float* __restrict__ out) {
 #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < BH; bh++)
         for (int x = 0; x < RD; x++) {
             float acc = 0.f;
             for (int b = 0; b < nb; b++) acc += part[((size_t)bh * nb + b) * RD + x];
-            out[(int64_t)bh * RD + x] = acc;
+            out[(int64_t)bh * RD + x] += acc;
         }
 }
 
 
 // Scores of q against unquantized keys stored as f32/f16/bf16.
 template <int DC, int RC>
-static void scores_float_impl(const float* __restrict__ q, const void* keys, int dtype, int B, int H, int R_, int D_, int slots, int start, int n,
+static void scores_float_impl(const float* __restrict__ q, const void* keys, int dtype, int B, int H, int R_, int D_, int slots, int start, int n, int ld,
                   float* __restrict__ scores) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
 #pragma omp parallel for collapse(2) schedule(static)
@@ -226,7 +228,7 @@ static void scores_float_impl(const float* __restrict__ q, const void* keys, int
                 const float* qr = q + ((int64_t)bh * R + r) * D;
                 float acc = 0.f;
                 for (int d = 0; d < D; d++) acc += qr[d] * k[d];
-                scores[((int64_t)bh * R + r) * n + i] = acc;
+                scores[((int64_t)bh * R + r) * ld + i] = acc;
             }
         }
     }
@@ -234,7 +236,7 @@ static void scores_float_impl(const float* __restrict__ q, const void* keys, int
 
 // out = p . V for unquantized values.
 template <int DC, int RC>
-static void values_float_impl(const float* __restrict__ p, const void* vals, int dtype, int B, int H, int R_, int D_, int slots, int start, int n,
+static void values_float_impl(const float* __restrict__ p, const void* vals, int dtype, int B, int H, int R_, int D_, int slots, int start, int n, int ld,
                   float* __restrict__ out) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int nb = n_blocks(n);
@@ -250,7 +252,7 @@ static void values_float_impl(const float* __restrict__ p, const void* vals, int
         for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
             load_row(vals, ((int64_t)bh * slots + at.slot) * D, dtype, D, v);
             for (int r = 0; r < R; r++) {
-                float w = p[((int64_t)bh * R + r) * n + i];
+                float w = p[((int64_t)bh * R + r) * ld + i];
                 float* a = &acc[(size_t)r * D];
                 for (int d = 0; d < D; d++) a[d] += w * v[d];
             }
@@ -274,7 +276,7 @@ static inline void scale_row(const uint16_t* scale, const uint16_t* zero, int D,
 template <int DC, int RC>
 static void scores_token_impl(const float* __restrict__ q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                   const float* codebook, int B, int H, int R_,
-                  int D_, int bits, int group, int slots, int start, int n, float* __restrict__ scores) {
+                  int D_, int bits, int group, int slots, int start, int n, int ld, float* __restrict__ scores) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -291,7 +293,7 @@ static void scores_token_impl(const float* __restrict__ q, const uint8_t* codes,
                 const float* qr = q + ((int64_t)bh * R + r) * D;
                 float acc = 0.f;
                 for (int d = 0; d < D; d++) acc += qr[d] * c[d];
-                scores[((int64_t)bh * R + r) * n + i] = acc;
+                scores[((int64_t)bh * R + r) * ld + i] = acc;
             }
         }
     }
@@ -301,7 +303,7 @@ static void scores_token_impl(const float* __restrict__ q, const uint8_t* codes,
 template <int DC, int RC>
 static void values_token_impl(const float* __restrict__ p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                   const float* codebook, int B, int H, int R_,
-                  int D_, int bits, int group, int slots, int start, int n, float* __restrict__ out) {
+                  int D_, int bits, int group, int slots, int start, int n, int ld, float* __restrict__ out) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = bits == 5 ? (D + 4) / 5 : D * bits / 8, G = D / group;
     int nb = n_blocks(n);
@@ -319,7 +321,7 @@ static void values_token_impl(const float* __restrict__ p, const uint8_t* codes,
             decode_row(codes + slot * W, bits, D, codebook, c);
             scale_row(scale + slot * G, zero ? zero + slot * G : nullptr, D, group, c);
             for (int r = 0; r < R; r++) {
-                float pt = p[((int64_t)bh * R + r) * n + i];
+                float pt = p[((int64_t)bh * R + r) * ld + i];
                 float* a = &acc[(size_t)r * D];
                 for (int d = 0; d < D; d++) a[d] += pt * c[d];
             }
@@ -331,7 +333,7 @@ static void values_token_impl(const float* __restrict__ p, const uint8_t* codes,
 // Keys quantized per channel over groups of `group` tokens (KIVI).
 template <int DC, int RC>
 static void scores_channel_impl(const float* __restrict__ q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R_,
-                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* __restrict__ scores) {
+                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, int ld, float* __restrict__ scores) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = D * bits / 8;
     int span = (BLOCK / group > 0 ? BLOCK / group : 1) * group;  // whole groups per block
@@ -363,7 +365,7 @@ static void scores_channel_impl(const float* __restrict__ q, const uint8_t* code
                 const float* __restrict__ qr = &qs[(size_t)r * D];
                 float acc = cz[r];
                 for (int d = 0; d < D; d++) acc += qr[d] * c[d];
-                scores[((int64_t)bh * R + r) * n + i] = acc;
+                scores[((int64_t)bh * R + r) * ld + i] = acc;
             }
         }
     }
@@ -372,7 +374,7 @@ static void scores_channel_impl(const float* __restrict__ q, const uint8_t* code
 // out = p . V for values quantized per channel over groups of tokens.
 template <int DC, int RC>
 static void values_channel_impl(const float* __restrict__ p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R_,
-                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* __restrict__ out) {
+                    int D_, int bits, int group, int slots, int start, int sslots, int sstart, int n, int ld, float* __restrict__ out) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;  // compile-time sizes unroll the inner loops
     int W = D * bits / 8;
 #pragma omp parallel for schedule(static)
@@ -384,7 +386,7 @@ static void values_channel_impl(const float* __restrict__ p, const uint8_t* code
             int64_t slot = (int64_t)bh * slots + at.slot;
             unpack_row(codes + slot * W, bits, D, c);
             for (int r = 0; r < R; r++) {
-                float pt = p[((int64_t)bh * R + r) * n + i];
+                float pt = p[((int64_t)bh * R + r) * ld + i];
                 psum[r] += pt;
                 float* a = &gacc[(size_t)r * D];
                 for (int d = 0; d < D; d++) a[d] += pt * c[d];
@@ -400,7 +402,7 @@ static void values_channel_impl(const float* __restrict__ p, const uint8_t* code
                 for (int r = 0; r < R; r++) psum[r] = 0.f;
             }
         }
-        std::memcpy(out + (int64_t)bh * R * D, acc.data(), sizeof(float) * R * D);
+        for (int x = 0; x < R * D; x++) out[(int64_t)bh * R * D + x] += acc[x];
     }
 }
 
@@ -420,36 +422,36 @@ static void values_channel_impl(const float* __restrict__ p, const uint8_t* code
 
 extern "C" {
 
-void scores_float(const float* q, const void* keys, int dtype, int B, int H, int R, int D, int slots, int start, int n,
+void scores_float(const float* q, const void* keys, int dtype, int B, int H, int R, int D, int slots, int start, int n, int ld,
                   float* scores) {
-    DISPATCH(scores_float_impl, q, keys, dtype, B, H, R, D, slots, start, n, scores);
+    DISPATCH(scores_float_impl, q, keys, dtype, B, H, R, D, slots, start, n, ld, scores);
 }
 
-void values_float(const float* p, const void* vals, int dtype, int B, int H, int R, int D, int slots, int start, int n,
+void values_float(const float* p, const void* vals, int dtype, int B, int H, int R, int D, int slots, int start, int n, int ld,
                   float* out) {
-    DISPATCH(values_float_impl, p, vals, dtype, B, H, R, D, slots, start, n, out);
+    DISPATCH(values_float_impl, p, vals, dtype, B, H, R, D, slots, start, n, ld, out);
 }
 
 void scores_token(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                   const float* codebook, int B, int H, int R,
-                  int D, int bits, int group, int slots, int start, int n, float* scores) {
-    DISPATCH(scores_token_impl, q, codes, scale, zero, codebook, B, H, R, D, bits, group, slots, start, n, scores);
+                  int D, int bits, int group, int slots, int start, int n, int ld, float* scores) {
+    DISPATCH(scores_token_impl, q, codes, scale, zero, codebook, B, H, R, D, bits, group, slots, start, n, ld, scores);
 }
 
 void values_token(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero,
                   const float* codebook, int B, int H, int R,
-                  int D, int bits, int group, int slots, int start, int n, float* out) {
-    DISPATCH(values_token_impl, p, codes, scale, zero, codebook, B, H, R, D, bits, group, slots, start, n, out);
+                  int D, int bits, int group, int slots, int start, int n, int ld, float* out) {
+    DISPATCH(values_token_impl, p, codes, scale, zero, codebook, B, H, R, D, bits, group, slots, start, n, ld, out);
 }
 
 void scores_channel(const float* q, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R,
-                    int D, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* scores) {
-    DISPATCH(scores_channel_impl, q, codes, scale, zero, B, H, R, D, bits, group, slots, start, sslots, sstart, n, scores);
+                    int D, int bits, int group, int slots, int start, int sslots, int sstart, int n, int ld, float* scores) {
+    DISPATCH(scores_channel_impl, q, codes, scale, zero, B, H, R, D, bits, group, slots, start, sslots, sstart, n, ld, scores);
 }
 
 void values_channel(const float* p, const uint8_t* codes, const uint16_t* scale, const uint16_t* zero, int B, int H, int R,
-                    int D, int bits, int group, int slots, int start, int sslots, int sstart, int n, float* out) {
-    DISPATCH(values_channel_impl, p, codes, scale, zero, B, H, R, D, bits, group, slots, start, sslots, sstart, n, out);
+                    int D, int bits, int group, int slots, int start, int sslots, int sstart, int n, int ld, float* out) {
+    DISPATCH(values_channel_impl, p, codes, scale, zero, B, H, R, D, bits, group, slots, start, sslots, sstart, n, ld, out);
 }
 
 }  // extern "C"
