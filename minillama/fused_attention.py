@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from minillama.cache import KVCache, TensorStore
+from minillama.cache import KVCache
+from minillama.store import TensorStore
 from minillama.kernels import load
 from minillama.quantize import gaussian_codebook
 
