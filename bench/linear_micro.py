@@ -1,0 +1,49 @@
+"""One-token projections with bfloat16 weights: minillama's matrix-vector kernel vs F.linear.
+
+    python bench/linear_micro.py
+
+For each shape of the default model (q/k/v fused, o, gate/up fused, down, lm_head), enough
+distinct weight matrices to overflow the 32 MiB L3 are cycled, so every call streams its
+weights from memory as a decode step does; median over 5 passes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from minillama.linear import project
+
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down_proj": (576, 1536),
+          "lm_head": (49152, 576)}
+
+
+def per_call_us(f, weights) -> float:
+    f(weights[0])
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for w in weights:
+            f(w)
+        times.append((time.perf_counter() - t0) / len(weights))
+    return 1e6 * statistics.median(times)
+
+
+def main() -> None:
+    with torch.no_grad():
+        for name, (n_out, n_in) in SHAPES.items():
+            count = max(2, 200_000_000 // (n_out * n_in * 2))  # ~200 MB of weights in all
+            weights = [torch.randn(n_out, n_in).to(torch.bfloat16) for _ in range(count)]
+            x = torch.randn(1, 1, n_in).to(torch.bfloat16)
+            ours = per_call_us(lambda w: project(x, w, None), weights)
+            theirs = per_call_us(lambda w: F.linear(x, w), weights)
+            gbs = n_out * n_in * 2 / 1e3
+            print(f"{name:10s} {n_out}x{n_in}: kernel {ours:7.1f} us ({gbs / ours:5.1f} GB/s), "
+                  f"F.linear {theirs:7.1f} us ({gbs / theirs:5.1f} GB/s), {theirs / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
