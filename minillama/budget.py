@@ -65,7 +65,8 @@ def byte_budget(cfg: LlamaConfig, spec: KVSpec, tokens: int) -> str:
     fp16 = cfg.num_hidden_layers * 2 * cfg.n_kv_heads * cfg.head_dim * tokens * 2
     per_tok = sum(live.values()) / tokens / cfg.num_hidden_layers / cfg.n_kv_heads
     lines = [
-        f"kv {spec}: k={spec.k.name} v={spec.v.name} group={spec.group} residual={spec.residual} sinks={spec.sinks}",
+        f"kv {spec}: k={spec.k.name} v={spec.v.name} group={spec.group} residual={spec.residual} sinks={spec.sinks}"
+        + (" center=1" if spec.center else ""),
         f"model: {cfg.num_hidden_layers} layers x {cfg.n_kv_heads} KV heads x head_dim {cfg.head_dim}; {tokens} tokens",
         *(f"  {k:<9}{v:>14,d} bytes" for k, v in live.items()),
         f"  {'live':<9}{sum(live.values()):>14,d} bytes ({sum(live.values()) / 2**20:.2f} MiB, {sum(live.values()) / fp16:.1%} of fp16)",
