@@ -42,14 +42,14 @@ def hf_cache(model, kind: str):
 
 
 @torch.inference_mode()
-def hf_rows(folder: Path, ids: list[int], contexts: list[int], decode_tokens: int) -> list[dict]:
+def hf_rows(folder: Path, ids: list[int], contexts: list[int], decode_tokens: int,
+            dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
     from transformers import LlamaForCausalLM
 
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
-        kinds = ["dynamic", "quanto4", "quanto2"] if dtype == torch.float32 else ["dynamic"]
-        for kind in kinds:
+        for kind in ["dynamic", "quanto4", "quanto2"]:
             try:
                 hf_cache(model, kind)
             except ImportError as e:
@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--skip", action="append", default=[], choices=["transformers", "llama.cpp"])
+    ap.add_argument("--hf-dtype", action="append", default=None, choices=["float32", "bfloat16"],
+                    help="transformers dtypes to run (default: both)")
     args = ap.parse_args()
     contexts = args.context or [512, 8192]
     from minillama.fetch import fetch_default, find_gguf
@@ -168,7 +170,8 @@ def main() -> None:
     ids = load_tokenizer(folder).encode(WIKITEXT.read_text(encoding="utf-8"))
     rows = []
     if "transformers" not in args.skip:
-        rows += hf_rows(folder, ids, contexts, args.decode_tokens)
+        dtypes = [getattr(torch, d) for d in (args.hf_dtype or ["float32", "bfloat16"])]
+        rows += hf_rows(folder, ids, contexts, args.decode_tokens, dtypes)
     if "llama.cpp" not in args.skip:
         rows += llama_cpp_rows(find_gguf(install=False), ids, contexts, args.decode_tokens)
     text = json.dumps(rows, indent=2)
