@@ -81,12 +81,10 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     import json
     import sys
 
-    from minillama.codecs import parse_kv
     from minillama import datasets
+    from minillama.codecs import PRESETS, parse_kv
     from minillama.errors import UserError
     from minillama.perplexity import check_window, evaluate, format_table
-
-    from minillama.codecs import PRESETS
 
     if plot_path and not frontier:
         raise UserError("--plot draws the frontier: add --frontier")

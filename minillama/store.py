@@ -60,17 +60,6 @@ class TensorStore:
             ring.drop_newest(rows) if newest else ring.drop_oldest(rows)
         self.n_body -= n
 
-    def to_storage(self, x: torch.Tensor) -> torch.Tensor:
-        """New vectors (..., n, D) -> what this store keeps: in codec space, centered, exact dtype."""
-        x = self.codec.to_space(x)
-        if self.centered:
-            if self.center is None:
-                self.center = x.float().mean(dim=-2, keepdim=True).to(self.residual.buf.dtype)  # (B, H, 1, D)
-            x = x.float() - self.center.float()
-        # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
-        # quantized from the same values whether or not it waited in the residual.
-        return x.to(self.residual.buf.dtype)
-
     def take(self, x: torch.Tensor, evict: int) -> tuple[torch.Tensor | None, torch.Tensor, int, int]:
         """First half of an append of x (B, H, n, D), already in storage form: fill the sinks,
         evict `evict` oldest non-sink tokens, and split off the block to quantize now.
@@ -115,12 +104,9 @@ class TensorStore:
     def append(self, x: torch.Tensor, evict: int) -> tuple[int, int]:
         """Store new vectors x (B, H, n, D) after evicting `evict` oldest non-sink tokens.
 
-        Returns (bytes written, bytes read) for the counters. (``append_layers`` does the
-        same for one tensor of every layer at once.)
+        Returns (bytes written, bytes read) for the counters: ``append_layers`` for one layer.
         """
-        block, rest, written, read = self.take(self.to_storage(x), evict)
-        parts = self.codec.encode(block, self.group) if block is not None else None
-        return written + self.put(parts, 0 if block is None else block.shape[2], rest), read
+        return append_layers([self], [x], evict)
 
     @property
     def center_bytes(self) -> int:
@@ -185,13 +171,15 @@ def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int)
     Results are identical to appending layer by layer (the codecs work per row and group).
     """
     codec = stores[0].codec
-    x = codec.to_space(torch.stack(xs))  # (L, B, H, n, D)
-    if stores[0].centered:
+    x = codec.to_space(torch.stack(xs))  # (L, B, H, n, D), in codec space
+    if stores[0].centered:  # the first append sets each layer's center (see the module docstring)
         if stores[0].center is None:
             means = x.float().mean(dim=-2, keepdim=True).to(stores[0].residual.buf.dtype)  # (L, B, H, 1, D)
             for store, m in zip(stores, means):
                 store.center = m
         x = x.float() - torch.stack([s.center for s in stores]).float()
+    # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
+    # quantized from the same values whether or not it waited in the residual.
     x = x.to(stores[0].residual.buf.dtype)
     written = read = 0
     taken = []
