@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from minillama.budget import fill_synthetic
-from minillama.cache import KVCache
-from minillama.codecs import parse_kv
-from minillama.fused_attention import _body_call, fused_decode_attention
+from minillama.kv.budget import fill_synthetic
+from minillama.kv.cache import KVCache
+from minillama.kv.codecs import parse_kv
+from minillama.kv.fused_attention import _body_call, fused_decode_attention
 
 
 def median_ms(f, n: int = 30) -> float:

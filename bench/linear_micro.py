@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minillama.linear import project
+from minillama.model.linear import project
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down_proj": (576, 1536),
           "lm_head": (49152, 576)}

@@ -163,8 +163,8 @@ def main() -> None:
                     help="transformers dtypes to run (default: both)")
     args = ap.parse_args()
     contexts = args.context or [512, 8192]
-    from minillama.fetch import fetch_default, find_gguf
-    from minillama.tokenizer import load_tokenizer
+    from minillama.model.fetch import fetch_default, find_gguf
+    from minillama.model.tokenizer import load_tokenizer
 
     folder = fetch_default()
     ids = load_tokenizer(folder).encode(WIKITEXT.read_text(encoding="utf-8"))

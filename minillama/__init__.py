@@ -10,14 +10,14 @@ The public API, each piece a plain function or class you can call from Python:
         print(lm.tokenizer.decode([token]), end="")
 """
 
-from minillama.cache import KVCache
-from minillama.chat import ChatSession
-from minillama.codecs import CODECS, PRESETS, KVSpec, parse_kv
-from minillama.fetch import fetch_default
-from minillama.generate import decode_step, generate, prefill
-from minillama.loader import load_model
-from minillama.perplexity import evaluate as perplexity
-from minillama.sampling import SamplingParams
+from minillama.kv.cache import KVCache
+from minillama.app.chat import ChatSession
+from minillama.kv.codecs import CODECS, PRESETS, KVSpec, parse_kv
+from minillama.model.fetch import fetch_default
+from minillama.model.generate import decode_step, generate, prefill
+from minillama.model.loader import load_model
+from minillama.eval.perplexity import evaluate as perplexity
+from minillama.model.sampling import SamplingParams
 
 __all__ = ["CODECS", "PRESETS", "ChatSession", "KVCache", "KVSpec", "SamplingParams", "decode_step", "fetch_default",
            "generate", "load_model", "parse_kv", "perplexity", "prefill"]

@@ -1,3 +1,3 @@
-from minillama.cli import main
+from minillama.app.cli import main
 
 main()

@@ -59,21 +59,21 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    from minillama.loader import load_model
+    from minillama.model.loader import load_model
 
     return load_model(str(tiny_dir), "float32")
 
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from minillama.fetch import fetch_default
+    from minillama.model.fetch import fetch_default
 
     return fetch_default()
 
 
 @pytest.fixture(scope="session")
 def smollm(default_model_dir):
-    from minillama.loader import load_model
+    from minillama.model.loader import load_model
 
     return load_model(str(default_model_dir), "float32")
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from minillama.cli import cli
+from minillama.app.cli import cli
 
 
 def run(args):

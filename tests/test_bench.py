@@ -6,8 +6,8 @@ import json
 
 from click.testing import CliRunner
 
-from minillama.bench import weight_bytes_per_token
-from minillama.cli import cli
+from minillama.eval.bench import weight_bytes_per_token
+from minillama.app.cli import cli
 
 KEYS = {"kv": str, "context": int, "decode_ms_per_token": float, "decode_tokens_per_s": float, "cache_bytes": int,
         "bytes_read_per_token": int, "roofline_pct": float, "peak_rss_mb": float, "model": str, "dtype": str, "fill": str,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillama.budget import fill_synthetic, formula_live_bytes
-from minillama.cache import ContextFullError, KVCache
-from minillama.codecs import CODECS, PRESETS, parse_kv
+from minillama.kv.budget import fill_synthetic, formula_live_bytes
+from minillama.kv.cache import ContextFullError, KVCache
+from minillama.kv.codecs import CODECS, PRESETS, parse_kv
 from minillama.errors import UserError
-from minillama.loader import load_model
-from minillama.quantize import dequantize_affine, quantize_affine
+from minillama.model.loader import load_model
+from minillama.kv.quantize import dequantize_affine, quantize_affine
 from tests.conftest import make_tiny
 
 
@@ -192,7 +192,7 @@ def test_byte_counters_equal_the_closed_form(tiny, preset, batch):
     for n in (1, 31, 32, 70, 129):
         cache = KVCache.for_model(cfg, spec, 256, batch=batch)
         fill_synthetic(cache, n, chunk=17)
-        assert cache.live_bytes() == formula_live_bytes(cfg, spec, n, batch)
+        assert cache.live_bytes() == formula_live_bytes(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, spec, n, batch)
         bits = 8 * sum(cache.live_bytes().values()) / (cfg.num_hidden_layers * 2 * cfg.n_kv_heads * cfg.head_dim * n * batch)
         assert cache.bits_per_element() == pytest.approx(bits)
 

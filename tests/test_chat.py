@@ -13,11 +13,11 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from minillama.chat import ChatSession
-from minillama.chat_template import encode_chat, render
-from minillama.cli import cli
-from minillama.codecs import parse_kv
-from minillama.sampling import SamplingParams
+from minillama.app.chat import ChatSession
+from minillama.app.chat_template import encode_chat, render
+from minillama.app.cli import cli
+from minillama.kv.codecs import parse_kv
+from minillama.model.sampling import SamplingParams
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -109,7 +109,7 @@ def test_utf8_reply_streams_intact_across_token_boundaries(tiny, monkeypatch):
         for i, t in enumerate(ids + [stop]):
             yield t, None
 
-    monkeypatch.setattr("minillama.chat.generate", fake_generate)
+    monkeypatch.setattr("minillama.app.chat.generate", fake_generate)
     session = ChatSession(tiny, parse_kv("fp32"), ctx=256)
     pieces = list(session.send("hi"))
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)

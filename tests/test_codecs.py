@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama import packing
-from minillama.codecs import CODECS, parse_kv
+from minillama.kv import packing
+from minillama.kv.codecs import CODECS, parse_kv
 from minillama.errors import UserError
-from minillama.quantize import (
+from minillama.kv.quantize import (
     NonFiniteError,
     dequantize_affine,
     hadamard_matrix,
@@ -81,7 +81,7 @@ def test_rotation_lowers_error_on_outlier_channels(plain, rotated):
 
 
 def test_gaussian_codebook_is_the_lloyd_max_quantizer():
-    from minillama.quantize import gaussian_codebook
+    from minillama.kv.quantize import gaussian_codebook
 
     assert torch.allclose(gaussian_codebook(1), torch.tensor([-0.7979, 0.7979]), atol=1e-4)  # ±sqrt(2/pi)
     assert torch.allclose(gaussian_codebook(2), torch.tensor([-1.5104, -0.4528, 0.4528, 1.5104]), atol=1e-4)
@@ -101,7 +101,7 @@ def test_refined_codebook_scale_never_fits_worse_than_the_rms(bits, tails):
     """quantize_codebook refines each group's scale by alternating minimization; per
     group its squared error must not exceed the plain RMS scale's (fp16 slack allowed),
     and lower on average (most of all on heavy-tailed groups)."""
-    from minillama.quantize import dequantize_codebook, quantize_codebook
+    from minillama.kv.quantize import dequantize_codebook, quantize_codebook
 
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(2000, 64, generator=g) if tails == "gaussian" else \

@@ -7,7 +7,7 @@ import regex
 import torch
 from click.testing import CliRunner
 
-from minillama.cli import cli
+from minillama.app.cli import cli
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_pretokenizer_matches_reference_rules_on_wikitext(smollm, wikitext):
 def test_tokenizer_matches_transformers_gguf_tokenizer_on_wikitext(smollm, wikitext):
     from transformers import AutoTokenizer
 
-    from minillama.fetch import find_gguf
+    from minillama.model.fetch import find_gguf
 
     gguf = find_gguf(install=False)
     hf = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -57,7 +57,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer_on_wikitext(smollm, wikit
 def test_logits_match_transformers_gguf_loader(smollm, wikitext):
     from transformers import AutoModelForCausalLM
 
-    from minillama.fetch import find_gguf
+    from minillama.model.fetch import find_gguf
 
     gguf = find_gguf(install=False)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
@@ -81,10 +81,10 @@ def test_generate_runs_end_to_end_with_every_preset(default_model_dir, preset):
 
 
 def test_every_codec_runs_end_to_end_on_the_default_model(smollm):
-    from minillama.cache import KVCache
-    from minillama.codecs import CODECS, parse_kv
-    from minillama.generate import generate
-    from minillama.sampling import SamplingParams
+    from minillama.kv.cache import KVCache
+    from minillama.kv.codecs import CODECS, parse_kv
+    from minillama.model.generate import generate
+    from minillama.model.sampling import SamplingParams
 
     ids = smollm.tokenizer.encode("The capital of France is")
     for codec in CODECS:

@@ -7,12 +7,12 @@ import platform
 import pytest
 import torch
 
-from minillama import kernels
-from minillama.attention import attend
-from minillama.budget import fill_synthetic
-from minillama.cache import KVCache
-from minillama.codecs import CODECS, PRESETS, parse_kv
-from minillama.fused_attention import fused_decode_attention
+from minillama.kv import kernels
+from minillama.model.attention import attend
+from minillama.kv.budget import fill_synthetic
+from minillama.kv.cache import KVCache
+from minillama.kv.codecs import CODECS, PRESETS, parse_kv
+from minillama.kv.fused_attention import fused_decode_attention
 
 needs_kernel = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler: the reference path is used")
 
@@ -102,7 +102,7 @@ def test_fused_equals_reference_for_other_head_shapes(head_dim, q_per_kv, spec):
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_matrix_vector_kernel_equals_float_math(n_out, n_in, bias):
     """DecodeLinear's kernel path: y = x W^T (+ b) with bf16 weights, accumulated in float32."""
-    from minillama.linear import DecodeLinear
+    from minillama.model.linear import DecodeLinear
 
     layer = DecodeLinear(n_in, n_out, bias=bias).to(torch.bfloat16)
     x = torch.randn(1, 1, n_in).to(torch.bfloat16)
@@ -124,7 +124,7 @@ def test_bf16_matrix_vector_kernel_equals_float_math(n_out, n_in, bias):
 def test_portable_build_without_avx512_equals_reference(spec, monkeypatch):
     """The kernels compiled for a baseline x86-64 CPU (lookup-table unpacking, no AVX-512)
     must match the reference too: that is the code other machines run."""
-    from minillama import fused_attention
+    from minillama.kv import fused_attention
 
     portable = kernels.build(kernels.PORTABLE_FLAGS)
     assert portable is not None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillama.cache import KVCache
-from minillama.codecs import parse_kv
-from minillama.loader import load_model
+from minillama.kv.cache import KVCache
+from minillama.kv.codecs import parse_kv
+from minillama.model.loader import load_model
 from tests.conftest import make_tiny
 
 CONFIGS = {
@@ -51,7 +51,7 @@ def test_prefill_then_decode_matches_full_forward(tmp_path, name):
 
 
 def test_chunked_prefill_equals_one_shot(tiny):
-    from minillama.generate import prefill
+    from minillama.model.generate import prefill
 
     tokens = list(range(5, 75))
     one = prefill(tiny.model, tokens, KVCache.for_model(tiny.config, parse_kv("fp32"), 128), chunk=512)

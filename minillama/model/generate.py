@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minillama.cache import KVCache
-from minillama.model import Llama
-from minillama.sampling import SamplingParams, sample
+from minillama.kv.cache import KVCache
+from minillama.model.llama import Llama
+from minillama.model.sampling import SamplingParams, sample
 
 
 @dataclass

@@ -17,7 +17,7 @@ import re
 from datetime import datetime
 
 from minillama.errors import UserError
-from minillama.tokenizer import Tokenizer
+from minillama.model.tokenizer import Tokenizer
 
 # Used when a model ships no template; documented in the README.
 FALLBACK_TEMPLATE = (

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from minillama.cache import KVCache
-from minillama.codecs import KVSpec
+from minillama.kv.cache import KVCache
+from minillama.kv.codecs import KVSpec
 from minillama.errors import UserError
-from minillama.loader import LoadedModel
+from minillama.model.loader import LoadedModel
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillama.kernels import load
+from minillama.kv.kernels import load
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool = True) -> torch.Tensor:

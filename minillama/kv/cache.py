@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minillama.codecs import KVSpec
+from minillama.kv.codecs import KVSpec
 from minillama.errors import UserError
-from minillama.store import TensorStore, append_layers
+from minillama.kv.store import TensorStore, append_layers
 
 
 class ContextFullError(UserError):

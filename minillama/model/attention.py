@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from minillama.codecs import Codec
+from minillama.kv.codecs import Codec
 
 
 def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:

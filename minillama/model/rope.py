@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from minillama.config import LlamaConfig
+from minillama.model.config import LlamaConfig
 from minillama.errors import UserError
 
 

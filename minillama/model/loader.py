@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from minillama.config import LlamaConfig
+from minillama.model.config import LlamaConfig
 from minillama.errors import UserError
-from minillama.model import Llama
-from minillama.rope import inverse_frequencies
-from minillama.tokenizer import Tokenizer, load_tokenizer
+from minillama.model.llama import Llama
+from minillama.model.rope import inverse_frequencies
+from minillama.model.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillama.attention import attend
-from minillama.cache import KVCache
-from minillama.config import LlamaConfig
-from minillama.fused_attention import available as fused_available
-from minillama.fused_attention import fused_decode_attention
-from minillama.linear import DecodeLinear, concat_rows, project
-from minillama.rope import apply_rope, inverse_frequencies, rope_tables
+from minillama.model.attention import attend
+from minillama.kv.cache import KVCache
+from minillama.model.config import LlamaConfig
+from minillama.kv.fused_attention import available as fused_available
+from minillama.kv.fused_attention import fused_decode_attention
+from minillama.model.linear import DecodeLinear, concat_rows, project
+from minillama.model.rope import apply_rope, inverse_frequencies, rope_tables
 
 
 class RMSNorm(nn.Module):

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from minillama.budget import fill_synthetic
-from minillama.cache import KVCache
-from minillama.codecs import KVSpec
-from minillama.generate import decode_step, prefill
-from minillama.loader import LoadedModel
+from minillama.kv.budget import fill_synthetic
+from minillama.kv.cache import KVCache
+from minillama.kv.codecs import KVSpec
+from minillama.model.generate import decode_step, prefill
+from minillama.model.loader import LoadedModel
 
 WARMUP = 3
 

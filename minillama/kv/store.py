@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from minillama.codecs import Codec, KVSpec
-from minillama.ring import Ring
+from minillama.kv.codecs import Codec, KVSpec
+from minillama.kv.ring import Ring
 
 
 class TensorStore:

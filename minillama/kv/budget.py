@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from minillama.cache import KVCache
-from minillama.codecs import CODECS, PRESET_NOTES, PRESETS, Codec, KVSpec, parse_kv
-from minillama.config import LlamaConfig
+from minillama.kv.cache import KVCache
+from minillama.kv.codecs import CODECS, PRESET_NOTES, PRESETS, Codec, KVSpec, parse_kv
 
 
 def store_live_bytes(codec: Codec, spec: KVSpec, tokens: int, head_dim: int, centered: bool = False) -> dict[str, float]:
@@ -29,11 +28,13 @@ def store_live_bytes(codec: Codec, spec: KVSpec, tokens: int, head_dim: int, cen
     return out
 
 
-def formula_live_bytes(cfg: LlamaConfig, spec: KVSpec, tokens: int, batch: int = 1) -> dict[str, int]:
-    heads = cfg.num_hidden_layers * cfg.n_kv_heads * batch
+def formula_live_bytes(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tokens: int,
+                       batch: int = 1) -> dict[str, int]:
+    """Closed-form live bytes of a whole cache (every layer, KV head and sequence), by component."""
+    heads = n_layers * n_kv_heads * batch
     total = {"codes": 0, "scales": 0, "residual": 0, "sinks": 0}
     for codec, centered in ((spec.k, spec.center), (spec.v, False)):
-        for key, value in store_live_bytes(codec, spec, tokens, cfg.head_dim, centered).items():
+        for key, value in store_live_bytes(codec, spec, tokens, head_dim, centered).items():
             total[key] += int(value) * heads
     return total
 
@@ -57,17 +58,17 @@ def fill_synthetic(cache: KVCache, tokens: int, chunk: int = 512, seed: int = 0)
         done += n
 
 
-def byte_budget(cfg: LlamaConfig, spec: KVSpec, tokens: int) -> str:
-    """A printable budget of `spec` on this model at `tokens` tokens, measured from a real cache."""
-    cache = KVCache(spec, cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, capacity=max(tokens, spec.sinks + spec.residual + spec.unit))
+def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tokens: int) -> str:
+    """A printable budget of `spec` for a model of these sizes at `tokens` tokens, measured from a real cache."""
+    cache = KVCache(spec, n_layers, n_kv_heads, head_dim, capacity=max(tokens, spec.sinks + spec.residual + spec.unit))
     fill_synthetic(cache, tokens)
     live = cache.live_bytes()
-    fp16 = cfg.num_hidden_layers * 2 * cfg.n_kv_heads * cfg.head_dim * tokens * 2
-    per_tok = sum(live.values()) / tokens / cfg.num_hidden_layers / cfg.n_kv_heads
+    fp16 = n_layers * 2 * n_kv_heads * head_dim * tokens * 2
+    per_tok = sum(live.values()) / tokens / n_layers / n_kv_heads
     lines = [
         f"kv {spec}: k={spec.k.name} v={spec.v.name} group={spec.group} residual={spec.residual} sinks={spec.sinks}"
         + (" center=1" if spec.center else ""),
-        f"model: {cfg.num_hidden_layers} layers x {cfg.n_kv_heads} KV heads x head_dim {cfg.head_dim}; {tokens} tokens",
+        f"model: {n_layers} layers x {n_kv_heads} KV heads x head_dim {head_dim}; {tokens} tokens",
         *(f"  {k:<9}{v:>14,d} bytes" for k, v in live.items()),
         f"  {'live':<9}{sum(live.values()):>14,d} bytes ({sum(live.values()) / 2**20:.2f} MiB, {sum(live.values()) / fp16:.1%} of fp16)",
         f"  {'allocated':<9}{cache.allocated_bytes():>14,d} bytes (capacity {cache.capacity} tokens)",

@@ -45,7 +45,7 @@ def weights_dir() -> Path:
     """Where model folders live: $MINILLAMA_WEIGHTS, else the repo's weights/ folder."""
     if os.environ.get("MINILLAMA_WEIGHTS"):
         return Path(os.environ["MINILLAMA_WEIGHTS"])
-    repo_weights = Path(__file__).resolve().parent.parent / "weights"
+    repo_weights = Path(__file__).resolve().parents[2] / "weights"
     return repo_weights if repo_weights.is_dir() else Path.home() / ".cache" / "minillama" / "weights"
 
 

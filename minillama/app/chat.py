@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from minillama.cache import KVCache
-from minillama.chat_template import encode_chat
-from minillama.codecs import KVSpec, parse_kv
+from minillama.kv.cache import KVCache
+from minillama.app.chat_template import encode_chat
+from minillama.kv.codecs import KVSpec, parse_kv
 from minillama.errors import UserError
-from minillama.generate import GenerationStats, generate, prefill
-from minillama.loader import LoadedModel
-from minillama.sampling import SamplingParams
-from minillama.tokenizer import StreamDecoder
+from minillama.model.generate import GenerationStats, generate, prefill
+from minillama.model.loader import LoadedModel
+from minillama.model.sampling import SamplingParams
+from minillama.model.tokenizer import StreamDecoder
 
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_k=0, top_p=0.9, min_p=0.05, repeat_penalty=1.1)
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from minillama.errors import UserError
-from minillama.perplexity import PplResult
+from minillama.eval.perplexity import PplResult
 
 PEER_BITS = {"quanto4": 5.0, "quanto2": 3.0}
 

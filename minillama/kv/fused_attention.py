@@ -15,10 +15,10 @@ import math
 
 import torch
 
-from minillama.cache import KVCache
-from minillama.store import TensorStore
-from minillama.kernels import load
-from minillama.quantize import gaussian_codebook
+from minillama.kv.cache import KVCache
+from minillama.kv.store import TensorStore
+from minillama.kv.kernels import load
+from minillama.kv.quantize import gaussian_codebook
 
 FLOAT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 

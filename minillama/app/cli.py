@@ -1,0 +1,59 @@
+"""The ``minillama`` command line: a thin click layer over the library API.
+
+Every command's work is a function in the package; this file only parses options,
+prints, and turns errors into one clear line (a traceback only with --debug).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from minillama.app.commands import bench, chat, fetch, generate, kv, ppl
+from minillama.errors import UserError
+
+
+class Main(click.Group):
+    """Turns any error into one line on stderr and exit 1, unless --debug is given."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        except Exception as e:
+            if ctx.params.get("debug") or (ctx.obj or {}).get("debug"):
+                raise
+            msg = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e} (rerun with --debug for a traceback)"
+            click.echo(f"error: {msg}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.pass_context
+def cli(ctx, debug):
+    """minillama: a small Llama engine that owns its KV cache.
+
+    \b
+    Examples:
+      minillama fetch                      # install the offline default model
+      minillama generate "Once upon a time" --max-tokens 40
+      minillama chat --kv hadv2            # chat with a 4-bit-K / 2-bit-V cache
+      minillama ppl --kv fp16 --kv hadv2   # cached-path perplexity
+      minillama kv --list                  # cache codecs and presets
+    """
+    ctx.obj = {"debug": debug}
+
+
+def main():
+    cli(prog_name="minillama")
+
+
+# The one place commands are registered; each command module imports only the library.
+for command in (fetch.fetch, generate.generate, chat.chat, kv.kv, ppl.ppl, bench.bench):
+    cli.add_command(command)

@@ -1,0 +1,47 @@
+"""``minillama chat``: the chat REPL over a cache kept across turns."""
+
+from __future__ import annotations
+
+import click
+
+from minillama.app.options import DTYPES, load, model_options
+
+@click.command()
+@model_options
+@click.option("--kv", default="fp16", show_default=True, help="KV cache scheme (see `minillama kv --list`).")
+@click.option("--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max).")
+@click.option("--on-full", type=click.Choice(["evict", "stop"]), default="evict", show_default=True,
+              help="When the cache is full: evict the oldest tokens, or stop with a clear message.")
+@click.option("--system", default=None, help="System prompt.")
+@click.option("--temperature", type=click.FloatRange(0), default=None, help="Default: generation_config, else 0.7.")
+@click.option("--top-k", type=click.IntRange(0), default=None, help="Default: generation_config, else 0 (off).")
+@click.option("--top-p", type=click.FloatRange(0, 1), default=None, help="Default: generation_config, else 0.9.")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=None, help="Default: 0.05.")
+@click.option("--repeat-penalty", type=click.FloatRange(0.01), default=None, help="Default: generation_config, else 1.1.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(1), help="Longest reply.")
+@click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
+def chat(model_name, device, kv, ctx, on_full, system, temperature, top_k, top_p, min_p, repeat_penalty, seed,
+         max_tokens, dtype):
+    """Chat with a model; the KV cache is kept across turns and shown by /stats.
+
+    \b
+    Examples:
+      minillama chat                         # default model, fp16 cache
+      minillama chat --kv hadv2 --ctx 4096   # 4-bit keys, Hadamard 2-bit values
+      echo "What is the capital of France?" | minillama chat --temperature 0
+    Type /help inside for commands. End a line with \\ to continue on the next line.
+    """
+    import dataclasses
+    import sys
+
+    from minillama.app.chat import ChatSession, repl, sampling_from_generation_config
+    from minillama.kv.codecs import parse_kv
+
+    spec = parse_kv(kv)
+    lm = load(model_name, dtype, device)
+    params = sampling_from_generation_config(lm.generation_config)
+    overrides = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repeat_penalty": repeat_penalty}
+    params = dataclasses.replace(params, **{k: v for k, v in overrides.items() if v is not None})
+    session = ChatSession(lm, spec, ctx, system, params, seed, max_tokens, on_full)
+    repl(session, sys.stdin.isatty(), click.echo, lambda m: click.echo(m, err=True))

