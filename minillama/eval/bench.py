@@ -1,7 +1,7 @@
 """Decode-speed benchmark: tokens/s, bytes read per token, and the share of memory bandwidth.
 
-For each KV scheme and context length: fill the cache to N tokens (a real prefill of
-the shared wikitext text, or ``synthetic`` K/V written straight into the cache: unit
+For each KV scheme and context length: fill the cache to N tokens (a real prefill of an
+evaluation text, Hamlet by default, or ``synthetic`` K/V written straight into the cache: unit
 Gaussians with a few large key channels, the shape of real Llama keys), then time T
 decode steps after a warm-up and report the median. ``roofline_pct`` compares bytes
 read per token (weights + cache, from the cache's own counters) over the step time

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import tarfile
@@ -30,7 +31,8 @@ DATASETS = ("wikitext2", "hamlet")
 
 
 def cache_dir() -> Path:
-    return Path.home() / ".cache" / "minillama" / "datasets"
+    """$MINILLAMA_CACHE/datasets, else ~/.cache/minillama/datasets."""
+    return Path(os.environ.get("MINILLAMA_CACHE", Path.home() / ".cache" / "minillama")) / "datasets"
 
 
 def wikitext2() -> str:

