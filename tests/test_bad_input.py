@@ -65,3 +65,11 @@ def test_unknown_hub_id_offline(monkeypatch, tmp_path):
 def test_unknown_kv_preset_lists_choices(tiny_dir):
     line = run(["generate", "hi", "--model", str(tiny_dir), "--kv", "int5"])
     assert "hadv2" in line and "int4c" in line
+
+
+@pytest.mark.parametrize("command", [["generate", "hi", "--ctx", "100000000000"], ["chat", "--ctx", "100000000000"]])
+def test_a_context_too_big_for_memory_is_one_line_before_allocating(tiny_dir, command):
+    result = CliRunner().invoke(cli, [*command, "--model", str(tiny_dir)], input="hello\n")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "lower --ctx or pick a smaller --kv" in lines[0]

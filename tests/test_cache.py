@@ -261,3 +261,22 @@ def test_appending_all_layers_at_once_equals_one_layer_at_a_time(spec):
             rings_b = [b.sinks, b.residual, *b.body.values()]
             for ra, rb in zip(rings_a, rings_b):
                 assert ra.start == rb.start and ra.count == rb.count and torch.equal(ra.read(), rb.read())
+
+
+@pytest.mark.parametrize("preset", list(PRESETS) + ["k=int3h,v=ternh,group=16,residual=8,sinks=4"])
+def test_allocated_bytes_equal_the_closed_form_before_anything_is_written(preset):
+    from minillama.kv.store import allocation_bytes
+
+    spec = parse_kv(preset)
+    cache = KVCache(spec, n_layers=3, n_kv_heads=2, head_dim=64, capacity=300, batch=2)
+    per_head = allocation_bytes(spec.k, spec, 300, 64) + allocation_bytes(spec.v, spec, 300, 64)
+    assert cache.allocated_bytes() == 3 * 2 * 2 * per_head
+
+
+def test_a_cache_too_big_for_memory_is_refused_before_anything_is_allocated(monkeypatch):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("a ring was allocated")
+
+    monkeypatch.setattr("minillama.kv.store.Ring", no_allocation)
+    with pytest.raises(UserError, match=r"needs 4,608,000,000,000 bytes .* lower --ctx or pick a smaller --kv"):
+        KVCache(parse_kv("fp32"), n_layers=30, n_kv_heads=3, head_dim=64, capacity=100_000_000)

@@ -18,7 +18,8 @@ import torch
 
 from minillama.kv.codecs import KVSpec
 from minillama.errors import UserError
-from minillama.kv.store import TensorStore, append_layers
+from minillama.kv.memory import check_fits
+from minillama.kv.store import TensorStore, allocation_bytes, append_layers
 
 
 class ContextFullError(UserError):
@@ -50,6 +51,8 @@ class KVCache:
             )
         if on_full not in ("evict", "stop"):
             raise UserError(f"on_full must be 'evict' or 'stop', not {on_full!r}")
+        per_head = allocation_bytes(spec.k, spec, capacity, head_dim) + allocation_bytes(spec.v, spec, capacity, head_dim)
+        check_fits(n_layers * batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
         self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
         self.fused = fused and torch.device(device).type == "cpu"  # decode through the C++ kernel when it builds
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim

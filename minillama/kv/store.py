@@ -23,10 +23,46 @@ so per-token (rotated) key codes get finer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from minillama.kv.codecs import Codec, KVSpec
 from minillama.kv.ring import Ring
+
+
+@dataclass(frozen=True)
+class RingShape:
+    """One ring buffer per (sequence, KV head): `slots` rows of `width` elements."""
+
+    slots: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.width * self.dtype.itemsize
+
+
+def layout(codec: Codec, spec: KVSpec, capacity: int, head_dim: int) -> dict[str, RingShape]:
+    """The rings one tensor of one layer preallocates: sinks, residual and the body's parts.
+
+    The residual holds up to R + unit - 1 tokens (see the module docstring); the body holds
+    the rest of the capacity, in rows of ``tokens_per_row`` tokens per part."""
+    exact = codec.float_dtype if not codec.quantized else torch.float16
+    unit = codec.unit(spec.group)
+    shapes = {"sinks": RingShape(spec.sinks, head_dim, exact),
+              "residual": RingShape(spec.residual + unit - 1 if codec.quantized or spec.residual else 0, head_dim, exact)}
+    body_tokens = capacity - spec.sinks - spec.residual
+    for p in codec.parts(head_dim, spec.group):
+        shapes[p.name] = RingShape(body_tokens // p.tokens_per_row, p.width, p.dtype)
+    return shapes
+
+
+def allocation_bytes(codec: Codec, spec: KVSpec, capacity: int, head_dim: int) -> int:
+    """Bytes one tensor of one layer allocates per (sequence, KV head): the closed form of
+    ``TensorStore.allocated_bytes`` before any key center exists."""
+    return sum(shape.nbytes for shape in layout(codec, spec, capacity, head_dim).values())
 
 
 class TensorStore:
@@ -38,15 +74,11 @@ class TensorStore:
         self.centered = centered
         self.center: torch.Tensor | None = None  # (B, H, 1, D) per-channel mean in storage space, set by the first append
         self.residual_len, self.unit = spec.residual, codec.unit(spec.group)
-        exact = codec.float_dtype if not codec.quantized else torch.float16
-        body_tokens = capacity - spec.sinks - spec.residual
-        self.sinks = Ring(batch, heads, spec.sinks, head_dim, exact, device)  # (B, H, S, D)
-        res_slots = spec.residual + self.unit - 1 if codec.quantized or spec.residual else 0
-        self.residual = Ring(batch, heads, res_slots, head_dim, exact, device)  # (B, H, R+unit-1, D)
-        self.body = {
-            p.name: Ring(batch, heads, body_tokens // p.tokens_per_row, p.width, p.dtype, device)  # (B, H, rows, width)
-            for p in codec.parts(head_dim, spec.group)
-        }
+        rings = {name: Ring(batch, heads, shape.slots, shape.width, shape.dtype, device)  # (B, H, slots, width)
+                 for name, shape in layout(codec, spec, capacity, head_dim).items()}
+        self.sinks = rings.pop("sinks")  # (B, H, S, D)
+        self.residual = rings.pop("residual")  # (B, H, R+unit-1, D)
+        self.body = rings  # part name -> (B, H, rows, width)
         self.tokens_per_row = {p.name: p.tokens_per_row for p in codec.parts(head_dim, spec.group)}
         self.n_body = 0  # tokens in the body
 
