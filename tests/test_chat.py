@@ -12,8 +12,10 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from minillama.app.chat import ChatSession
+from minillama.app.chat import ChatSession, handle_command
 from minillama.app.chat_template import encode_chat, render
 from minillama.app.cli import cli
 from minillama.kv.codecs import parse_kv
@@ -181,3 +183,82 @@ def test_ctrl_c_stops_the_reply_and_the_next_turn_works(default_model_dir):
     assert "Traceback" not in err and "[reply stopped]" in err
     first, _, second = "".join(out).partition("\n")
     assert first and "Paris" in second
+
+
+# -- a failed command never ends the session -------------------------------------------
+
+def snapshot(session):
+    """What a failed command must leave untouched: the history, the cache and its scheme."""
+    return (list(map(dict, session.messages)), list(session.cached_ids), session.cache.position, session.cache.held,
+            str(session.cache.spec), sum(session.cache.live_bytes().values()))
+
+
+@pytest.fixture
+def talked(tiny, tmp_path, monkeypatch):
+    """A session with one turn in it, working in an empty folder."""
+    monkeypatch.chdir(tmp_path)
+    session = ChatSession(tiny, parse_kv("kivi4"), ctx=256, params=SamplingParams(temperature=0), max_tokens=3)
+    "".join(session.send("hello there"))
+    return session
+
+
+@pytest.mark.parametrize("line, message", [
+    ("/save /proc/nope/x.json", "cannot save to /proc/nope/x.json"),
+    ("/save /tmp/", "is a directory"),
+    ("/save .", "is a directory"),
+    ("/load missing.json", "cannot read missing.json"),
+    ("/load .", "cannot read ."),
+    ("/load not_a_chat.json", "is not a minillama conversation"),
+    ("/load a_list.json", "is not a minillama conversation"),
+    ("/load bad_roles.json", "is not a minillama conversation"),
+    ("/kv int9", "unknown --kv preset"),
+    ("/kv k=int4h,v=int2h,group=48", "does not divide head_dim"),
+    ("/kv k=fp16,v=fp16,sinks=300", "too small"),
+    ("/system", "unknown or incomplete command"),
+    ("/nonsense now", "unknown or incomplete command"),
+])
+def test_a_failing_command_is_one_line_and_the_session_goes_on(talked, tmp_path, line, message):
+    (tmp_path / "not_a_chat.json").write_text("this is not json")
+    (tmp_path / "a_list.json").write_text("[1, 2, 3]")
+    (tmp_path / "bad_roles.json").write_text('{"messages": [{"role": 1, "content": "x"}]}')
+    before = snapshot(talked)
+    said = []
+    assert handle_command(talked, line, said.append) is True
+    assert len(said) == 1 and said[0].startswith(("error:", "unknown")), said
+    assert message in said[0] and "\n" not in said[0]
+    assert snapshot(talked) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # nothing half-written left behind
+    "".join(talked.send("and now?"))  # the conversation carries on
+    assert talked.messages[-1]["role"] == "assistant" and len(talked.messages) == len(before[0]) + 2
+
+
+def test_save_failing_mid_write_leaves_no_partial_file(talked, tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("minillama.app.chat.os.replace", full_disk)
+    said = []
+    handle_command(talked, "/save chat.json", said.append)
+    assert said == ["error: cannot save to chat.json: No space left on device"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stats_on_an_empty_cache_shows_a_dash_not_nan(tiny):
+    session = ChatSession(tiny, parse_kv("hadv2"), ctx=256)
+    text = session.stats()
+    assert "nan" not in text and "effective bits/element - (the cache is empty)" in text
+
+
+COMMANDS = ["/save", "/load", "/kv", "/system", "/reset", "/stats", "/help", "/bogus", "/", "/save /", "/kv k="]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(command=st.sampled_from(COMMANDS), arg=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20))
+def test_random_command_lines_never_end_the_session(talked, command, arg):
+    line = f"{command} {arg}"
+    said = []
+    before = snapshot(talked)
+    assert handle_command(talked, line, said.append) is True
+    assert said and all(isinstance(s, str) for s in said)
+    if said[0].startswith(("error:", "unknown")):  # a refused command changed nothing
+        assert snapshot(talked) == before and len(said) == 1

@@ -156,30 +156,54 @@ class ChatSession:
         self.messages = [{"role": "system", "content": text}] + [m for m in self.messages if m["role"] != "system"]
 
     def switch_kv(self, spec: KVSpec) -> None:
-        """Rebuild the cache in a new scheme by prefilling the conversation's tokens into it."""
-        old_ids = self.cached_ids
-        self.cache = self._new_cache(spec)
-        self.cached_ids = []
-        if old_ids:
-            prefill(self.lm.model, old_ids, self.cache, self.prefill_chunk)
-            self.cached_ids = old_ids
+        """Rebuild the cache in a new scheme by prefilling the conversation's tokens into it.
+
+        The new cache is complete before it replaces the old one, so a failure (a cache that
+        does not fit, Ctrl-C during the prefill) leaves the session as it was."""
+        cache = self._new_cache(spec)
+        if self.cached_ids:
+            prefill(self.lm.model, self.cached_ids, cache, self.prefill_chunk)
+        self.cache = cache
 
     def save(self, path: str) -> None:
-        data = {"model": self.lm.name, "kv": str(self.cache.spec), "messages": self.messages}
+        """Write the conversation as JSON, atomically: the old file or the new one, never half of it."""
         target = Path(path)
+        try:
+            is_dir = path.endswith(("/", os.sep)) or target.is_dir() or not target.name
+        except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte
+            raise UserError(f"cannot save to {path}: {e}") from None
+        if is_dir:
+            raise UserError(f"cannot save to {path}: it is a directory; name a file, e.g. {target / 'chat.json'}")
+        data = {"model": self.lm.name, "kv": str(self.cache.spec), "messages": self.messages}
         tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
-        os.replace(tmp, target)  # atomic: the old file or the new one, never half of it
+        try:
+            tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
+            os.replace(tmp, target)
+        except OSError as e:
+            try:
+                tmp.unlink(missing_ok=True)  # leave nothing half-written behind
+            except OSError:
+                pass
+            raise UserError(f"cannot save to {path}: {e.strerror or e}") from None
 
     def load(self, path: str) -> None:
+        """Replace the conversation with one saved by ``save``; the cache is rebuilt at the next turn."""
+        not_ours = UserError(f"{path} is not a minillama conversation (JSON with a messages list)")
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-            messages = data["messages"]
-            assert all(isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages)
-        except OSError as e:
-            raise UserError(f"cannot read {path}: {e.strerror}") from None
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise UserError(f"{path} is not a minillama conversation (JSON with a messages list)") from None
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise not_ours from None
+        except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte
+            raise UserError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise not_ours from None
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise not_ours
         self.messages = messages
         self.cache.reset()
         self.cached_ids = []
@@ -191,7 +215,8 @@ class ChatSession:
         lines = [
             f"kv {c.spec}: {c.held} tokens in cache (capacity {c.capacity}), {c.evicted} evicted, next position {c.position}",
             "live bytes: " + ", ".join(f"{k} {v:,}" for k, v in live.items()) + f"; total {sum(live.values()):,}",
-            f"allocated bytes: {c.allocated_bytes():,}; effective bits/element {c.bits_per_element():.2f}",
+            f"allocated bytes: {c.allocated_bytes():,}; effective bits/element "
+            + (f"{c.bits_per_element():.2f}" if c.held else "- (the cache is empty)"),
             f"last step: {c.bytes.last_read:,} bytes read, {c.bytes.last_written:,} bytes written",
             f"last turn: reused {self.last.reused_tokens} cached tokens, prefilled {self.last.prefilled_tokens} new",
         ]
@@ -244,6 +269,10 @@ def handle_command(session: ChatSession, line: str, out) -> bool:
             out(f"unknown or incomplete command {line.strip()!r}: type /help")
     except UserError as e:
         out(f"error: {e}")
+    except KeyboardInterrupt:
+        out("error: interrupted; the session is unchanged")
+    except Exception as e:  # a failed command must never end the session the user came to keep
+        out(f"error: {type(e).__name__}: {e}")
     return True
 
 
