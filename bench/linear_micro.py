@@ -1,6 +1,7 @@
-"""One-token projections with bfloat16 weights: minillama's matrix-vector kernel vs F.linear.
+"""Decode-step projections: minillama's skinny-product kernel vs F.linear.
 
-    python bench/linear_micro.py
+    python bench/linear_micro.py            # one row, bfloat16 weights (a decode step)
+    python bench/linear_micro.py 4 float32  # four rows, float32 weights (ppl --windows 4)
 
 For each shape of the default model (q/k/v fused, o, gate/up fused, down, lm_head), enough
 distinct weight matrices to overflow the 32 MiB L3 are cycled, so every call streams its
@@ -10,6 +11,7 @@ weights from memory as a decode step does; median over 5 passes.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -33,14 +35,18 @@ def per_call_us(f, weights) -> float:
 
 
 def main() -> None:
+    rows = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    dtype = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.bfloat16
+    print(f"{rows} row(s), {dtype} weights")
     with torch.no_grad():
         for name, (n_out, n_in) in SHAPES.items():
-            count = max(2, 200_000_000 // (n_out * n_in * 2))  # ~200 MB of weights in all
-            weights = [torch.randn(n_out, n_in).to(torch.bfloat16) for _ in range(count)]
-            x = torch.randn(1, 1, n_in).to(torch.bfloat16)
+            size = n_out * n_in * dtype.itemsize
+            count = max(2, 200_000_000 // size)  # ~200 MB of weights in all
+            weights = [torch.randn(n_out, n_in).to(dtype) for _ in range(count)]
+            x = torch.randn(rows, 1, n_in).to(dtype)
             ours = per_call_us(lambda w: project(x, w, None), weights)
             theirs = per_call_us(lambda w: F.linear(x, w), weights)
-            gbs = n_out * n_in * 2 / 1e3
+            gbs = size / 1e3
             print(f"{name:10s} {n_out}x{n_in}: kernel {ours:7.1f} us ({gbs / ours:5.1f} GB/s), "
                   f"F.linear {theirs:7.1f} us ({gbs / theirs:5.1f} GB/s), {theirs / ours:.2f}x")
 

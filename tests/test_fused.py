@@ -98,24 +98,42 @@ def test_fused_equals_reference_for_other_head_shapes(head_dim, q_per_kv, spec):
 
 
 @needs_kernel
-@pytest.mark.parametrize("n_out,n_in", [(7, 576), (576, 1536), (1029, 100), (64, 4096)])
+@pytest.mark.parametrize("n_out,n_in", [(7, 576), (576, 1536), (1029, 100), (64, 4096), (5, 3)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_matrix_vector_kernel_equals_float_math(n_out, n_in, bias):
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_bf16_skinny_product_kernel_equals_float_math(n_out, n_in, bias, rows):
     """DecodeLinear's kernel path: y = x W^T (+ b) with bf16 weights, accumulated in float32."""
     from minillama.model.linear import DecodeLinear
 
     layer = DecodeLinear(n_in, n_out, bias=bias).to(torch.bfloat16)
-    x = torch.randn(1, 1, n_in).to(torch.bfloat16)
+    x = torch.randn(rows, 1, n_in).to(torch.bfloat16)
     with torch.no_grad():
-        fast = layer(x)  # one row, bf16 weights: the kernel
+        fast = layer(x)  # a few rows, bf16 weights: the kernel
         layer.kernel = False
         reference = torch.nn.functional.linear(x.float(), layer.weight.float(),
                                                None if layer.bias is None else layer.bias.float())
         torch_bf16 = layer(x)
-    assert fast.shape == (1, 1, n_out) and fast.dtype == torch.bfloat16
+    assert fast.shape == (rows, 1, n_out) and fast.dtype == torch.bfloat16
     # Both round the float32 result to bf16 once: within one bf16 ulp of exact float math.
     assert torch.allclose(fast.float(), reference, rtol=2 ** -7, atol=1e-3)
     assert torch.allclose(fast.float(), torch_bf16.float(), rtol=2 ** -6, atol=2e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n_out,n_in", [(7, 576), (1029, 100), (5, 3)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_float32_skinny_product_kernel_equals_f_linear(n_out, n_in, rows):
+    """The same kernel with float32 weights (perplexity runs W windows in float32)."""
+    from minillama.model.linear import DecodeLinear
+
+    layer = DecodeLinear(n_in, n_out, bias=True)
+    x = torch.randn(rows, 1, n_in)
+    with torch.no_grad():
+        fast = layer(x)
+        layer.kernel = False
+        reference = layer(x)
+    # float32 sums of n_in products in another order: within a few ulps of the sum's magnitude
+    assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5 * n_in ** 0.5)
 
 
 @needs_kernel

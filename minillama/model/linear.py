@@ -1,11 +1,12 @@
-"""Linear layers with a fast path for decoding one token against bfloat16 weights.
+"""Linear layers with a fast path for decode steps: a few rows against float32 or bfloat16 weights.
 
 ``DecodeLinear`` is an ``nn.Linear`` (same parameters, same names, same results up to
-float rounding). When the input is a single row, the weights are bfloat16 on the CPU and
-the compiled kernels are available, it calls the matrix-vector kernel in
-``kernels/linear.cpp``, which streams the weights at close to memory bandwidth; in every
-other case (prefill, batches, float32, CUDA) it is exactly ``nn.Linear.forward``, the
-reference. ``Llama.use_kernels(False)`` turns the fast path off.
+float rounding). When the input has at most ``MAX_ROWS`` rows (one decode token, or the
+windows of a perplexity run), the weights are float32 or bfloat16 on the CPU and the
+compiled kernels are available, it calls the skinny matrix product in
+``kv/kernels/linear.cpp``, which streams the weights once for all rows at close to memory
+bandwidth; in every other case (prefill, float16, CUDA) it is exactly
+``nn.Linear.forward``, the reference. ``Llama.use_kernels(False)`` turns the fast path off.
 """
 
 from __future__ import annotations
@@ -19,21 +20,26 @@ from torch import nn
 from minillama.kv.kernels import load
 
 
+MAX_ROWS = 16  # up to here the product is bound by reading the weights, where BLAS is weakest
+WEIGHT_CODE = {torch.float32: 0, torch.bfloat16: 2}
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool = True) -> torch.Tensor:
-    """x (..., in) @ weight (out, in)^T + bias: the bf16 matrix-vector kernel for one row, else F.linear."""
-    if not (kernel and x.numel() == weight.shape[1] and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    """x (..., in) @ weight (out, in)^T + bias: the skinny-product kernel for a few rows, else F.linear."""
+    rows = x.numel() // weight.shape[1]
+    if not (kernel and rows <= MAX_ROWS and weight.dtype in WEIGHT_CODE and weight.device.type == "cpu"
             and weight.is_contiguous() and not torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     lib = load()
     if lib is None:
         return F.linear(x, weight, bias)
-    xf = x.reshape(-1).float().contiguous()  # (in,) float32
-    y = torch.empty(weight.shape[0])  # (out,) float32
-    lib.gemv_bf16(ctypes.c_void_p(xf.data_ptr()), ctypes.c_void_p(weight.data_ptr()), weight.shape[0], weight.shape[1],
-                  ctypes.c_void_p(y.data_ptr()))
+    xf = x.reshape(rows, -1).float().contiguous()  # (M, in) float32
+    y = torch.empty(rows, weight.shape[0])  # (M, out) float32
+    lib.gemm_rows(ctypes.c_void_p(xf.data_ptr()), ctypes.c_void_p(weight.data_ptr()), WEIGHT_CODE[weight.dtype], rows,
+                  weight.shape[0], weight.shape[1], ctypes.c_void_p(y.data_ptr()))
     if bias is not None:
         y += bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # (..., out), rounded like torch's bf16 linear
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # (..., out), rounded once like torch's linear
 
 
 def concat_rows(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

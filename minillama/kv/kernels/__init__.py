@@ -40,7 +40,7 @@ SIGNATURES = {  # every attention kernel ends with (n, ld, output)
     "values_token": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
     "scores_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
     "values_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
-    "gemv_bf16": [_P, _P, _I, _I, _P],
+    "gemm_rows": [_P, _P, _I, _I, _I, _I, _P],
 }
 
 

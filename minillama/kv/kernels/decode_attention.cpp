@@ -97,19 +97,49 @@ static inline void unpack16_int3(__m512i bytes, int i, float* __restrict__ out) 
     _mm512_storeu_ps(out, _mm512_cvtepi32_ps(codes));
 }
 #endif
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define MINILLAMA_AVX2 1
+// The same unpacking for AVX2 CPUs (8 floats per register).
+
+// 16 bytes of 4-bit codes (low nibble first) -> 32 floats.
+static inline void unpack16_int4(const uint8_t* p, float* __restrict__ out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  // codes 0..15, 16..31
+    for (int j = 0; j < 2; j++) {
+        _mm256_storeu_ps(out + 16 * j, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c[j])));
+        _mm256_storeu_ps(out + 16 * j + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c[j], 8))));
+    }
+}
+
+// 16 bytes of 2-bit codes (lowest bits first) -> 64 floats.
+static inline void unpack16_int2(const uint8_t* p, float* __restrict__ out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(3);
+    const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+    const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+    const __m128i p01lo = _mm_unpacklo_epi8(c0, c1), p01hi = _mm_unpackhi_epi8(c0, c1);
+    const __m128i p23lo = _mm_unpacklo_epi8(c2, c3), p23hi = _mm_unpackhi_epi8(c2, c3);
+    const __m128i q[4] = {_mm_unpacklo_epi16(p01lo, p23lo), _mm_unpackhi_epi16(p01lo, p23lo),
+                          _mm_unpacklo_epi16(p01hi, p23hi), _mm_unpackhi_epi16(p01hi, p23hi)};
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(out + 16 * j, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[j])));
+        _mm256_storeu_ps(out + 16 * j + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[j], 8))));
+    }
+}
 #endif
 
 // Unpack one row of D codes (bits 8, 4, 3 or 2; 5 = trits) into floats.
 static inline void unpack_row(const uint8_t* row, int bits, int D, float* __restrict__ out) {
     if (bits == 4) {
         int i = 0;
-#ifdef MINILLAMA_AVX512
+#if defined(MINILLAMA_AVX512) || defined(MINILLAMA_AVX2)
         for (; i + 16 <= D / 2; i += 16) unpack16_int4(row + i, out + 2 * i);
 #endif
         for (; i < D / 2; i++) std::memcpy(out + 2 * i, tables.nib[row[i]], 2 * sizeof(float));
     } else if (bits == 2) {
         int i = 0;
-#ifdef MINILLAMA_AVX512
+#if defined(MINILLAMA_AVX512) || defined(MINILLAMA_AVX2)
         for (; i + 16 <= D / 4; i += 16) unpack16_int2(row + i, out + 4 * i);
 #endif
         for (; i < D / 4; i++) std::memcpy(out + 4 * i, tables.crumb[row[i]], 4 * sizeof(float));
@@ -149,6 +179,18 @@ static inline void decode_row(const uint8_t* row, int bits, int D, const float* 
         for (; d + 16 <= D; d += 16)
             _mm512_storeu_ps(out + d, _mm512_permutexvar_ps(_mm512_cvttps_epi32(_mm512_loadu_ps(out + d)), levels));
     }
+#elif defined(MINILLAMA_AVX2)
+    if (bits <= 4) {  // 16 levels in two registers: permute both, blend on bit 3 of the code
+        alignas(32) float table[16] = {0};
+        std::memcpy(table, codebook, sizeof(float) << bits);
+        const __m256 lo = _mm256_load_ps(table), hi = _mm256_load_ps(table + 8);
+        for (; d + 8 <= D; d += 8) {
+            const __m256i code = _mm256_cvttps_epi32(_mm256_loadu_ps(out + d));
+            const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(code, 28));  // bit 3 -> sign bit
+            _mm256_storeu_ps(out + d, _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, code),
+                                                      _mm256_permutevar8x32_ps(hi, code), upper));
+        }
+    }
 #endif
     for (; d < D; d++) out[d] = codebook[(int)out[d]];
 }
@@ -162,11 +204,19 @@ static inline void load_row(const void* base, int64_t offset, int dtype, int D, 
         int d = 0;
 #ifdef MINILLAMA_AVX512
         for (; d + 16 <= D; d += 16) _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + d))));
+#elif defined(MINILLAMA_AVX2) && defined(__F16C__)
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + d))));
 #endif
         for (; d < D; d++) out[d] = (float)h[d];
     } else {
         const uint16_t* b = (const uint16_t*)base + offset;
-        for (int d = 0; d < D; d++) {
+        int d = 0;
+#ifdef MINILLAMA_AVX2
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(b + d))), 16)));
+#endif
+        for (; d < D; d++) {
             uint32_t u = (uint32_t)b[d] << 16;
             std::memcpy(out + d, &u, 4);
         }
