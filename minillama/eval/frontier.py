@@ -30,7 +30,9 @@ def load_peers(path: Path) -> list[tuple[str, float, float]]:
     return points
 
 
-def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, float]]) -> None:
+def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, float]], y: str = "ppl") -> None:
+    """ppl (or mean KLD, y="kld") against effective bits, every scheme and the peers' points; left the
+    whole range, right a zoom on the points within 5% of the best perplexity (KLD: below 0.05 nats)."""
     try:
         import matplotlib
 
@@ -39,16 +41,19 @@ def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, floa
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'minillama[bench]'") from None
     r0 = results[0]
+    if y == "kld" and any(r.kld_mean is None for r in results):
+        raise UserError("a KLD plot needs the exact model's logits: they are not computed with --ctx below the window")
+    value = (lambda r: r.ppl) if y == "ppl" else (lambda r: max(r.kld_mean, 1e-7))  # fp32's KLD is ~0: keep it on a log axis
+    zoomed = (lambda v: v <= min(value(r) for r in results) * 1.05) if y == "ppl" else (lambda v: v <= 0.05)
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    base = min(r.ppl for r in results)
     for ax, zoom in zip(axes, (False, True)):
         for r in results:
-            if zoom and r.ppl > base * 1.05:
+            if zoom and not zoomed(value(r)):
                 continue
-            ax.scatter(r.bits_per_element, r.ppl, color="tab:blue", zorder=3)
-            ax.annotate(r.kv, (r.bits_per_element, r.ppl), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.scatter(r.bits_per_element, value(r), color="tab:blue", zorder=3)
+            ax.annotate(r.kv, (r.bits_per_element, value(r)), fontsize=7, xytext=(3, 3), textcoords="offset points")
         for label, bits, ppl in peers:
-            if zoom and ppl > base * 1.05:
+            if zoom and not zoomed(ppl):
                 continue
             ax.scatter(bits, ppl, color="tab:red", marker="x", zorder=3)
             ax.annotate(label, (bits, ppl), fontsize=7, color="tab:red", xytext=(3, -9), textcoords="offset points")
@@ -56,8 +61,11 @@ def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, floa
         ax.set_xlabel("effective bits per element (scales, zeros, residual, sinks included)")
         ax.grid(alpha=0.3, which="both")
     axes[0].set_yscale("log")
-    axes[0].set_ylabel("cached-path perplexity")
+    axes[0].set_ylabel("cached-path perplexity" if y == "ppl" else "mean KL(exact || cached), nats")
     axes[0].set_title(f"{r0.model}: {r0.windows} x {r0.tokens} tokens, prefill {r0.prefill}")
-    axes[1].set_title("zoom: within 5% of the best (blue: minillama, red: peers)")
+    axes[1].set_title("zoom: within 5% of the best (blue: minillama, red: peers)" if y == "ppl"
+                      else "zoom: mean KLD below 0.05 nats")
+    if y == "kld":
+        axes[1].set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

