@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from minillama.app.commands import bench, chat, fetch, generate, kv, ppl
+from minillama.app.commands import bench, chat, fetch, generate, kv, needle, ppl
 from minillama.errors import UserError
 
 
@@ -44,7 +44,8 @@ def cli(ctx, debug):
       minillama fetch                      # install the offline default model
       minillama generate "Once upon a time" --max-tokens 40
       minillama chat --kv hadv2            # chat with a 4-bit-K / 2-bit-V cache
-      minillama ppl --kv fp16 --kv hadv2   # cached-path perplexity
+      minillama ppl --dataset hamlet --kv fp16 --kv hadv2   # cached-path perplexity, KLD
+      minillama needle --kv fp16 --kv hadv2                 # long-context retrieval
       minillama kv --list                  # cache codecs and presets
     """
     ctx.obj = {"debug": debug}
@@ -55,5 +56,5 @@ def main():
 
 
 # The one place commands are registered; each command module imports only the library.
-for command in (fetch.fetch, generate.generate, chat.chat, kv.kv, ppl.ppl, bench.bench):
+for command in (fetch.fetch, generate.generate, chat.chat, kv.kv, ppl.ppl, needle.needle, bench.bench):
     cli.add_command(command)

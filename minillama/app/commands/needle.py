@@ -1,0 +1,76 @@
+"""``minillama needle``: passkey / multi-key retrieval across lengths and depths, on the cached path."""
+
+from __future__ import annotations
+
+import click
+
+from minillama.app.options import DTYPES, load, model_options, read_text_file
+from minillama.errors import UserError
+
+
+def numbers(kind):
+    """A click type for comma-separated numbers: "1024,2048" -> [1024, 2048]."""
+
+    def parse(text):
+        try:
+            return [kind(x) for x in str(text).split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
+
+    return parse
+
+
+@click.command()
+@model_options
+@click.option("--kv", "kvs", multiple=True, help="KV scheme (repeatable). Default: fp16, kivi4, hadv2.")
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Prompt lengths in tokens.")
+@click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Needle depths, 0 (start) to 1 (end).")
+@click.option("--trials", default=1, show_default=True, type=click.IntRange(1), help="Random keys per cell (one batch).")
+@click.option("--task", type=click.Choice(["passkey", "multikey"]), default="passkey", show_default=True)
+@click.option("--haystack", "haystack_file", default=None, help="A UTF-8 text whose sentences replace the filler.")
+@click.option("--ctx", default=None, type=click.IntRange(2), help="Cache capacity; below a length the ring evicts.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Keys and positions (the same for every scheme).")
+@click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of the table.")
+@click.option("--plot", "plot_path", default=None, help="Write the depth x length heatmap as a PNG.")
+def needle(model_name, device, kvs, lengths, depths, trials, task, haystack_file, ctx, seed, dtype, as_json, plot_path):
+    """Needle-in-a-haystack retrieval through each KV cache: accuracy per length and depth.
+
+    \b
+    Examples:
+      minillama needle                                        # fp16, kivi4, hadv2 at 1k-8k
+      minillama needle --kv fp16 --kv k3v2lm --lengths 4096 --depths 0,0.25,0.5,0.75,1 --trials 4
+      minillama needle --task multikey --haystack book.txt --json
+      minillama needle --kv fp16 --lengths 2048 --ctx 1024    # the ring evicts: early needles are lost
+    """
+    import json
+    import sys
+
+    from minillama.eval import needle as nh
+    from minillama.kv.spec import parse_kv
+
+    specs = [parse_kv(s) for s in (kvs or ("fp16", "kivi4", "hadv2"))]
+    lengths_, depths_ = numbers(int)(lengths), numbers(float)(depths)
+    if not lengths_ or min(lengths_) < 64:
+        raise UserError("--lengths must be token counts of at least 64, e.g. 1024,2048")
+    if not depths_ or not all(0 <= d <= 1 for d in depths_):
+        raise UserError("--depths must be fractions from 0 to 1, e.g. 0.1,0.5,0.9")
+    haystack = nh.split_sentences(read_text_file(haystack_file)) if haystack_file else None
+    if haystack_file and not haystack:
+        raise UserError(f"{haystack_file} has no sentences to use as a haystack")
+    lm = load(model_name, dtype, device)
+    if max(lengths_) > lm.config.max_position_embeddings and not ctx:
+        click.echo(f"note: {max(lengths_)} tokens is beyond the model's trained context "
+                   f"({lm.config.max_position_embeddings})", err=True)
+    total = len(specs) * len(lengths_) * len(depths_) * trials
+    with click.progressbar(length=total, label="needle", file=sys.stderr, show_pos=True, show_eta=True) as bar:
+        rows = nh.run(lm, specs, lengths_, depths_, trials, task, haystack, ctx, seed, bar.update)
+    if any(r.evicted for r in rows):
+        click.echo(f"note: the cache evicted tokens (--ctx {ctx} is below a length); "
+                   "a needle the ring dropped cannot be retrieved", err=True)
+    if plot_path:
+        nh.plot(rows, plot_path)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in rows], indent=2))
+    else:
+        click.echo(nh.format_table(rows))
