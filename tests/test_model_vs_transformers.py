@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minillama.kv.cache import KVCache
-from minillama.kv.codecs import parse_kv
+from minillama.kv.spec import parse_kv
 from minillama.model.loader import load_model
 from tests.conftest import make_tiny
 
@@ -101,3 +101,21 @@ def test_fused_projections_share_memory_and_change_nothing(tmp_path):
     for layer in lm.model.model.layers:
         layer.self_attn.qkv = layer.mlp.gate_up = None  # back to one product per projection
     assert torch.allclose(lm.model(tokens), fused, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["fp32", "hadv2", "k4v3hc"])
+@pytest.mark.parametrize("t,past", [(1, 0), (7, 0), (5, 40), (1100, 0), (1030, 20)])
+def test_fused_chunk_attention_equals_the_explicit_reference(spec, t, past):
+    """attend(fast=True) (PyTorch's scaled_dot_product_attention) == the explicit masked
+    softmax, with and without a (rotated, centered) past, across query blocks."""
+    from minillama.kv.spec import parse_kv
+    from minillama.model.attention import attend
+
+    s = parse_kv(spec)
+    g = torch.Generator().manual_seed(t + past)
+    q, k, v = (torch.randn(2, h, t, 64, generator=g) for h in (6, 2, 2))
+    stored = (torch.randn(2, 2, past, 64, generator=g), torch.randn(2, 2, past, 64, generator=g)) if past else None
+    center = torch.randn(2, 2, 1, 64, generator=g) if s.center and past else None
+    reference = attend(q, k, v, stored, s.k, s.v, center)
+    fast = attend(q, k, v, stored, s.k, s.v, center, fast=True)
+    assert torch.allclose(fast, reference, atol=1e-5, rtol=1e-4)

@@ -10,6 +10,10 @@ Grouped-query attention: the n_rep query heads that share a KV head are folded i
 query length, so K and V are never copied per query head. Long prompts are attended in
 blocks of QUERY_BLOCK queries, so a no-cache forward over 8k tokens never holds an
 8k x 8k score matrix per head.
+
+``fast=True`` hands the same masked softmax attention to PyTorch's fused
+``scaled_dot_product_attention`` (about 4x faster for a 512-token chunk over 4k of past
+on a 2-core CPU, no score matrix in memory); a test holds it to the explicit path.
 """
 
 from __future__ import annotations
@@ -17,10 +21,20 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from minillama.kv.codecs import Codec
+from minillama.kv.codecs import CODECS, Codec
 
 QUERY_BLOCK = 1024  # queries per score matrix: (B, Hkv, n_rep*1024, P+T) floats at most
+
+
+PLAIN = CODECS["fp32"]  # the identity storage space: keys that are already plain and rotated for their positions
+
+
+def plain_keys(stored: torch.Tensor, codec: Codec, center: torch.Tensor | None) -> torch.Tensor:
+    """Stored keys (B, Hkv, P, D) back in plain space, float32: un-rotated, the center added back."""
+    k = codec.to_space(stored.float())  # H is its own inverse
+    return k + center.float() if center is not None else k
 
 
 def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
@@ -32,7 +46,7 @@ def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            past: tuple[torch.Tensor, torch.Tensor] | None, k_codec: Codec | None, v_codec: Codec | None,
-           k_center: torch.Tensor | None = None) -> torch.Tensor:
+           k_center: torch.Tensor | None = None, fast: bool = False) -> torch.Tensor:
     """q (B, Hq, T, D) and new k, v (B, Hkv, T, D) -> output (B, Hq, T, D).
 
     ``past`` is the cache's (keys, values), each (B, Hkv, P, D) in the codecs' storage space;
@@ -40,6 +54,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
+    out_dtype = q.dtype
+    if q.device.type == "cpu":
+        # CPUs without bf16/fp16 instructions run those matrix products 10-30x slower than
+        # float32: attend in float32 and round the output once.
+        q, k, v = q.float(), k.float(), v.float()
+        past = None if past is None else (past[0].float(), past[1].float())
     rotated = past is not None and past[0].shape[2] > 0  # with no past, stay in plain space
     if rotated:
         q = k_codec.to_space(q)
@@ -49,9 +69,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k = torch.cat([past[0], k], dim=2)  # (B, Hkv, P+T, D)
         v = torch.cat([past[1], v_codec.to_space(v)], dim=2)  # (B, Hkv, P+T, D)
     t_past = k.shape[2] - t
+    mask = causal_mask(t, t_past, q.device)  # (T, P+T)
+    if fast:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, Hq, T, D)
+        if rotated:
+            out = v_codec.to_space(out)
+        return out.to(out_dtype)
     n_rep = hq // hkv
     qg = q.reshape(b, hkv, n_rep, t, d)  # (B, Hkv, n_rep, T, D): the query heads that share a KV head
-    mask = causal_mask(t, t_past, q.device)  # (T, P+T)
     out = torch.empty(b, hkv, n_rep, t, d, dtype=v.dtype, device=v.device)
     for s in range(0, t, QUERY_BLOCK):  # blocks of queries keep the score matrix small for long prompts
         e = min(t, s + QUERY_BLOCK)
@@ -62,4 +87,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:, :, :, s:e] = (p @ v).reshape(b, hkv, n_rep, e - s, d)  # (B, Hkv, n_rep, T_b, D)
     if rotated:
         out = v_codec.to_space(out)  # rotate back once per query (H is its own inverse)
-    return out.reshape(b, hq, t, d)
+    return out.reshape(b, hq, t, d).to(out_dtype)

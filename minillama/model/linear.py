@@ -27,6 +27,10 @@ WEIGHT_CODE = {torch.float32: 0, torch.bfloat16: 2}
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: bool = True) -> torch.Tensor:
     """x (..., in) @ weight (out, in)^T + bias: the skinny-product kernel for a few rows, else F.linear."""
     rows = x.numel() // weight.shape[1]
+    if rows > MAX_ROWS and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        # Prefill against bf16 weights: CPUs without bf16 instructions run torch's bf16 matrix
+        # product 5-10x slower than float32, so widen the weights for the product and round once.
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     if not (kernel and rows <= MAX_ROWS and weight.dtype in WEIGHT_CODE and weight.device.type == "cpu"
             and weight.is_contiguous() and not torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
