@@ -12,7 +12,8 @@ The public API, each piece a plain function or class you can call from Python:
 
 from minillama.kv.cache import KVCache
 from minillama.app.chat import ChatSession
-from minillama.kv.codecs import CODECS, PRESETS, KVSpec, parse_kv
+from minillama.kv.codecs import CODECS
+from minillama.kv.spec import PRESETS, KVSpec, parse_kv
 from minillama.model.fetch import fetch_default
 from minillama.model.generate import decode_step, generate, prefill
 from minillama.model.loader import load_model

@@ -7,7 +7,8 @@ import torch
 
 from minillama.kv.budget import fill_synthetic, formula_live_bytes
 from minillama.kv.cache import ContextFullError, KVCache
-from minillama.kv.codecs import CODECS, PRESETS, parse_kv
+from minillama.kv.codecs import CODECS
+from minillama.kv.spec import PRESETS, parse_kv
 from minillama.errors import UserError
 from minillama.model.loader import load_model
 from minillama.kv.quantize import dequantize_affine, quantize_affine
@@ -22,6 +23,10 @@ class PlainCache:
         self.kv = [None] * n_layers
         self.position = 0
         self.fused = False  # always the reference attention
+        self.pre_rope = False  # keys are stored after RoPE, at their absolute positions
+
+    def query_positions(self, t, device=None):
+        return torch.arange(self.position, self.position + t, device=device)
 
     @property
     def held(self):
@@ -184,7 +189,10 @@ def test_capacity_too_small_is_a_clear_error():
 
 
 @pytest.mark.parametrize("preset", list(PRESETS) + ["k=int3h,v=ternh,group=16,residual=8,sinks=4",
-                                                    "k=lm3h,v=int4c,group=16,residual=8,sinks=2,center=1"])
+                                                    "k=lm3h,v=int4c,group=16,residual=8,sinks=2,center=1",
+                                                    "k=int3cs,v=nuq2,kgroup=32,vgroup=16,residual=8,sinks=4,start=40",
+                                                    "k=nuq4,v=int3c,group=16,residual=3,rope=pre,positions=cache",
+                                                    "k=int2c,v=int2h,kgroup=16,vgroup=64,residual=4,center=1,rope=pre"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_byte_counters_equal_the_closed_form(tiny, preset, batch):
     spec = parse_kv(preset)
@@ -269,7 +277,7 @@ def test_allocated_bytes_equal_the_closed_form_before_anything_is_written(preset
 
     spec = parse_kv(preset)
     cache = KVCache(spec, n_layers=3, n_kv_heads=2, head_dim=64, capacity=300, batch=2)
-    per_head = allocation_bytes(spec.k, spec, 300, 64) + allocation_bytes(spec.v, spec, 300, 64)
+    per_head = sum(allocation_bytes(codec, group, spec, 300, 64) for codec, group, _ in spec.tensors())
     assert cache.allocated_bytes() == 3 * 2 * 2 * per_head
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from minillama.app.chat import ChatSession, handle_command
 from minillama.app.chat_template import encode_chat, render
 from minillama.app.cli import cli
-from minillama.kv.codecs import parse_kv
+from minillama.kv.spec import parse_kv
 from minillama.model.sampling import SamplingParams
 
 CONVERSATION = [

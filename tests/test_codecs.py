@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillama.kv import packing
-from minillama.kv.codecs import CODECS, parse_kv
+from minillama.kv.codecs import CODECS
+from minillama.kv.spec import parse_kv
 from minillama.errors import UserError
 from minillama.kv.quantize import (
     NonFiniteError,
@@ -187,7 +188,7 @@ def test_group_must_divide_head_dim_for_per_token_codecs():
 
 def test_presets_are_exactly_the_documented_ones():
     spec = parse_kv("hadv2")
-    assert (spec.k.name, spec.v.name, spec.group, spec.residual, spec.sinks) == ("int4c", "int2h", 32, 32, 0)
+    assert (spec.k.name, spec.v.name, spec.kgroup, spec.residual, spec.sinks) == ("int4c", "int2h", 32, 32, 0)
     assert parse_kv("fp16").residual == 0 and parse_kv("k=int4,v=int4").residual == 32
     assert parse_kv("k=int4,v=int4,residual=0,sinks=4").sinks == 4
 

@@ -89,7 +89,8 @@ def test_generate_runs_end_to_end_with_every_preset(default_model_dir, preset):
 
 def test_every_codec_runs_end_to_end_on_the_default_model(smollm):
     from minillama.kv.cache import KVCache
-    from minillama.kv.codecs import CODECS, parse_kv
+    from minillama.kv.codecs import CODECS
+    from minillama.kv.spec import parse_kv
     from minillama.model.generate import generate
     from minillama.model.sampling import SamplingParams
 

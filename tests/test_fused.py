@@ -11,14 +11,16 @@ from minillama.kv import kernels
 from minillama.model.attention import attend
 from minillama.kv.budget import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.codecs import CODECS, PRESETS, parse_kv
+from minillama.kv.codecs import CODECS
+from minillama.kv.spec import PRESETS, parse_kv
 from minillama.kv.fused_attention import fused_decode_attention
 
 needs_kernel = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler: the reference path is used")
 
 SPECS = list(PRESETS) + [f"k={c},v={c},group=16,residual=5" for c in CODECS] + [
     "k=int4c,v=int2h,group=32,residual=32,sinks=4", "k=int3h,v=ternh,group=32,residual=0,sinks=2",
-    "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1", "k=int4c,v=int4,group=32,residual=32,center=1"]
+    "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1", "k=int4c,v=int4,group=32,residual=32,center=1",
+    "k=int4c,v=int2h,kgroup=16,vgroup=64,residual=8,sinks=4", "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=4,start=50"]
 
 
 def compare(spec: str, batch: int, tokens: int, capacity: int = 512, chunk: int = 7):

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from minillama.kv.cache import KVCache
 from minillama.app.cli import cli
-from minillama.kv.codecs import parse_kv
+from minillama.kv.spec import parse_kv
 from minillama.errors import UserError
 from minillama.eval.perplexity import cached_nll, evaluate, make_windows
 
@@ -134,7 +134,7 @@ def test_fp32_cached_path_matches_transformers_dynamic_cache(smollm, english_tex
 
 
 def test_frontier_evaluates_every_preset_with_fp16_first(tiny_dir, tmp_path):
-    from minillama.kv.codecs import PRESETS
+    from minillama.kv.spec import PRESETS
 
     result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "64",
                                       "--prefill", "16", "--frontier", "--json", "--no-blind"])
@@ -240,6 +240,10 @@ class ListCache:
         self.layers = [([], []) for _ in range(n_layers)]  # per layer: keys, values, one (B, H, 1, D) per token
         self.position = 0
         self.fused = False
+        self.pre_rope = False
+
+    def query_positions(self, t, device=None):
+        return torch.arange(self.position, self.position + t, device=device)
 
     @property
     def held(self):

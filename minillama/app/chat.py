@@ -23,7 +23,7 @@ import torch
 
 from minillama.kv.cache import KVCache
 from minillama.app.chat_template import encode_chat
-from minillama.kv.codecs import KVSpec, parse_kv
+from minillama.kv.spec import KVSpec, parse_kv
 from minillama.errors import UserError
 from minillama.model.generate import GenerationStats, generate, prefill
 from minillama.model.loader import LoadedModel

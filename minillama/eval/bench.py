@@ -20,7 +20,7 @@ import torch
 
 from minillama.kv.budget import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.codecs import KVSpec
+from minillama.kv.spec import KVSpec
 from minillama.model.generate import decode_step, prefill
 from minillama.model.loader import LoadedModel
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from minillama.errors import UserError
 from minillama.kv.cache import KVCache
-from minillama.kv.codecs import KVSpec
+from minillama.kv.spec import KVSpec
 from minillama.model.loader import LoadedModel
 
 PREFILL_CHUNK = 512  # prefill in chunks that read the stored (compressed) past, as generation does

@@ -9,22 +9,26 @@ from __future__ import annotations
 import torch
 
 from minillama.kv.cache import KVCache
-from minillama.kv.codecs import CODECS, PRESET_NOTES, PRESETS, Codec, KVSpec, parse_kv
+from minillama.kv.codecs import CODECS, Codec
+from minillama.kv.spec import GRAMMAR, PRESET_NOTES, PRESETS, KVSpec, parse_kv
 
 
-def store_live_bytes(codec: Codec, spec: KVSpec, tokens: int, head_dim: int, centered: bool = False) -> dict[str, float]:
+def store_live_bytes(codec: Codec, group: int, spec: KVSpec, tokens: int, head_dim: int,
+                     centered: bool = False) -> dict[str, float]:
     """Closed-form bytes per KV head for one tensor holding `tokens` tokens (no eviction)."""
     exact = codec.float_dtype.itemsize if not codec.quantized else 2
     sinks = min(spec.sinks, tokens)
     rest = tokens - sinks
-    unit = codec.unit(spec.group)
-    body = max(0, (rest - spec.residual) // unit * unit)
+    unit = codec.unit(group)
+    body = max(0, (rest - spec.residual) // unit * unit) if tokens >= spec.start else 0
     out = {"codes": 0.0, "scales": 0.0, "residual": (rest - body) * head_dim * exact, "sinks": sinks * head_dim * exact}
-    for p in codec.parts(head_dim, spec.group):
+    for p in codec.parts(head_dim, group):
         key = "codes" if p.name in ("codes", "values") else "scales"
         out[key] += body // p.tokens_per_row * p.width * p.dtype.itemsize
     if centered and tokens:
         out["scales"] += head_dim * exact  # the per-channel key mean, one row per head
+    if body:
+        out["scales"] += codec.param_bytes(head_dim)  # per-sequence ranges (and grid), fitted at the first flush
     return out
 
 
@@ -33,8 +37,8 @@ def formula_live_bytes(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSp
     """Closed-form live bytes of a whole cache (every layer, KV head and sequence), by component."""
     heads = n_layers * n_kv_heads * batch
     total = {"codes": 0, "scales": 0, "residual": 0, "sinks": 0}
-    for codec, centered in ((spec.k, spec.center), (spec.v, False)):
-        for key, value in store_live_bytes(codec, spec, tokens, head_dim, centered).items():
+    for codec, group, centered in spec.tensors():
+        for key, value in store_live_bytes(codec, group, spec, tokens, head_dim, centered).items():
             total[key] += int(value) * heads
     return total
 
@@ -66,8 +70,9 @@ def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tok
     fp16 = n_layers * 2 * n_kv_heads * head_dim * tokens * 2
     per_tok = sum(live.values()) / tokens / n_layers / n_kv_heads
     lines = [
-        f"kv {spec}: k={spec.k.name} v={spec.v.name} group={spec.group} residual={spec.residual} sinks={spec.sinks}"
-        + (" center=1" if spec.center else ""),
+        f"kv {spec}: k={spec.k.name} v={spec.v.name} kgroup={spec.kgroup} vgroup={spec.vgroup} residual={spec.residual} "
+        f"sinks={spec.sinks}" + (" center=1" if spec.center else "") + (" rope=pre" if spec.rope == "pre" else "")
+        + (" positions=cache" if spec.positions == "cache" else "") + (f" start={spec.start}" if spec.start else ""),
         f"model: {n_layers} layers x {n_kv_heads} KV heads x head_dim {head_dim}; {tokens} tokens",
         *(f"  {k:<9}{v:>14,d} bytes" for k, v in live.items()),
         f"  {'live':<9}{sum(live.values()):>14,d} bytes ({sum(live.values()) / 2**20:.2f} MiB, {sum(live.values()) / fp16:.1%} of fp16)",
@@ -82,11 +87,14 @@ def describe_codecs() -> str:
     for name, text in PRESETS.items():
         note = PRESET_NOTES.get(name, "")
         lines.append(f"  {name:<9} {text:<56} {note}")
-    lines += ["", "Codecs (--kv k=CODEC,v=CODEC[,group=G][,residual=R][,sinks=S][,center=0|1]); bits/element (G = group):"]
+    lines += ["", f"Codecs (--kv {GRAMMAR}); bits/element (G = group, T = tokens held):"]
     for c in CODECS.values():
         lines.append(f"  {c.name:<7} {c.bits_formula():<58} {c.about}")
-    lines += ["", "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0; center 0.",
+    lines += ["", "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0; center 0; rope post;",
+              "positions absolute; start 0.",
               "center=1 stores keys minus a per-sequence channel mean (softmax ignores the shift; codes get finer).",
+              "rope=pre stores keys before RoPE and rotates them when read; positions=cache numbers held tokens by slot.",
+              "start=N keeps every token exact until N are held.",
               "Residual and sink tokens are stored in fp16 (unquantized codecs: in their own dtype)."]
     return "\n".join(lines)
 

@@ -2,8 +2,10 @@
 
 Per layer and per tensor (K or V) a ``TensorStore`` (``store.py``) holds
 ``[ sinks | quantized body | full-precision residual ]``. Only KV heads are stored (GQA
-expands after the read). Keys are stored after RoPE, so positions keep increasing when
-the ring evicts.
+expands after the read). By default keys are stored after RoPE, so each keeps the position
+it was written at and positions keep increasing when the ring evicts; with ``rope=pre``
+keys are stored before RoPE and the cache says which position each held token has
+(``part_positions``): its original one, or with ``positions=cache`` its slot.
 
 The model reads each layer during a forward pass and hands all new K/V to ``append``
 at the end: that one call is the only place the cache grows or evicts. Every byte
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillama.kv.codecs import KVSpec
+from minillama.kv.spec import KVSpec
 from minillama.errors import UserError
 from minillama.kv.memory import check_fits
 from minillama.kv.store import TensorStore, allocation_bytes, append_layers
@@ -51,14 +53,16 @@ class KVCache:
             )
         if on_full not in ("evict", "stop"):
             raise UserError(f"on_full must be 'evict' or 'stop', not {on_full!r}")
-        per_head = allocation_bytes(spec.k, spec, capacity, head_dim) + allocation_bytes(spec.v, spec, capacity, head_dim)
+        if spec.start and spec.start > capacity - spec.sinks:
+            raise UserError(f"--kv start={spec.start} must leave room in a cache of {capacity} tokens: lower start or raise --ctx")
+        per_head = sum(allocation_bytes(codec, group, spec, capacity, head_dim) for codec, group, _ in spec.tensors())
         check_fits(n_layers * batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
         self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
         self.fused = fused and torch.device(device).type == "cpu"  # decode through the C++ kernel when it builds
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.layers = [
-            (TensorStore(spec.k, spec, capacity, batch, n_kv_heads, head_dim, device, centered=spec.center),
-             TensorStore(spec.v, spec, capacity, batch, n_kv_heads, head_dim, device))
+            tuple(TensorStore(codec, group, spec, capacity, batch, n_kv_heads, head_dim, device, centered)
+                  for codec, group, centered in spec.tensors())
             for _ in range(n_layers)
         ]
         self.position = 0
@@ -75,6 +79,35 @@ class KVCache:
     @property
     def held(self) -> int:
         return self.layers[0][0].held
+
+    # -- positions ----------------------------------------------------------------------
+
+    @property
+    def pre_rope(self) -> bool:
+        """Keys are stored before RoPE (rope=pre) and rotated for their positions when read."""
+        return self.spec.rope == "pre"
+
+    def query_positions(self, t: int, device=None) -> torch.Tensor:
+        """Positions of the next t tokens (T,): absolute, or with positions=cache the slots they
+        will take after the held tokens (StreamingLLM's rule)."""
+        first = self.held if self.spec.positions == "cache" else self.position
+        return torch.arange(first, first + t, device=device)
+
+    def part_positions(self) -> tuple[int, int, int]:
+        """Position of the first token of each part (sinks, body, residual); positions are
+        consecutive inside a part. Absolute: sinks 0.., the rest from the oldest held token's
+        position; positions=cache: slot order."""
+        k_store = self.layers[0][0]
+        sinks = k_store.sinks.count
+        first_rest = sinks if self.spec.positions == "cache" else self.position - (self.held - sinks)
+        return 0, first_rest, first_rest + k_store.n_body
+
+    def key_positions(self, device=None) -> torch.Tensor:
+        """Positions of the held tokens in age order (held,), as a read returns them."""
+        k_store = self.layers[0][0]
+        sinks, body, _ = self.part_positions()
+        rest = self.held - k_store.sinks.count
+        return torch.cat([torch.arange(sinks, sinks + k_store.sinks.count), torch.arange(body, body + rest)]).to(device)
 
     def read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Held keys and values of one layer, each (B, H_kv, held, D), in storage space."""

@@ -169,3 +169,79 @@ def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.de
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """x (..., D) -> x @ H. Since H is symmetric and orthonormal this is also the inverse."""
     return x @ hadamard_matrix(x.shape[-1], x.dtype, x.device)
+
+
+# -- per-channel ranges fitted once per sequence (KVQuant-style, calibrated on the prefill) --
+
+def fit_channel_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., T, D) -> lo, span (..., 1, D) float16: each channel's minimum and max - min over T.
+
+    KIVI fits a scale per channel for every group of G tokens; these ranges are fitted
+    once, on the first tokens a sequence quantizes (its prefill), and serve every later
+    token (clamped to them). Keys before RoPE have stable per-channel ranges, which is
+    what makes one range per sequence enough (KVQuant, Hooper et al. 2024)."""
+    check_finite(x)
+    lo = x.float().amin(dim=-2, keepdim=True)
+    span = x.float().amax(dim=-2, keepdim=True) - lo
+    return lo.to(torch.float16), span.to(torch.float16)
+
+
+def uniform_levels(bits: int, lead: tuple[int, ...] = ()) -> torch.Tensor:
+    """The uniform grid i / (2**bits - 1) in [0, 1], float16, shape (*lead, 2**bits)."""
+    n = 2**bits
+    return (torch.arange(n, dtype=torch.float32) / (n - 1)).to(torch.float16).expand(*lead, n).contiguous()
+
+
+def _normalized(x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    s = span.float()
+    return ((x.float() - lo.float()) / torch.where(s > 0, s, torch.ones_like(s))).clamp_(0.0, 1.0)
+
+
+def quantize_levels(x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """x (..., T, D) -> codes (..., T, D) uint8: the nearest of `levels` (..., L) after mapping each
+    channel's [lo, lo + span] to [0, 1] (values outside are clamped)."""
+    u = _normalized(x, lo, span)  # (..., T, D)
+    lv = levels.float()  # (..., L), ascending
+    mids = (lv[..., 1:] + lv[..., :-1]) / 2  # (..., L-1)
+    flat = u.reshape(*u.shape[:-2], -1)  # (..., T*D)
+    codes = torch.searchsorted(mids.contiguous(), flat.contiguous())  # index of the nearest level
+    return codes.reshape(u.shape).to(torch.uint8)
+
+
+def dequantize_levels(codes: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """codes (..., T, D) -> float32 (..., T, D): lo + span * levels[code]."""
+    lv = levels.float()
+    picked = torch.gather(lv, -1, codes.reshape(*codes.shape[:-2], -1).long()).reshape(codes.shape)
+    return lo.float() + span.float() * picked
+
+
+def fit_levels(x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, bits: int, iters: int = 16) -> torch.Tensor:
+    """A non-uniform grid of 2**bits levels in [0, 1] for x (..., T, D), one per leading index,
+    fitted by Lloyd's algorithm from the uniform grid (KVQuant's per-layer "nuq" datatype,
+    fitted here on the sequence itself, never on other text).
+
+    Each Lloyd step (nearest-level assignment, then each level moved to the mean of its
+    points, weighted by span^2 so that the error is measured in x's units) cannot raise the
+    squared error; the result is compared with the uniform grid after float16 rounding and
+    the better one kept, so the fitted grid is never worse than uniform on its own data."""
+    lead = x.shape[:-2]
+    u = _normalized(x, lo, span).reshape(*lead, -1)  # (..., T*D)
+    w = span.float().pow(2).expand_as(x).reshape(*lead, -1)  # (..., T*D) weight of each point
+    levels = uniform_levels(bits, lead).float()
+    n = 2**bits
+    for _ in range(iters):
+        mids = (levels[..., 1:] + levels[..., :-1]) / 2
+        idx = torch.searchsorted(mids.contiguous(), u.contiguous())  # (..., T*D)
+        mass = torch.zeros(*lead, n).scatter_add_(-1, idx, w)
+        moment = torch.zeros(*lead, n).scatter_add_(-1, idx, w * u)
+        levels = torch.where(mass > 0, moment / mass.clamp_min(1e-30), levels)  # empty cells keep their level
+        levels = levels.sort(dim=-1).values
+    fitted = levels.to(torch.float16)
+
+    def error(lv: torch.Tensor) -> torch.Tensor:
+        codes = quantize_levels(x, lo, span, lv)
+        return (dequantize_levels(codes, lo, span, lv) - x.float()).pow(2).reshape(*lead, -1).sum(-1)  # (...,)
+
+    uniform = uniform_levels(bits, lead)
+    better = (error(fitted) <= error(uniform)).unsqueeze(-1)
+    return torch.where(better, fitted, uniform)

@@ -19,6 +19,10 @@ shifts every score of a query by the same amount, which softmax ignores, as long
 new keys are shifted too (``KVCache.key_center``). What changes is quantization: the
 large, nearly constant key channels of Llama models no longer inflate each token's range,
 so per-token (rotated) key codes get finer.
+
+With ``start=N`` nothing leaves the residual until N tokens are held. Calibrated codecs
+(``int4cs``, ``nuq3``, ...) fit their per-sequence parameters on the first flush: every
+non-sink token held at that moment (the prefill, or the first N with ``start=N``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minillama.kv.codecs import Codec, KVSpec
+from minillama.kv.codecs import Codec
+from minillama.kv.spec import KVSpec
 from minillama.kv.ring import Ring
 
 
@@ -44,42 +49,48 @@ class RingShape:
         return self.slots * self.width * self.dtype.itemsize
 
 
-def layout(codec: Codec, spec: KVSpec, capacity: int, head_dim: int) -> dict[str, RingShape]:
+def residual_slots(codec: Codec, group: int, spec: KVSpec) -> int:
+    """The residual holds up to R + unit - 1 tokens, or everything held below start=N."""
+    if not (codec.quantized or spec.residual):
+        return 0
+    return max(spec.residual + codec.unit(group) - 1, spec.start)
+
+
+def layout(codec: Codec, group: int, spec: KVSpec, capacity: int, head_dim: int) -> dict[str, RingShape]:
     """The rings one tensor of one layer preallocates: sinks, residual and the body's parts.
 
-    The residual holds up to R + unit - 1 tokens (see the module docstring); the body holds
-    the rest of the capacity, in rows of ``tokens_per_row`` tokens per part."""
+    The body holds the rest of the capacity, in rows of ``tokens_per_row`` tokens per part."""
     exact = codec.float_dtype if not codec.quantized else torch.float16
-    unit = codec.unit(spec.group)
     shapes = {"sinks": RingShape(spec.sinks, head_dim, exact),
-              "residual": RingShape(spec.residual + unit - 1 if codec.quantized or spec.residual else 0, head_dim, exact)}
+              "residual": RingShape(residual_slots(codec, group, spec), head_dim, exact)}
     body_tokens = capacity - spec.sinks - spec.residual
-    for p in codec.parts(head_dim, spec.group):
+    for p in codec.parts(head_dim, group):
         shapes[p.name] = RingShape(body_tokens // p.tokens_per_row, p.width, p.dtype)
     return shapes
 
 
-def allocation_bytes(codec: Codec, spec: KVSpec, capacity: int, head_dim: int) -> int:
+def allocation_bytes(codec: Codec, group: int, spec: KVSpec, capacity: int, head_dim: int) -> int:
     """Bytes one tensor of one layer allocates per (sequence, KV head): the closed form of
-    ``TensorStore.allocated_bytes`` before any key center exists."""
-    return sum(shape.nbytes for shape in layout(codec, spec, capacity, head_dim).values())
+    ``TensorStore.allocated_bytes`` before any per-sequence parameter (key center, ranges) exists."""
+    return sum(shape.nbytes for shape in layout(codec, group, spec, capacity, head_dim).values())
 
 
 class TensorStore:
     """Sinks, quantized body and residual for one tensor (K or V) of one layer."""
 
-    def __init__(self, codec: Codec, spec: KVSpec, capacity: int, batch: int, heads: int, head_dim: int, device,
-                 centered: bool = False):
-        self.codec, self.group, self.head_dim = codec, spec.group, head_dim
+    def __init__(self, codec: Codec, group: int, spec: KVSpec, capacity: int, batch: int, heads: int, head_dim: int,
+                 device, centered: bool = False):
+        self.codec, self.group, self.head_dim = codec, group, head_dim
         self.centered = centered
         self.center: torch.Tensor | None = None  # (B, H, 1, D) per-channel mean in storage space, set by the first append
-        self.residual_len, self.unit = spec.residual, codec.unit(spec.group)
+        self.params: dict[str, torch.Tensor] | None = None  # calib codecs: lo, span (B, H, 1, D), levels (B, H, 2**b)
+        self.residual_len, self.unit, self.start = spec.residual, codec.unit(group), spec.start
         rings = {name: Ring(batch, heads, shape.slots, shape.width, shape.dtype, device)  # (B, H, slots, width)
-                 for name, shape in layout(codec, spec, capacity, head_dim).items()}
+                 for name, shape in layout(codec, group, spec, capacity, head_dim).items()}
         self.sinks = rings.pop("sinks")  # (B, H, S, D)
         self.residual = rings.pop("residual")  # (B, H, R+unit-1, D)
         self.body = rings  # part name -> (B, H, rows, width)
-        self.tokens_per_row = {p.name: p.tokens_per_row for p in codec.parts(head_dim, spec.group)}
+        self.tokens_per_row = {p.name: p.tokens_per_row for p in codec.parts(head_dim, group)}
         self.n_body = 0  # tokens in the body
 
     @property
@@ -110,9 +121,11 @@ class TensorStore:
         from_res = min(evict - from_body, self.residual.count)
         self.residual.drop_oldest(from_res)
         x = x[:, :, evict - from_body - from_res :]
-        # Quantize whole units once residual + unit tokens are waiting.
+        # Quantize whole units once residual + unit tokens are waiting (and start=N tokens are held).
         waiting = self.residual.count + x.shape[2]
         n_flush = max(0, (waiting - self.residual_len) // self.unit * self.unit)
+        if self.sinks.count + self.n_body + waiting < self.start:
+            n_flush = 0
         if not n_flush:
             return None, x, written, read
         old = self.residual.read(0, min(n_flush, self.residual.count))  # (B, H, r, D)
@@ -142,7 +155,12 @@ class TensorStore:
 
     @property
     def center_bytes(self) -> int:
-        return self.center.numel() * self.center.element_size() if self.center is not None else 0
+        """Bytes of the per-sequence parameters: the key center, a calibrated codec's ranges and grid."""
+        stored = {name: t for name, t in (self.params or {}).items()
+                  if name != "levels" or self.codec.fitted}  # a uniform grid is implied, not stored
+        if self.center is not None:
+            stored["center"] = self.center
+        return sum(t.numel() * t.element_size() for t in stored.values())
 
     def live_read_bytes(self) -> int:
         """Bytes a full read of the held tokens touches (sinks, body parts, residual, key center)."""
@@ -156,7 +174,8 @@ class TensorStore:
             pieces.append(self.sinks.read())
         if self.n_body:
             parts = {name: ring.read() for name, ring in self.body.items()}
-            pieces.append(parts["values"] if "values" in parts else self.codec.decode(parts, self.group, self.head_dim))
+            pieces.append(parts["values"] if "values" in parts
+                          else self.codec.decode(parts, self.group, self.head_dim, self.params))
         if self.residual.count:
             pieces.append(self.residual.read())
         nbytes = self.live_read_bytes()
@@ -184,6 +203,7 @@ class TensorStore:
             ring.clear()
         self.n_body = 0
         self.center = None
+        self.params = None
 
     def live_bytes(self) -> dict[str, int]:
         codes = sum(r.live_bytes for n, r in self.body.items() if n in ("codes", "values"))
@@ -224,7 +244,16 @@ def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int)
     if taken[0][0] is not None:
         blocks = torch.stack([block for block, _ in taken])  # (L, B, H, n_flush, D)
         l, b, h, n_flush, d = blocks.shape
-        parts = codec.encode(blocks.reshape(l * b, h, n_flush, d), stores[0].group)  # each (L*B, H, rows, width)
+        if codec.kind == "calib" and stores[0].params is None:  # the first flush fits the per-sequence ranges
+            held = torch.stack([torch.cat([block, rest], dim=2) for block, rest in taken])  # (L, B, H, n, D)
+            params = codec.calibrate(held.reshape(l * b, h, *held.shape[3:]))  # each (L*B, H, ...)
+            for i, store in enumerate(stores):
+                store.params = {name: p.reshape(l, b, *p.shape[1:])[i] for name, p in params.items()}
+        params = None
+        if codec.kind == "calib":
+            params = {name: torch.stack([s.params[name] for s in stores]).reshape(l * b, *stores[0].params[name].shape[1:])
+                      for name in stores[0].params}
+        parts = codec.encode(blocks.reshape(l * b, h, n_flush, d), stores[0].group, params)  # each (L*B, H, rows, width)
         parts = {name: p.reshape(l, b, *p.shape[1:]) for name, p in parts.items()}  # each (L, B, H, rows, width)
         parts_per_layer = [{name: p[i] for name, p in parts.items()} for i in range(l)]
     for store, (_, rest), parts_i in zip(stores, taken, parts_per_layer):

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillama.model.attention import attend
+from minillama.model.attention import PLAIN, attend, plain_keys
 from minillama.kv.cache import KVCache
 from minillama.model.config import LlamaConfig
 from minillama.kv.fused_attention import available as fused_available
 from minillama.kv.fused_attention import fused_decode_attention
 from minillama.model.linear import DecodeLinear, concat_rows, project
-from minillama.model.rope import apply_rope, inverse_frequencies, rope_tables
+from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -45,8 +45,11 @@ class Attention(nn.Module):
         self.o_proj = DecodeLinear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
 
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
+        self.fast = True  # PyTorch's fused attention for chunks (Llama.use_kernels(False): the explicit reference)
 
-    def forward(self, x, cos, sin, cache: KVCache | None, layer: int):
+    def forward(self, x, cos, sin, cache: KVCache | None, layer: int, rotary: RotaryTable | None = None):
+        """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output and the
+        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys."""
         b, t, _ = x.shape
         if self.qkv is not None:  # one matrix product for q, k and v (their weights are views of it)
             qkv = project(x, *self.qkv, self.q_proj.kernel)  # (B, T, (Hq + 2 Hkv) D)
@@ -56,16 +59,22 @@ class Attention(nn.Module):
         q = q.reshape(b, t, self.hq, self.d).transpose(1, 2)  # (B, Hq, T, D)
         k = k.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k_rope = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        stored = k if cache is not None and cache.pre_rope else k_rope
         if cache is None:
-            out = attend(q, k, v, None, None, None)
+            out = attend(q, k_rope, v, None, None, None, fast=self.fast)
         elif t == 1 and cache.held and fused_available(cache):
-            out = fused_decode_attention(q, k, v, cache, layer)  # reads packed codes in place
+            out = fused_decode_attention(q, k_rope, v, cache, layer, rotary)  # reads packed codes in place
         else:
-            past = cache.read(layer, x.dtype)  # read the past before this step writes anything
-            out = attend(q, k, v, past, cache.spec.k, cache.spec.v, cache.key_center(layer))
+            past_k, past_v = cache.read(layer, x.dtype)  # read the past before this step writes anything
+            k_codec, center = cache.spec.k, cache.key_center(layer)
+            if cache.pre_rope:  # stored before RoPE: back to plain keys, then rotated for their positions
+                cos_k, sin_k = rotary.at(cache.key_positions(x.device))  # (held, D) each
+                past_k = apply_rope(plain_keys(past_k, k_codec, center), cos_k, sin_k).to(x.dtype)
+                k_codec, center = PLAIN, None
+            out = attend(q, k_rope, v, (past_k, past_v), k_codec, cache.spec.v, center, fast=self.fast)
         out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
-        return self.o_proj(out), (k, v)
+        return self.o_proj(out), (stored, v)
 
 
 class MLP(nn.Module):
@@ -92,8 +101,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, layer):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+    def forward(self, x, cos, sin, cache, layer, rotary=None):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -115,12 +124,16 @@ class Llama(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)  # (D/2,)
+        self.rotary: RotaryTable | None = None  # angles of every position, for keys stored before RoPE
 
     def use_kernels(self, enabled: bool = True) -> "Llama":
-        """Use (or not) the compiled bf16 matrix-vector kernel for one-token decode steps."""
+        """Use (or not) the fast paths: the compiled skinny-product kernel for decode steps and
+        PyTorch's fused attention for chunks. Off, every product is the plain reference."""
         for m in self.modules():
             if isinstance(m, DecodeLinear):
                 m.kernel = enabled
+            if isinstance(m, Attention):
+                m.fast = enabled
         return self
 
     def fuse_projections(self) -> "Llama":
@@ -159,13 +172,18 @@ class Llama(nn.Module):
 
         Evaluations keep these instead of logits: 576 floats per token rather than 49k."""
         b, t = tokens.shape
-        start = cache.position if cache is not None else 0
-        positions = torch.arange(start, start + t, device=tokens.device)  # (T,)
+        positions = cache.query_positions(t, tokens.device) if cache is not None else torch.arange(t, device=tokens.device)
         cos, sin = rope_tables(self.inv_freq, positions, self.dtype)  # (T, D) each
+        rotary = None
+        if cache is not None and cache.pre_rope:
+            if self.rotary is None or self.rotary.inv_freq.device != self.inv_freq.device:
+                self.rotary = RotaryTable(self.inv_freq)
+            rotary = self.rotary
+            rotary.get(int(positions[-1]) + 1)  # every position a key of this step can have
         x = self.model.embed_tokens(tokens)  # (B, T, hidden)
         new_kv = []
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, cache, i)
+            x, kv = layer(x, cos, sin, cache, i, rotary)
             new_kv.append(kv)
         if cache is not None:
             cache.append(new_kv)  # the one place the cache grows

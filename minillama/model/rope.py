@@ -55,3 +55,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, H, T, d) by the angles of its positions; cos/sin are (T, d)."""
     return x * cos + rotate_half(x) * sin
+
+
+class RotaryTable:
+    """cos and sin of positions 0..n-1 (n, head_dim), float32, computed once and grown on demand.
+
+    Pre-RoPE keys (``rope=pre``) are rotated when they are read, for positions up to the
+    cache's length; a table avoids recomputing those angles at every step. Rows are the
+    same numbers ``rope_tables`` gives for those positions."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq
+        self.cos = self.sin = torch.empty(0, 2 * inv_freq.shape[0], device=inv_freq.device)  # (n, D)
+        self.half: tuple[torch.Tensor, torch.Tensor] | None = None  # contiguous (n, D/2) copies for the kernel
+
+    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (n', D) with n' >= n rows."""
+        if n > self.cos.shape[0]:
+            size = max(n, 2 * self.cos.shape[0], 1024)
+            self.cos, self.sin = rope_tables(self.inv_freq, torch.arange(size, device=self.inv_freq.device), torch.float32)
+            d = self.cos.shape[1] // 2
+            self.half = (self.cos[:, :d].contiguous(), self.sin[:, :d].contiguous())
+        return self.cos, self.sin
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows for these positions, each (T, D)."""
+        self.get(int(positions.max()) + 1 if positions.numel() else 0)
+        return self.cos[positions], self.sin[positions]
+
+    def halves(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (n', D/2) contiguous: one angle per channel pair, as the fused kernel reads them."""
+        self.get(n)
+        return self.half

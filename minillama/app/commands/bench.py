@@ -35,7 +35,7 @@ def bench(model_name, device, kvs, contexts, decode_tokens, dtype, fill, text_fi
     import sys
 
     from minillama.eval.bench import bench_row, format_table, measure_bandwidth, plot, return_freed_memory_to_the_os
-    from minillama.kv.codecs import parse_kv
+    from minillama.kv.spec import parse_kv
 
     return_freed_memory_to_the_os()
     specs = [parse_kv(s) for s in (kvs or ("fp16", "kivi4", "hadv2"))]

@@ -36,7 +36,7 @@ def chat(model_name, device, kv, ctx, on_full, system, temperature, top_k, top_p
     import sys
 
     from minillama.app.chat import ChatSession, repl, sampling_from_generation_config
-    from minillama.kv.codecs import parse_kv
+    from minillama.kv.spec import parse_kv
 
     spec = parse_kv(kv)
     lm = load(model_name, dtype, device)

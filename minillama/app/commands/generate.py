@@ -30,7 +30,7 @@ def generate(prompt, model_name, device, max_tokens, temperature, top_k, top_p, 
       minillama generate "Once upon a time" --temperature 0.8 --top-p 0.9 --kv hadv2
     """
     from minillama.kv.cache import KVCache
-    from minillama.kv.codecs import parse_kv
+    from minillama.kv.spec import parse_kv
     from minillama.model.generate import generate as run
     from minillama.model.sampling import SamplingParams
     from minillama.model.tokenizer import StreamDecoder

@@ -24,7 +24,7 @@ def kv(spec, list_, model_name, tokens):
     if list_ or not spec:
         click.echo(describe_codecs())
         return
-    from minillama.kv.codecs import parse_kv
+    from minillama.kv.spec import parse_kv
     from minillama.model.config import LlamaConfig
     from minillama.model.fetch import resolve_model
     from minillama.model.loader import resolve_model_path

@@ -45,7 +45,7 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     import json
     import sys
 
-    from minillama.kv.codecs import PRESETS, parse_kv
+    from minillama.kv.spec import PRESETS, parse_kv
     from minillama.eval.perplexity import check_window, evaluate, format_table
 
     if plot_path and not frontier:

@@ -22,7 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name("decode_attention.cpp"), Path(__file__).with_name("linear.cpp")]
+HERE = Path(__file__).parent
+SOURCES = [HERE / "decode_attention.cpp", HERE / "row_attention.cpp", HERE / "linear.cpp"]
+HEADERS = [HERE / "rows.h"]  # included by the sources: part of the build's identity
 # Reassociation lets GCC vectorize the float reductions; unlike -ffast-math it does not link
 # crtfastmath, which would flush denormals to zero for the whole Python process.
 FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",
@@ -40,6 +42,8 @@ SIGNATURES = {  # every attention kernel ends with (n, ld, output)
     "values_token": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
     "scores_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
     "values_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
+    "scores_rows": [_P, _P, _I, _I, _I, _I, _I, _I, _P],
+    "values_rows": [_P, _P, _I, _I, _I, _I, _I, _I, _P],
     "gemm_rows": [_P, _P, _I, _I, _I, _I, _P],
 }
 
@@ -54,7 +58,7 @@ def build(flags: list[str]) -> ctypes.CDLL | None:
     if not compiler:
         print("minillama: no C++ compiler found; using the PyTorch reference paths (slower)", file=sys.stderr)
         return None
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     lib_path = _cache_dir() / f"minillama-kernels-{key}.so"
     if not lib_path.exists():

@@ -1,0 +1,122 @@
+// Decode attention one stored row at a time, for every codec: the general kernels.
+//
+// decode_attention.cpp has kernels specialised per codec family that fold scales into the
+// query and never materialise a row. Two cases need each key row in plain float form first:
+//   * keys stored before RoPE (rope=pre): the row is decoded, its key center added back,
+//     and rotated for its own position (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin in
+//     HF's rotate-half layout) before the dot product with the (rotated) query;
+//   * calibrated codecs (int4cs, nuq3, ...): x = lo + span * level[code], with per-sequence
+//     lo/span per channel and a grid of levels per head.
+// A RowSource describes where a part's rows live and how to decode them; the kernels below
+// are the plain loops over tokens (scores: R dot products per row; values: R weighted adds).
+// The reference in model/attention.py is the specification.
+
+#include "rows.h"
+
+extern "C" {
+struct RowSource {
+    int kind;   // 0 float rows, 1 per-token codes (affine, ternary, codebook), 2 per-channel (KIVI), 3 calibrated
+    int bits;   // code width (5 = trits); for kind 0 the float dtype (0 f32, 1 f16, 2 bf16)
+    int group;  // channels per scale (kind 1) or tokens per scale row (kind 2)
+    const void* data;  // (B*H, slots, width): codes, or float rows
+    int slots, start;  // the ring of rows
+    const uint16_t* scale;  // fp16: kind 1 (B*H, slots, D/group); kind 2 (B*H, sslots, D)
+    const uint16_t* zero;   // same shape as scale, or null (ternary, codebook)
+    int sslots, sstart;     // kind 2: the ring of scale rows
+    const float* codebook;  // kind 1: Gaussian Lloyd-Max levels, or null
+    const uint16_t* lo;     // kind 3: (B*H, D) fp16
+    const uint16_t* span;   // kind 3: (B*H, D) fp16
+    const uint16_t* levels; // kind 3: (B*H, nlevels) fp16
+    int nlevels;
+    const uint16_t* center; // (B*H, D) fp16 key center to add back, or null
+    const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position
+    const float* sin;
+    int pos0;               // position of the part's first token (consecutive after it)
+};
+}
+
+// Row i (logical, in age order) of head bh, as float32 in plain space.
+static inline void decode(const RowSource& s, int64_t bh, int i, int slot, int D, float* __restrict__ out) {
+    if (s.kind == 0) {
+        load_row(s.data, (bh * s.slots + slot) * D, s.bits, D, out);
+    } else {
+        const int W = s.bits == 5 ? (D + 4) / 5 : D * s.bits / 8;
+        const uint8_t* row = (const uint8_t*)s.data + (bh * s.slots + slot) * W;
+        if (s.kind == 1) {
+            decode_row(row, s.bits, D, s.codebook, out);
+            const int G = D / s.group;
+            scale_row(s.scale + (bh * s.slots + slot) * G, s.zero ? s.zero + (bh * s.slots + slot) * G : nullptr, D,
+                      s.group, out);
+        } else if (s.kind == 2) {
+            unpack_row(row, s.bits, D, out);
+            const int64_t r = (bh * s.sslots + (s.sstart + i / s.group) % s.sslots) * D;
+            for (int d = 0; d < D; d++) out[d] = out[d] * half_to_float(s.scale[r + d]) + half_to_float(s.zero[r + d]);
+        } else {
+            unpack_row(row, s.bits, D, out);
+            const uint16_t *lo = s.lo + bh * D, *span = s.span + bh * D, *lv = s.levels + bh * s.nlevels;
+            float level[256];
+            for (int l = 0; l < s.nlevels; l++) level[l] = half_to_float(lv[l]);
+            for (int d = 0; d < D; d++) out[d] = half_to_float(lo[d]) + half_to_float(span[d]) * level[(int)out[d]];
+        }
+    }
+    if (s.center)
+        for (int d = 0; d < D; d++) out[d] += half_to_float(s.center[bh * D + d]);
+    if (s.cos) {
+        const int h = D / 2;
+        const float *c = s.cos + (int64_t)(s.pos0 + i) * h, *sn = s.sin + (int64_t)(s.pos0 + i) * h;
+        for (int d = 0; d < h; d++) {
+            const float x1 = out[d], x2 = out[d + h];
+            out[d] = x1 * c[d] - x2 * sn[d];
+            out[d + h] = x2 * c[d] + x1 * sn[d];
+        }
+    }
+}
+
+extern "C" {
+
+// scores[bh, r, i] = q[bh, r] . row_i  for the n rows of one part (rows ld apart).
+void scores_rows(const float* q, const RowSource* src, int B, int H, int R, int D, int n, int ld, float* scores) {
+    const RowSource s = *src;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int bh = 0; bh < B * H; bh++)
+        for (int blk = 0; blk < n_blocks(n); blk++) {
+            FlushDenormals guard;
+            float row[512];
+            Cursor at(s.start, blk * BLOCK, s.slots);
+            for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
+                decode(s, bh, i, at.slot, D, row);
+                for (int r = 0; r < R; r++) {
+                    const float* qr = q + ((int64_t)bh * R + r) * D;
+                    float acc = 0.f;
+                    for (int d = 0; d < D; d++) acc += qr[d] * row[d];
+                    scores[((int64_t)bh * R + r) * ld + i] = acc;
+                }
+            }
+        }
+}
+
+// out[bh, r] += sum_i p[bh, r, i] * row_i  for the n rows of one part (p rows ld apart).
+void values_rows(const float* p, const RowSource* src, int B, int H, int R, int D, int n, int ld, float* out) {
+    const RowSource s = *src;
+    const int nb = n_blocks(n);
+    std::vector<float> part((size_t)B * H * nb * R * D, 0.f);
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int bh = 0; bh < B * H; bh++)
+        for (int blk = 0; blk < nb; blk++) {
+            FlushDenormals guard;
+            float* acc = &part[((size_t)bh * nb + blk) * R * D];
+            float row[512];
+            Cursor at(s.start, blk * BLOCK, s.slots);
+            for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
+                decode(s, bh, i, at.slot, D, row);
+                for (int r = 0; r < R; r++) {
+                    const float w = p[((int64_t)bh * R + r) * ld + i];
+                    float* a = acc + (size_t)r * D;
+                    for (int d = 0; d < D; d++) a[d] += w * row[d];
+                }
+            }
+        }
+    reduce_blocks(part, B * H, nb, R * D, out);
+}
+
+}  // extern "C"

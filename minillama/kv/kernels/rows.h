@@ -1,0 +1,255 @@
+// Shared by the decode-attention kernels: reading one stored row (packed codes, fp16/bf16
+// floats) into float32, the denormal guard, ring cursors and the block split.
+// Header-only (static inline): each kernel source includes it.
+#pragma once
+
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#include <xmmintrin.h>
+
+// Attention weights of far-away tokens are tiny; products with them become denormal
+// floats, which x86 handles in slow microcode. Each worker flushes them to zero while it
+// runs a block and restores its own floating-point state afterwards, so nothing outside
+// the kernel sees a change (unlike -ffast-math, which would flip it for the whole process).
+struct FlushDenormals {
+    unsigned int saved;
+    FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
+    ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+static inline float half_to_float(uint16_t h) {
+    _Float16 f;
+    std::memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+// Byte -> codes lookup tables for 4- and 2-bit packing (one byte holds 2 or 4 codes):
+// a table load replaces the shifts and masks, which vectorize poorly.
+struct Tables {
+    float nib[256][2];
+    float crumb[256][4];
+    Tables() {
+        for (int b = 0; b < 256; b++) {
+            nib[b][0] = b & 15; nib[b][1] = b >> 4;
+            for (int j = 0; j < 4; j++) crumb[b][j] = (b >> (2 * j)) & 3;
+        }
+    }
+};
+static const Tables tables;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define MINILLAMA_AVX512 1
+// SIMD unpacking, same results as the lookup tables below: split each byte into its
+// codes with shifts and masks, interleave them back into order, widen to float.
+
+// 16 bytes of 4-bit codes (low nibble first) -> 32 floats.
+static inline void unpack16_int4(const uint8_t* p, float* __restrict__ out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))));       // codes 0..15
+    _mm512_storeu_ps(out + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))));  // codes 16..31
+}
+
+// 16 bytes of 2-bit codes (lowest bits first) -> 64 floats.
+static inline void unpack16_int2(const uint8_t* p, float* __restrict__ out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(3);
+    const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+    const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+    const __m128i p01lo = _mm_unpacklo_epi8(c0, c1), p01hi = _mm_unpackhi_epi8(c0, c1);  // (c0, c1) of bytes 0-7, 8-15
+    const __m128i p23lo = _mm_unpacklo_epi8(c2, c3), p23hi = _mm_unpackhi_epi8(c2, c3);
+    const __m128i q[4] = {_mm_unpacklo_epi16(p01lo, p23lo), _mm_unpackhi_epi16(p01lo, p23lo),   // bytes 0-3, 4-7
+                          _mm_unpacklo_epi16(p01hi, p23hi), _mm_unpackhi_epi16(p01hi, p23hi)};  // bytes 8-11, 12-15
+    for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + 16 * j, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[j])));
+}
+
+#ifdef __AVX512VBMI__
+// Codes 8i..8i+15 of a 3-bit row already in a register (8 codes per 3 bytes, lowest bits
+// first) -> 16 floats: each 32-bit lane gathers its 3-byte word, shifts and masks.
+static inline void unpack16_int3(__m512i bytes, int i, float* __restrict__ out) {
+    alignas(64) uint8_t idx[64];
+    for (int j = 0; j < 16; j++) {
+        const int word = 3 * (i + j / 8);
+        idx[4 * j] = word, idx[4 * j + 1] = word + 1, idx[4 * j + 2] = word + 2, idx[4 * j + 3] = word + 2;
+    }
+    const __m512i words = _mm512_permutexvar_epi8(_mm512_load_si512(idx), bytes);
+    const __m512i shifts = _mm512_set_epi32(21, 18, 15, 12, 9, 6, 3, 0, 21, 18, 15, 12, 9, 6, 3, 0);
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(7));
+    _mm512_storeu_ps(out, _mm512_cvtepi32_ps(codes));
+}
+#endif
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define MINILLAMA_AVX2 1
+// The same unpacking for AVX2 CPUs (8 floats per register).
+
+// 16 bytes of 4-bit codes (low nibble first) -> 32 floats.
+static inline void unpack16_int4(const uint8_t* p, float* __restrict__ out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    const __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  // codes 0..15, 16..31
+    for (int j = 0; j < 2; j++) {
+        _mm256_storeu_ps(out + 16 * j, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c[j])));
+        _mm256_storeu_ps(out + 16 * j + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c[j], 8))));
+    }
+}
+
+// 16 bytes of 2-bit codes (lowest bits first) -> 64 floats.
+static inline void unpack16_int2(const uint8_t* p, float* __restrict__ out) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(3);
+    const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+    const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+    const __m128i p01lo = _mm_unpacklo_epi8(c0, c1), p01hi = _mm_unpackhi_epi8(c0, c1);
+    const __m128i p23lo = _mm_unpacklo_epi8(c2, c3), p23hi = _mm_unpackhi_epi8(c2, c3);
+    const __m128i q[4] = {_mm_unpacklo_epi16(p01lo, p23lo), _mm_unpackhi_epi16(p01lo, p23lo),
+                          _mm_unpacklo_epi16(p01hi, p23hi), _mm_unpackhi_epi16(p01hi, p23hi)};
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(out + 16 * j, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[j])));
+        _mm256_storeu_ps(out + 16 * j + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[j], 8))));
+    }
+}
+#endif
+
+// Unpack one row of D codes (bits 8, 4, 3 or 2; 5 = trits) into floats.
+static inline void unpack_row(const uint8_t* row, int bits, int D, float* __restrict__ out) {
+    if (bits == 4) {
+        int i = 0;
+#if defined(MINILLAMA_AVX512) || defined(MINILLAMA_AVX2)
+        for (; i + 16 <= D / 2; i += 16) unpack16_int4(row + i, out + 2 * i);
+#endif
+        for (; i < D / 2; i++) std::memcpy(out + 2 * i, tables.nib[row[i]], 2 * sizeof(float));
+    } else if (bits == 2) {
+        int i = 0;
+#if defined(MINILLAMA_AVX512) || defined(MINILLAMA_AVX2)
+        for (; i + 16 <= D / 4; i += 16) unpack16_int2(row + i, out + 4 * i);
+#endif
+        for (; i < D / 4; i++) std::memcpy(out + 4 * i, tables.crumb[row[i]], 4 * sizeof(float));
+    } else if (bits == 8) {
+        for (int d = 0; d < D; d++) out[d] = row[d];
+    } else if (bits == 3) {
+        int i = 0;
+#if defined(MINILLAMA_AVX512) && defined(__AVX512VBMI__)
+        if (D <= 168) {  // the whole packed row (3D/8 <= 63 bytes) fits one register
+            const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (3 * D / 8)) - 1), row);
+            for (; i + 2 <= D / 8; i += 2) unpack16_int3(bytes, i, out + 8 * i);
+        }
+#endif
+        for (; i < D / 8; i++) {
+            uint32_t w = row[3 * i] | (row[3 * i + 1] << 8) | (row[3 * i + 2] << 16);
+            for (int j = 0; j < 8; j++) out[8 * i + j] = (w >> (3 * j)) & 7;
+        }
+    } else {  // trits, five per byte, stored as code + 1 in {0, 1, 2}; return -1/0/+1
+        int d = 0;
+        for (int i = 0; d < D; i++) {
+            int v = row[i];
+            for (int j = 0; j < 5 && d < D; j++, d++) { out[d] = (float)(v % 3) - 1.0f; v /= 3; }
+        }
+    }
+}
+
+// Unpack a row and, for codebook codecs, map each code to its level.
+static inline void decode_row(const uint8_t* row, int bits, int D, const float* codebook, float* __restrict__ out) {
+    unpack_row(row, bits, D, out);
+    if (!codebook) return;
+    int d = 0;
+#ifdef MINILLAMA_AVX512
+    if (bits <= 4) {  // at most 16 levels: one register, a permute looks them up
+        alignas(64) float table[16] = {0};
+        std::memcpy(table, codebook, sizeof(float) << bits);
+        const __m512 levels = _mm512_load_ps(table);
+        for (; d + 16 <= D; d += 16)
+            _mm512_storeu_ps(out + d, _mm512_permutexvar_ps(_mm512_cvttps_epi32(_mm512_loadu_ps(out + d)), levels));
+    }
+#elif defined(MINILLAMA_AVX2)
+    if (bits <= 4) {  // 16 levels in two registers: permute both, blend on bit 3 of the code
+        alignas(32) float table[16] = {0};
+        std::memcpy(table, codebook, sizeof(float) << bits);
+        const __m256 lo = _mm256_load_ps(table), hi = _mm256_load_ps(table + 8);
+        for (; d + 8 <= D; d += 8) {
+            const __m256i code = _mm256_cvttps_epi32(_mm256_loadu_ps(out + d));
+            const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(code, 28));  // bit 3 -> sign bit
+            _mm256_storeu_ps(out + d, _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, code),
+                                                      _mm256_permutevar8x32_ps(hi, code), upper));
+        }
+    }
+#endif
+    for (; d < D; d++) out[d] = codebook[(int)out[d]];
+}
+
+// One stored row of unquantized floats (dtype 0 f32, 1 f16, 2 bf16) into float32.
+static inline void load_row(const void* base, int64_t offset, int dtype, int D, float* __restrict__ out) {
+    if (dtype == 0) {
+        std::memcpy(out, (const float*)base + offset, D * sizeof(float));
+    } else if (dtype == 1) {
+        const _Float16* h = (const _Float16*)base + offset;
+        int d = 0;
+#ifdef MINILLAMA_AVX512
+        for (; d + 16 <= D; d += 16) _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + d))));
+#elif defined(MINILLAMA_AVX2) && defined(__F16C__)
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + d))));
+#endif
+        for (; d < D; d++) out[d] = (float)h[d];
+    } else {
+        const uint16_t* b = (const uint16_t*)base + offset;
+        int d = 0;
+#ifdef MINILLAMA_AVX2
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(b + d))), 16)));
+#endif
+        for (; d < D; d++) {
+            uint32_t u = (uint32_t)b[d] << 16;
+            std::memcpy(out + d, &u, 4);
+        }
+    }
+}
+
+// Work is split over (batch x head) and blocks of BLOCK tokens, so that few KV heads still
+// keep every core busy; value kernels sum per-block partial outputs at the end.
+static const int BLOCK = 512;
+
+static inline int n_blocks(int n) { return (n + BLOCK - 1) / BLOCK; }
+
+// Walks the ring slots of consecutive logical tokens without a division per token.
+struct Cursor {
+    int slot, slots;
+    Cursor(int start, int first, int slots) : slot((int)(((int64_t)start + first) % slots)), slots(slots) {}
+    void next() { if (++slot == slots) slot = 0; }
+};
+
+// A block's output accumulator: on the stack when its size is known at compile time (the
+// compiler can then keep it in registers across the token loop), else the caller's buffer.
+// The destructor writes it to `dst`.
+template <int N>
+struct Accumulator {
+    alignas(64) float local[N > 0 ? N : 1];
+    float* dst;
+    float* data;
+    int n;
+    Accumulator(float* dst, int n) : dst(dst), data(N > 0 ? local : dst), n(n) { std::fill(data, data + n, 0.f); }
+    ~Accumulator() { if (N > 0) std::memcpy(dst, local, sizeof(float) * n); }
+};
+
+// out[bh] += sum over blocks of part[bh][block]  (each R*D floats)
+static void reduce_blocks(const std::vector<float>& part, int BH, int nb, int RD, float* __restrict__ out) {
+#pragma omp parallel for schedule(static)
+    for (int bh = 0; bh < BH; bh++)
+        for (int x = 0; x < RD; x++) {
+            float acc = 0.f;
+            for (int b = 0; b < nb; b++) acc += part[((size_t)bh * nb + b) * RD + x];
+            out[(int64_t)bh * RD + x] += acc;
+        }
+}
+
+// Per-token codecs: the row's scale and zero are applied to the decoded row once, in
+// registers (D multiply-adds), and the row then serves all R query heads that share this
+// KV head; nothing is written back. With few channel groups per row this beats folding
+// the scales into q or p per group and query head, which needs a loop over groups.
+static inline void scale_row(const uint16_t* scale, const uint16_t* zero, int D, int group, float* c) {
+    for (int g = 0; g < D / group; g++) {
+        const float s = half_to_float(scale[g]), z = zero ? half_to_float(zero[g]) : 0.f;
+        for (int d = g * group; d < (g + 1) * group; d++) c[d] = c[d] * s + z;
+    }
+}

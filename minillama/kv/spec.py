@@ -1,0 +1,169 @@
+"""The ``--kv`` spec: which codec each tensor uses, and the cache's windows and options.
+
+    --kv PRESET
+    --kv k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]
+                        [,rope=post|pre][,positions=absolute|cache][,start=N]
+
+A spec is plain data; the cache (``cache.py``) and its stores (``store.py``) act on it.
+
+* ``group`` sets both tensors' group size; ``kgroup``/``vgroup`` set one.
+* ``rope=pre`` stores keys *before* the rotary embedding (KVQuant): RoPE turns each pair
+  of channels by a position-dependent angle, which smears the per-channel structure that
+  per-channel quantization relies on; the keys are rotated when they are read instead.
+* ``positions=cache`` (needs ``rope=pre``) gives each held token the position of its slot
+  in the cache, sinks first (StreamingLLM), so positions never grow past the capacity and
+  a ring can stream forever; ``absolute`` keeps every token's original position.
+* ``start=N`` keeps every token exact until N tokens are held (mlx-lm's
+  ``quantized_kv_start``): short contexts pay no quantization error.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from minillama.errors import UserError
+from minillama.kv.codecs import CODECS, Codec
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What the cache stores: a codec for K, one for V, their group sizes, windows and options."""
+
+    k: Codec
+    v: Codec
+    kgroup: int = 32
+    vgroup: int = 32
+    residual: int = 0
+    sinks: int = 0
+    name: str = ""
+    center: bool = False  # subtract each sequence's per-channel key mean (see store.py)
+    rope: str = "post"  # "post": keys stored after RoPE; "pre": before, rotated at read
+    positions: str = "absolute"  # "absolute" or "cache" (slot positions; needs rope="pre")
+    start: int = 0  # every token stays exact until this many are held
+
+    @property
+    def quantized(self) -> bool:
+        return self.k.quantized or self.v.quantized
+
+    @property
+    def unit(self) -> int:
+        """Eviction unit: whole groups whenever either tensor is per-channel."""
+        return max(self.k.unit(self.kgroup), self.v.unit(self.vgroup))
+
+    def tensors(self) -> list[tuple[Codec, int, bool]]:
+        """(codec, group, centered) for K, then V."""
+        return [(self.k, self.kgroup, self.center), (self.v, self.vgroup, False)]
+
+    def validate(self, head_dim: int) -> None:
+        self.k.validate(head_dim, self.kgroup)
+        self.v.validate(head_dim, self.vgroup)
+        if self.rope == "pre" and self.k.rotate:
+            raise UserError(f"rope=pre needs an unrotated key codec, not {self.k.name}: the Hadamard rotation "
+                            "does not commute with RoPE (use int4c, int4, int4cs, nuq4, ...)")
+        if head_dim % 2:
+            raise UserError(f"head_dim {head_dim} is odd: RoPE pairs channels")
+
+    def __str__(self) -> str:
+        if self.name:
+            return self.name
+        group = f"group={self.kgroup}" if self.kgroup == self.vgroup else f"kgroup={self.kgroup},vgroup={self.vgroup}"
+        text = f"k={self.k.name},v={self.v.name},{group},residual={self.residual},sinks={self.sinks}"
+        extras = [("center=1", self.center), ("rope=pre", self.rope == "pre"),
+                  ("positions=cache", self.positions == "cache"), (f"start={self.start}", self.start > 0)]
+        return text + "".join("," + e for e, on in extras if on)
+
+
+PRESETS: dict[str, str] = {
+    "fp32": "k=fp32,v=fp32",
+    "bf16": "k=bf16,v=bf16",
+    "fp16": "k=fp16,v=fp16",
+    "int8": "k=int8,v=int8",
+    "kivi4": "k=int4c,v=int4,group=32,residual=32",
+    "kivi2": "k=int2c,v=int2,group=32,residual=32",
+    "hadv2": "k=int4c,v=int2h,group=32,residual=32",
+    "ternary": "k=int4c,v=tern,group=32,residual=32",
+    # Frontier presets (see docs/quality.md's ablation): exact attention sinks, rotated keys,
+    # 3-bit rotated values, Lloyd-Max codebooks.
+    "kivi4s": "k=int4c,v=int4,group=32,residual=32,sinks=4",
+    "hadv2s": "k=int4c,v=int2h,group=32,residual=32,sinks=4",
+    "k4v3h": "k=int4h,v=int3h,group=64,residual=32,sinks=4",
+    "k4v3lm": "k=int4h,v=lm3h,group=64,residual=32,sinks=4",
+    "k3v2lm": "k=lm3h,v=lm2h,group=64,residual=8,sinks=4",
+    # Centered keys (center=1): the winners of the second round.
+    "k4v3hc": "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
+    "k4v3lmc": "k=lm4h,v=lm3h,group=64,residual=8,sinks=4,center=1",
+    "k4v4lmc": "k=lm4h,v=lm4h,group=64,residual=8,sinks=4,center=1",
+}
+
+PRESET_NOTES: dict[str, str] = {
+    "hadv2": "KIVI int4 keys + Hadamard-rotated 2-bit values (the method minillama reproduces)",
+    "kivi4": "KIVI: per-channel int4 keys, per-token int4 values",
+    "kivi2": "KIVI: per-channel int2 keys, per-token int2 values",
+    "ternary": "KIVI int4 keys + ternary values",
+    "kivi4s": "kivi4 + the first 4 tokens kept exact (attention sinks)",
+    "hadv2s": "hadv2 + the first 4 tokens kept exact (attention sinks)",
+    "k4v3h": "Hadamard int4 keys, Hadamard int3 values, group 64, 4 sinks",
+    "k4v3lm": "Hadamard int4 keys, Hadamard Lloyd-Max 3-bit values, group 64, 4 sinks",
+    "k3v2lm": "Hadamard Lloyd-Max 3-bit keys and 2-bit values, group 64, residual 8, 4 sinks",
+    "k4v3hc": "k4v3h with centered keys (per-sequence channel mean subtracted)",
+    "k4v3lmc": "Lloyd-Max 4-bit keys (centered) and 3-bit values, group 64, residual 8, 4 sinks",
+    "k4v4lmc": "Lloyd-Max 4-bit keys (centered) and 4-bit values, group 64, residual 8, 4 sinks",
+}
+
+GRAMMAR = ("k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
+           "[,rope=post|pre][,positions=absolute|cache][,start=N]")
+NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start")
+WORDS = {"rope": ("post", "pre"), "positions": ("absolute", "cache")}
+_FIELD = re.compile(r"^([a-z]+)=(.+)$")
+
+
+def _choices() -> str:
+    return f"presets: {', '.join(PRESETS)}; codecs: {', '.join(CODECS)}"
+
+
+def parse_kv(text: str) -> KVSpec:
+    """Parse a preset name or a spec in the grammar above (GRAMMAR)."""
+    text = text.strip()
+    if text in PRESETS:
+        spec = parse_kv(PRESETS[text])
+        return KVSpec(**{**spec.__dict__, "name": text})
+    if "=" not in text:
+        raise UserError(f"unknown --kv preset {text!r} ({_choices()})")
+    fields: dict[str, str] = {}
+    for item in text.split(","):
+        m = _FIELD.match(item.strip())
+        if not m or m.group(1) not in ("k", "v", *NUMBERS, *WORDS):
+            raise UserError(f"malformed --kv item {item!r}: expected {GRAMMAR} ({_choices()})")
+        fields[m.group(1)] = m.group(2).strip()
+    if "k" not in fields or "v" not in fields:
+        raise UserError(f"--kv {text!r} must name both k= and v= codecs ({_choices()})")
+    for key in ("k", "v"):
+        if fields[key] not in CODECS:
+            raise UserError(f"unknown codec {fields[key]!r} for {key}= ({_choices()})")
+    k, v = CODECS[fields["k"]], CODECS[fields["v"]]
+    nums = {}
+    for key in NUMBERS:
+        if key in fields:
+            try:
+                nums[key] = int(fields[key])
+            except ValueError:
+                raise UserError(f"--kv {key}={fields[key]!r} is not a whole number") from None
+            if nums[key] < 0:
+                raise UserError(f"--kv {key}={nums[key]} must not be negative")
+    for key, allowed in WORDS.items():
+        if key in fields and fields[key] not in allowed:
+            raise UserError(f"--kv {key}={fields[key]!r}: choose {' or '.join(allowed)}")
+    group = nums.get("group", 32)
+    kgroup, vgroup = nums.get("kgroup", group), nums.get("vgroup", group)
+    if min(kgroup, vgroup) < 1:
+        raise UserError("--kv group sizes must be at least 1")
+    if nums.get("center", 0) > 1:
+        raise UserError("--kv center must be 0 or 1")
+    rope, positions = fields.get("rope", "post"), fields.get("positions", "absolute")
+    if positions == "cache" and rope != "pre":
+        raise UserError("--kv positions=cache needs rope=pre: keys stored after RoPE carry their old positions")
+    residual = nums.get("residual", 32 if k.quantized or v.quantized else 0)
+    return KVSpec(k, v, kgroup, vgroup, residual, nums.get("sinks", 0),
+                  name=text if text not in PRESETS.values() else "", center=bool(nums.get("center", 0)),
+                  rope=rope, positions=positions, start=nums.get("start", 0))
