@@ -1,0 +1,311 @@
+// Integer-domain decode attention over packed 2-, 3- and 4-bit codes (AVX2 + BMI2).
+//
+// The float kernels (decode_attention.cpp) widen every code to a float and multiply in
+// float: more instructions per element than an fp16 cache's one conversion, so a cache
+// that reads 4x fewer bytes decoded slower. Here the codes stay bytes, as in llama.cpp's
+// q8 x q4 dot products:
+//
+// scores  A row of codes c_t (D bytes, unpacked with one BMI2 pdep per 8 codes) meets an
+//         int8 query: q ~= a * q8 with a = max|q| / 127 per query head. `vpmaddubsw`
+//         multiplies unsigned code bytes by signed query bytes and adds pairs (<= 2*15*127,
+//         no saturation), `vpmaddwd` with ones widens to 32 bits; eight tokens' partial
+//         sums are reduced together by a transposing `vphaddd` tree, so no horizontal sum
+//         per token. Then, per token,
+//             per-token codes (one scale s_t and zero z_t per row):  q.k_t = a s_t I_t + z_t sum(q)
+//             per-channel codes (KIVI, scale s_gd and zero z_gd per group of tokens): the scale
+//             is folded into the query first, qs_d = q_d s_gd ~= a_g qs8_d, once per group, and
+//                                                                 q.k_t = a_g I_t + sum_d q_d z_gd.
+//         Error: |q - a q8| <= a/2 per channel, so |score error| <= a/2 * s_t * sum_d c_td
+//         (per-token codes), a_g/2 * sum_d c_td (per-channel, the scales are inside a_g).
+// values  o_d = sum_t p_t (s_tg c_td + z_tg) = sum_t w_tg c_td + sum_t p_t z_tg with w = p s >= 0.
+//         w is quantized to unsigned bytes per block of 32 tokens (w ~= b * w8, b = max w / 255,
+//         per query head and channel group); two tokens' codes are interleaved byte by byte so
+//         that `vpmaddubsw` of (w8_t, w8_t+1) against (c_td, c_t+1,d) sums over tokens, per
+//         channel. Sums stay in 16 bits for 4 token pairs (<= 4 * 2 * 255 * 15 < 32767), then
+//         widen to 32 bits, and to float once per block. Error: |w - b w8| <= b/2 per token.
+//         The zero term is summed in float.
+// Only codes with one scale per row (per-token codes with group == D, or per-token values
+// with groups of 32 channels) and KIVI per-channel keys take this path; the exact float
+// kernels stay selectable (MINILLAMA_EXACT_ATTENTION=1) and are the reference for tests.
+
+#include "rows.h"
+
+#include <cmath>
+
+#if defined(__AVX2__) && defined(__BMI2__)
+#include <immintrin.h>
+#define MINILLAMA_INT 1
+#else
+#define MINILLAMA_INT 0
+#endif
+
+extern "C" int int_attention_available() { return MINILLAMA_INT; }
+
+#if MINILLAMA_INT
+
+// D codes of BITS bits (8 codes per BITS bytes, lowest bits first) -> D bytes. BITS is a
+// compile-time constant so that each 8-code load is one plain load, not a memcpy call.
+template <int BITS>
+static inline void unpack_bytes(const uint8_t* row, int D, uint8_t* __restrict__ out) {
+    constexpr uint64_t mask = BITS == 4 ? 0x0F0F0F0F0F0F0F0Full : BITS == 3 ? 0x0707070707070707ull : 0x0303030303030303ull;
+    if (BITS == 3 && D % 64 == 0) {  // 64 codes = 24 bytes = three 64-bit words; eight 24-bit fields
+        for (int c = 0; c < D / 64; c++) {
+            uint64_t w[3];
+            std::memcpy(w, row + 24 * c, 24);
+            const uint64_t f[8] = {w[0], w[0] >> 24, (w[0] >> 48) | (w[1] << 16), w[1] >> 8, w[1] >> 32,
+                                   (w[1] >> 56) | (w[2] << 8), w[2] >> 16, w[2] >> 40};
+            for (int j = 0; j < 8; j++) {
+                const uint64_t x = _pdep_u64(f[j] & 0xFFFFFF, mask);
+                std::memcpy(out + 64 * c + 8 * j, &x, 8);
+            }
+        }
+        return;
+    }
+    for (int j = 0; j < D / 8; j++) {
+        uint64_t w = 0;
+        std::memcpy(&w, row + j * BITS, BITS);
+        const uint64_t x = _pdep_u64(w, mask);  // each code into its own byte
+        std::memcpy(out + 8 * j, &x, 8);
+    }
+}
+
+// Lane t of the result = the sum of the eight 32-bit lanes of v[t].
+static inline __m256i hsum8(const __m256i* v) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// x (D floats) -> int8 codes and the scale a = max|x| / 127 (x ~= a * q8).
+static inline float quantize_query(const float* x, int D, int8_t* __restrict__ q8) {
+    __m256 m8 = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int d = 0; d < D; d += 8) m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + d)));
+    alignas(32) float mm[8];
+    _mm256_store_ps(mm, m8);
+    float m = 0.f;
+    for (int j = 0; j < 8; j++) m = std::max(m, mm[j]);
+    const float a = m > 0.f ? m / 127.f : 1.f;
+    const __m256 inv = _mm256_set1_ps(1.f / a);
+    for (int d = 0; d < D; d += 8) {  // round to nearest, then pack 32 -> 16 -> 8 bits
+        const __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + d), inv));
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64((__m128i*)(q8 + d), _mm_packs_epi16(i16, i16));
+    }
+    return a;
+}
+
+// 8 fp16 values -> 8 floats.
+static inline __m256 load_half8(const uint16_t* h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h)); }
+
+// sum_d code_d * q8_d over one row of D code bytes: eight 32-bit partial sums.
+static inline __m256i dot_codes(const uint8_t* codes, const int8_t* q8, int D) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256();
+    for (int d = 0; d < D; d += 32) {
+        const __m256i c = _mm256_loadu_si256((const __m256i*)(codes + d));
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(q8 + d));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones));
+    }
+    return acc;
+}
+
+// scores[bh, r, i] = q[bh, r] . k_i for the body of a per-token (kind 1, group == D) or
+// per-channel (kind 2) affine codec; q is (B*H, R, D) float32, in the codec's space.
+template <int BITS, int DC, int RC>
+static void scores_int_impl(const float* q, const RowSource& s, int B, int H, int R_, int D_, int n, int ld, float* scores) {
+    const int D = DC ? DC : D_, R = RC ? RC : R_;
+    const int W = D * BITS / 8;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int bh = 0; bh < B * H; bh++)
+        for (int blk = 0; blk < n_blocks(n); blk++) {
+            alignas(32) int8_t q8[8][512];   // per query head (R <= 8)
+            alignas(32) uint8_t rows[8][512];
+            alignas(32) __m256i part[8][8];  // [head][token of the chunk]
+            float qa[8], qsum[8], qz[8];  // query scale; sum_d q_d (per-token zero); sum_d q_d z_gd (per-channel)
+            std::vector<float> qs(D);
+            const float* qb = q + (int64_t)bh * R * D;
+            if (s.kind == 1)
+                for (int r = 0; r < R; r++) {
+                    qa[r] = quantize_query(qb + r * D, D, q8[r]);
+                    qsum[r] = 0.f;
+                    for (int d = 0; d < D; d++) qsum[r] += qb[r * D + d];
+                }
+            const int end = std::min(n, (blk + 1) * BLOCK);
+            Cursor at(s.start, blk * BLOCK, s.slots);
+            int group_row = -1;
+            for (int i0 = blk * BLOCK; i0 < end;) {
+                int len = std::min(8, end - i0);
+                if (s.kind == 2) {  // a chunk never straddles two per-channel groups
+                    const int g = i0 / s.group;
+                    len = std::min(len, (g + 1) * s.group - i0);
+                    if (g != group_row) {  // fold this group's scales into the query, its zeros into qz
+                        group_row = g;
+                        const int64_t row = ((int64_t)bh * s.sslots + (s.sstart + g) % s.sslots) * D;
+                        for (int r = 0; r < R; r++) {
+                            __m256 z8 = _mm256_setzero_ps();
+                            for (int d = 0; d < D; d += 8) {
+                                const __m256 qd = _mm256_loadu_ps(qb + r * D + d);
+                                _mm256_storeu_ps(qs.data() + d, _mm256_mul_ps(qd, load_half8(s.scale + row + d)));
+                                z8 = _mm256_fmadd_ps(qd, load_half8(s.zero + row + d), z8);
+                            }
+                            alignas(32) float zz[8];
+                            _mm256_store_ps(zz, z8);
+                            qz[r] = zz[0] + zz[1] + zz[2] + zz[3] + zz[4] + zz[5] + zz[6] + zz[7];
+                            qa[r] = quantize_query(qs.data(), D, q8[r]);
+                        }
+                    }
+                }
+                alignas(32) float sc[8] = {0.f}, zt[8] = {0.f};
+                for (int t = 0; t < 8; t++) {
+                    if (t < len) {
+                        const int64_t slot = (int64_t)bh * s.slots + at.slot;
+                        unpack_bytes<BITS>((const uint8_t*)s.data + slot * W, D, rows[t]);
+                        if (s.kind == 1) sc[t] = half_to_float(s.scale[slot]), zt[t] = half_to_float(s.zero[slot]);
+                        at.next();
+                    }
+                    for (int r = 0; r < R; r++)
+                        part[r][t] = t < len ? dot_codes(rows[t], q8[r], D) : _mm256_setzero_si256();
+                }
+                for (int r = 0; r < R; r++) {
+                    alignas(32) float dots[8];
+                    _mm256_store_ps(dots, _mm256_cvtepi32_ps(hsum8(part[r])));
+                    float* out = scores + ((int64_t)bh * R + r) * ld + i0;
+                    for (int t = 0; t < len; t++)
+                        out[t] = s.kind == 1 ? qa[r] * sc[t] * dots[t] + zt[t] * qsum[r] : qa[r] * dots[t] + qz[r];
+                }
+                i0 += len;
+            }
+        }
+}
+
+// out[bh, r] += sum_i p[bh, r, i] v_i for the body of a per-token affine codec with groups of
+// G channels, G == D or G == 32 (every 32 consecutive channels share a scale).
+template <int BITS, int DC, int RC>
+static void values_int_impl(const float* p, const RowSource& s, int B, int H, int R_, int D_, int n, int ld, float* out) {
+    const int D = DC ? DC : D_, R = RC ? RC : R_;
+    const int W = D * BITS / 8, G = s.group, NG = D / G, NV = D / 8;
+    constexpr int SB = 32;  // tokens per block of byte weights
+    // Pairs of tokens that fit in 16 bits before widening: 2 * 255 * (2^BITS - 1) per pair.
+    constexpr int WIDEN = 32767 / (2 * 255 * ((1 << BITS) - 1));
+    const int nb = n_blocks(n);
+    std::vector<float> part_out((size_t)B * H * nb * R * D, 0.f);
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int bh = 0; bh < B * H; bh++)
+        for (int blk = 0; blk < nb; blk++) {
+            FlushDenormals guard;
+            alignas(32) uint8_t rows[SB][128];
+            alignas(32) uint16_t wpairs[8][SB / 2][4];  // [head][pair][group]: (w8_t | w8_t+1 << 8)
+            __m256 accf[8][16];                          // [head][block of 8 channels], natural order
+            __m256i acc32[16], acc16[8];
+            float zsum[8][4] = {{0.f}}, bscale[8][4];
+            for (int r = 0; r < R; r++)
+                for (int v = 0; v < NV; v++) accf[r][v] = _mm256_setzero_ps();
+            const int end = std::min(n, (blk + 1) * BLOCK);
+            Cursor at(s.start, blk * BLOCK, s.slots);
+            for (int i0 = blk * BLOCK; i0 < end; i0 += SB) {
+                const int len = std::min(SB, end - i0);
+                int64_t slots[SB];
+                for (int t = 0; t < len; t++) {
+                    slots[t] = (int64_t)bh * s.slots + at.slot, at.next();
+                    unpack_bytes<BITS>((const uint8_t*)s.data + slots[t] * W, D, rows[t]);
+                }
+                if (len % 2) std::memset(rows[len], 0, D);  // an odd last token pairs with zeros
+                // w = p s per head and group, as bytes: w ~= b * w8, b = max w / 255 over the block.
+                for (int g = 0; g < NG; g++) {
+                    float sc[SB], zc[SB];
+                    for (int t = 0; t < SB; t++)
+                        sc[t] = t < len ? half_to_float(s.scale[slots[t] * NG + g]) : 0.f,
+                        zc[t] = t < len ? half_to_float(s.zero[slots[t] * NG + g]) : 0.f;
+                    for (int r = 0; r < R; r++) {
+                        const float* pr = p + ((int64_t)bh * R + r) * ld + i0;
+                        float w[SB], m = 0.f, z = 0.f;
+                        for (int t = 0; t < SB; t++) {
+                            const float pt = t < len ? pr[t] : 0.f;
+                            w[t] = pt * sc[t];
+                            m = std::max(m, w[t]);
+                            z += pt * zc[t];
+                        }
+                        zsum[r][g] += z;
+                        const float b = m > 0.f ? m / 255.f : 1.f, inv = 1.f / b;
+                        bscale[r][g] = b;
+                        for (int t = 0; t < SB; t += 2)
+                            wpairs[r][t / 2][g] = (uint16_t)((int)std::nearbyint(w[t] * inv) |
+                                                             ((int)std::nearbyint(w[t + 1] * inv) << 8));
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    for (int v = 0; v < NV; v++) acc32[v] = _mm256_setzero_si256();
+                    for (int v = 0; v < NV / 2; v++) acc16[v] = _mm256_setzero_si256();
+                    for (int t = 0, pairs = 0; t < len; t += 2) {
+                        for (int c = 0; c < D / 32; c++) {  // 32 channels: (token t, token t+1) byte pairs
+                            const __m256i x = _mm256_load_si256((const __m256i*)(rows[t] + 32 * c));
+                            const __m256i y = _mm256_load_si256((const __m256i*)(rows[t + 1] + 32 * c));
+                            const __m256i wv = _mm256_set1_epi16((int16_t)wpairs[r][t / 2][32 * c / G]);
+                            acc16[2 * c] = _mm256_add_epi16(acc16[2 * c], _mm256_maddubs_epi16(wv, _mm256_unpacklo_epi8(x, y)));
+                            acc16[2 * c + 1] = _mm256_add_epi16(acc16[2 * c + 1], _mm256_maddubs_epi16(wv, _mm256_unpackhi_epi8(x, y)));
+                        }
+                        if (++pairs == WIDEN || t + 2 >= len) {  // widen before 16 bits can overflow
+                            pairs = 0;
+                            for (int v = 0; v < NV / 2; v++) {
+                                acc32[2 * v] = _mm256_add_epi32(acc32[2 * v], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[v])));
+                                acc32[2 * v + 1] = _mm256_add_epi32(acc32[2 * v + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[v], 1)));
+                                acc16[v] = _mm256_setzero_si256();
+                            }
+                        }
+                    }
+                    // acc32[4c + k] holds channels 32c + {0, 16, 8, 24}[k] .. +7 (unpacklo/hi work per 128-bit lane).
+                    for (int c = 0; c < D / 32; c++) {
+                        const __m256 b = _mm256_set1_ps(bscale[r][32 * c / G]);
+                        const int block[4] = {4 * c, 4 * c + 2, 4 * c + 1, 4 * c + 3};
+                        for (int k = 0; k < 4; k++)
+                            accf[r][block[k]] = _mm256_fmadd_ps(b, _mm256_cvtepi32_ps(acc32[4 * c + k]), accf[r][block[k]]);
+                    }
+                }
+            }
+            float* acc_f = &part_out[((size_t)bh * nb + blk) * R * D];  // (R, D)
+            for (int r = 0; r < R; r++)
+                for (int v = 0; v < NV; v++)
+                    _mm256_storeu_ps(acc_f + (size_t)r * D + 8 * v,
+                                     _mm256_add_ps(accf[r][v], _mm256_set1_ps(zsum[r][8 * v / G])));
+        }
+    reduce_blocks(part_out, B * H, nb, R * D, out);
+}
+
+// Code width and the default model's shapes (D 64, 3 query heads per KV head) known at compile time.
+#define INT_DISPATCH(fn, ...)                                                         \
+    do {                                                                              \
+        const int bits = src->bits;                                                   \
+        if (D == 64 && R == 3) {                                                      \
+            if (bits == 4) fn<4, 64, 3>(__VA_ARGS__);                                 \
+            else if (bits == 3) fn<3, 64, 3>(__VA_ARGS__);                            \
+            else fn<2, 64, 3>(__VA_ARGS__);                                           \
+        } else {                                                                      \
+            if (bits == 4) fn<4, 0, 0>(__VA_ARGS__);                                  \
+            else if (bits == 3) fn<3, 0, 0>(__VA_ARGS__);                             \
+            else fn<2, 0, 0>(__VA_ARGS__);                                            \
+        }                                                                             \
+    } while (0)
+
+extern "C" {
+
+void scores_int(const float* q, const RowSource* src, int B, int H, int R, int D, int n, int ld, float* scores) {
+    INT_DISPATCH(scores_int_impl, q, *src, B, H, R, D, n, ld, scores);
+}
+
+void values_int(const float* p, const RowSource* src, int B, int H, int R, int D, int n, int ld, float* out) {
+    INT_DISPATCH(values_int_impl, p, *src, B, H, R, D, n, ld, out);
+}
+
+}  // extern "C"
+
+#else
+
+// Without AVX2 and BMI2 nothing routes here (int_attention_available() is 0); the symbols
+// exist so that the library links the same way on every CPU.
+extern "C" {
+void scores_int(const float*, const RowSource*, int, int, int, int, int, int, float*) {}
+void values_int(const float*, const RowSource*, int, int, int, int, int, int, float*) {}
+}
+
+#endif

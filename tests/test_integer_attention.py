@@ -1,0 +1,114 @@
+"""The integer-domain attention kernels (int8 query x packed codes) against exact float math.
+
+The integer path is an approximation with a known bound, derived from the int8 rounding:
+
+* scores: the query is q ~= a * q8 with a = max|q| / 127 (per query head), so each channel's
+  query is off by at most a/2 and a score q.k_t = sum_d q_d (s_t c_td + z_t) by at most
+  a/2 * s_t * sum_d c_td (the zero points are applied exactly); for KIVI keys the
+  per-channel scales are folded in first, qs_d = q_d s_gd ~= a_g q8_d per group of tokens,
+  and the bound is a_g/2 * sum_d c_td;
+* values: w_t = p_t s_t is rounded to unsigned bytes per block of 32 tokens, w ~= b * w8 with
+  b = max w / 255, so each w_t is off by at most b/2 and an output channel by at most
+  sum_t b_t/2 * c_td.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minillama.kv import packing
+from minillama.kv.budget import fill_synthetic
+from minillama.kv.cache import KVCache
+from minillama.kv.fused_attention import _part_call, fused_decode_attention, int_available, integer_path
+from minillama.kv.spec import parse_kv
+
+needs_int = pytest.mark.skipif(not int_available(), reason="the integer kernels need AVX2 and BMI2")
+
+SCORE_SPECS = ["kivi4", "hadv2", "k4v3hc", "kivi2", "k=int3c,v=int4,group=16,residual=3",
+               "k=int4,v=int2,group=64,residual=5,sinks=4", "k=int2h,v=int3h,group=64,residual=0"]
+VALUE_SPECS = ["kivi4", "hadv2", "k4v3hc", "kivi2", "k=int4c,v=int3,group=32,residual=3",
+               "k=int4c,v=int4h,vgroup=64,residual=5,sinks=4"]
+
+
+def filled(spec: str, n: int, batch: int, capacity: int = 1200):
+    cache = KVCache(parse_kv(spec), n_layers=1, n_kv_heads=2, head_dim=64, capacity=capacity, batch=batch)
+    fill_synthetic(cache, n, chunk=13)
+    return cache
+
+
+def body(store):
+    """The body's codes (B, H, n, D) as integers and its parts, in age order."""
+    parts = {name: ring.read() for name, ring in store.body.items()}
+    return packing.unpack(parts["codes"], store.codec.packing(), store.head_dim).float(), parts
+
+
+@needs_int
+@pytest.mark.parametrize("spec", SCORE_SPECS)
+@pytest.mark.parametrize("n, batch", [(77, 1), (333, 3), (1000, 1)])
+def test_integer_scores_are_within_the_int8_query_bound(spec, n, batch):
+    cache = filled(spec, n, batch)
+    store = cache.layers[0][0]
+    assert integer_path("scores", store)
+    codes, parts = body(store)  # (B, H, m, D)
+    m, d, g = store.n_body, store.head_dim, store.group
+    q = torch.randn(batch, 2, 3, d)  # (B, H, R, D), in the key codec's space
+    got = torch.empty(batch, 2, 3, m)
+    _part_call("scores", store, "body", m, q, 0, m, got, None, 0)
+    exact = q @ store.codec.decode(parts, g, d).transpose(-1, -2)  # (B, H, R, m)
+    if store.codec.kind == "channel":
+        scale = parts["scale"].float().repeat_interleave(g, dim=2)[:, :, :m]  # (B, H, m, D): each token's scales
+        qs = q.unsqueeze(3) * scale.unsqueeze(2)  # (B, H, R, m, D): the folded query per token
+        a = qs.abs().amax(-1) / 127  # (B, H, R, m): the folded query's int8 step
+        bound = a / 2 * codes.sum(-1).unsqueeze(2)  # the scales are inside a already
+    else:
+        a = q.abs().amax(-1, keepdim=True) / 127  # (B, H, R, 1)
+        bound = a / 2 * (parts["scale"].float().transpose(-1, -2) * codes.abs().sum(-1).unsqueeze(2))
+    assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-4).all()
+    assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
+
+
+@needs_int
+@pytest.mark.parametrize("spec", VALUE_SPECS)
+@pytest.mark.parametrize("n, batch", [(77, 1), (333, 3), (1000, 1)])
+def test_integer_values_are_within_the_byte_weight_bound(spec, n, batch):
+    cache = filled(spec, n, batch)
+    store = cache.layers[0][1]
+    assert integer_path("values", store)
+    codes, parts = body(store)
+    m, d, g = store.n_body, store.head_dim, store.group
+    p = torch.softmax(torch.randn(batch, 2, 3, m) * 3, -1)  # peaked attention weights
+    got = torch.zeros(batch, 2, 3, d)
+    _part_call("values", store, "body", m, p, 0, m, got, None, 0)
+    exact = p @ store.codec.decode(parts, g, d)
+    scale = parts["scale"].float().repeat_interleave(g, dim=-1)  # (B, H, m, D): each channel's scale
+    w = p.unsqueeze(-1) * scale.unsqueeze(2)  # (B, H, R, m, D)
+    blocks = torch.arange(m) // 32  # the kernel's blocks of 32 tokens
+    b = torch.zeros_like(w)
+    for k in range(int(blocks.max()) + 1):
+        sel = blocks == k
+        b[..., sel, :] = w[..., sel, :].amax(dim=3, keepdim=True) / 255
+    bound = (b / 2 * codes.unsqueeze(2)).sum(3)  # (B, H, R, D)
+    assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+
+
+@needs_int
+@pytest.mark.parametrize("spec", ["kivi4", "hadv2", "k4v3hc", "k=int4c,v=int2h,group=8,residual=8,sinks=4"])
+@pytest.mark.parametrize("n, capacity", [(45, 1200), (700, 200)])  # 700 into 200: the ring wraps
+def test_whole_attention_on_the_integer_path_stays_within_its_bound(spec, n, capacity, monkeypatch):
+    """Sinks and residual stay exact; the body's score error e moves every softmax weight by at
+    most a factor exp(+-2e/sqrt(D)), so the output moves by at most (exp(2e/sqrt(D)) - 1) max|v|
+    plus the values' own bound (here taken loosely as 1% of max|v|)."""
+    cache = filled(spec, n, 2, capacity)
+    assert (cache.evicted > 0) == (n > capacity)
+    g = torch.Generator().manual_seed(n)
+    q, k, v = torch.randn(2, 6, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g)
+    fast = fused_decode_attention(q, k, v, cache, 0)
+    monkeypatch.setenv("MINILLAMA_EXACT_ATTENTION", "1")
+    exact = fused_decode_attention(q, k, v, cache, 0)
+    vmax = cache.read(0, torch.float32)[1].abs().max()
+    score_err = 0.1  # generous: the bounds above for these unit-scale synthetic keys are ~1e-2
+    assert (fast - exact).abs().max() <= (math.exp(2 * score_err / 8) - 1) * vmax + 0.01 * vmax
+    assert not torch.equal(fast, exact)
