@@ -17,6 +17,13 @@ from minillama.kv.fused_attention import fused_decode_attention
 
 needs_kernel = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler: the reference path is used")
 
+
+@pytest.fixture(autouse=True)
+def exact_kernels(monkeypatch):
+    """These tests hold the exact float kernels to the reference; the integer-domain ones, which are
+    approximate by design, are held to their bound in test_integer_attention.py."""
+    monkeypatch.setenv("MINILLAMA_EXACT_ATTENTION", "1")
+
 SPECS = list(PRESETS) + [f"k={c},v={c},group=16,residual=5" for c in CODECS] + [
     "k=int4c,v=int2h,group=32,residual=32,sinks=4", "k=int3h,v=ternh,group=32,residual=0,sinks=2",
     "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1", "k=int4c,v=int4,group=32,residual=32,center=1",

@@ -16,6 +16,12 @@ from minillama.model.rope import RotaryTable, apply_rope, rope_tables
 needs_kernel = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler: the reference path is used")
 
 
+@pytest.fixture(autouse=True)
+def exact_kernels(monkeypatch):
+    """Exactness tests: the exact float kernels (the integer-domain ones have their own bound tests)."""
+    monkeypatch.setenv("MINILLAMA_EXACT_ATTENTION", "1")
+
+
 def run(model, cache, tokens, chunks=(5, 3)):
     """Prefill in chunks, then decode token by token; all logits (B, T, V)."""
     outs, i = [], 0

@@ -1,39 +1,90 @@
 """Fused decode attention: one query token against the packed cache, no dequantized copy.
 
 The same math as ``model/attention.py: attend`` (the reference and test oracle) for T = 1,
-but every part of the cache is read in place by the C++ kernels: the quantized body
-(``kernels/decode_attention.cpp``: per-channel key scales folded into the query, per-token
-rows unpacked and scaled in registers), and the exact sinks and residual (fp16 rings).
-Keys stored before RoPE and calibrated codecs go through ``kernels/row_attention.cpp``,
-which decodes each row, adds the key center back and rotates it for its position. Each
-part writes its columns of one score matrix, so nothing is concatenated; only the new
-token's own key and value use PyTorch ops.
+but every part of the cache is read in place by the C++ kernels, and the whole layer's
+attention is one call (``kernels/layer_attention.cpp``), because on a small CPU each
+PyTorch call costs tens of microseconds. This module only describes the cache to it: for
+K and V, each held part (sinks, quantized body, residual) becomes a ``RowSource`` (where
+its rows live, how to decode them) and a route, the kernel that reads it:
+
+* ``FLOAT_RING``: unquantized rows (sinks, residual, float codecs), ``decode_attention.cpp``;
+* ``TOKEN`` / ``CHANNEL``: per-token or KIVI per-channel codes, exact float kernels
+  (per-channel key scales folded into the query, per-token rows scaled in registers);
+* ``INTEGER``: 2-4-bit affine codes scored against an int8 query and weighted by byte
+  weights (``int_attention.cpp``, AVX2; approximate, with a stated bound;
+  ``MINILLAMA_EXACT_ATTENTION=1`` routes them to the exact kernels instead);
+* ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their
+  positions) and calibrated codecs (``row_attention.cpp``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
+import functools
+import os
 
 import torch
 
 from minillama.kv.cache import KVCache
-from minillama.kv.store import TensorStore
 from minillama.kv.kernels import load
 from minillama.kv.quantize import gaussian_codebook
+from minillama.kv.store import TensorStore
 
 FLOAT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ROW_KIND = {"float": 0, "token": 1, "ternary": 1, "codebook": 1, "channel": 2, "calib": 3}
+FLOAT_RING, TOKEN, CHANNEL, INTEGER, ROWS = range(5)
 
 
 class RowSource(ctypes.Structure):
-    """Where one part's rows live and how to decode them (row_attention.cpp's struct RowSource)."""
+    """Where one part's rows live and how to decode them (kernels/rows.h: struct RowSource)."""
 
     _fields_ = [("kind", ctypes.c_int), ("bits", ctypes.c_int), ("group", ctypes.c_int), ("data", ctypes.c_void_p),
                 ("slots", ctypes.c_int), ("start", ctypes.c_int), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("sslots", ctypes.c_int), ("sstart", ctypes.c_int), ("codebook", ctypes.c_void_p), ("lo", ctypes.c_void_p),
                 ("span", ctypes.c_void_p), ("levels", ctypes.c_void_p), ("nlevels", ctypes.c_int),
                 ("center", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("pos0", ctypes.c_int)]
+
+
+class Part(ctypes.Structure):
+    _fields_ = [("route", ctypes.c_int), ("n", ctypes.c_int), ("src", RowSource)]
+
+
+class LayerPlan(ctypes.Structure):
+    """One layer's decode attention (kernels/layer_attention.cpp: struct LayerPlan)."""
+
+    _fields_ = [("B", ctypes.c_int), ("H", ctypes.c_int), ("R", ctypes.c_int), ("D", ctypes.c_int),
+                ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("dtype", ctypes.c_int),
+                ("rotate_k", ctypes.c_int), ("rotate_v", ctypes.c_int), ("k_center", ctypes.c_void_p),
+                ("nk", ctypes.c_int), ("nv", ctypes.c_int), ("kparts", Part * 3), ("vparts", Part * 3),
+                ("out", ctypes.c_void_p)]
+
+
+def available(cache: KVCache) -> bool:
+    return cache.fused and load() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def int_available() -> bool:
+    lib = load()
+    return lib is not None and bool(lib.int_attention_available())
+
+
+def integer_path(kind: str, store: TensorStore) -> bool:
+    """Whether the body of `store` is read by the integer-domain kernels (int_attention.cpp): 2-4-bit
+    affine codes with one scale per row (scores: per-token with group == D, or KIVI per-channel;
+    values: per-token with group == D or 32). MINILLAMA_EXACT_ATTENTION=1 keeps the exact float kernels."""
+    codec, d = store.codec, store.head_dim
+    if os.environ.get("MINILLAMA_EXACT_ATTENTION", "0") == "1" or not int_available():
+        return False
+    if codec.bits not in (2, 3, 4) or d % 32 or d > 128:
+        return False
+    if kind == "scores":
+        return codec.kind == "channel" or (codec.kind == "token" and store.group == d)
+    return codec.kind == "token" and store.group in (d, 32)
+
+
+def _bits(store: TensorStore) -> int:
+    return 5 if store.codec.kind == "ternary" else store.codec.bits
 
 
 def row_source(store: TensorStore, part: str, rope: tuple[torch.Tensor, torch.Tensor] | None, pos0: int,
@@ -64,76 +115,22 @@ def row_source(store: TensorStore, part: str, rope: tuple[torch.Tensor, torch.Te
             src.nlevels = params["levels"].shape[-1]
     if rope is not None:
         if store.center is not None:
-            center = store.center.contiguous()
+            center = store.center.float().contiguous()  # (B, H, 1, D)
             keep.append(center)
             src.center = center.data_ptr()
         src.cos, src.sin = rope[0].data_ptr(), rope[1].data_ptr()
     return src
 
 
-def _rows_call(kind: str, store: TensorStore, part: str, n: int, x: torch.Tensor, column: int, ld: int,
-               out: torch.Tensor, rope, pos0: int) -> None:
-    """The row-at-a-time kernel over one part (n tokens) of `store`; see _body_call for x, column and out."""
-    keep: list = []
-    src = row_source(store, part, rope, pos0, keep)
-    b, h, r = x.shape[:3]
-    getattr(load(), f"{kind}_rows")(_in(kind, x, column), ctypes.byref(src), b, h, r, store.head_dim, n, ld,
-                                    _out(kind, out, column))
-
-
-def available(cache: KVCache) -> bool:
-    return cache.fused and load() is not None
-
-
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
-
-
-def _bits(store: TensorStore) -> int:
-    return 5 if store.codec.kind == "ternary" else store.codec.bits
-
-
-def _ptr_at(t: torch.Tensor, column: int) -> ctypes.c_void_p:
-    """Pointer to column `column` of the first row of a float32 tensor (rows are ld apart)."""
-    return ctypes.c_void_p(t.data_ptr() + 4 * column)
-
-
-def _in(kind: str, x: torch.Tensor, column: int) -> ctypes.c_void_p:
-    return _ptr(x) if kind == "scores" else _ptr_at(x, column)  # all of q; p from this part's columns
-
-
-def _out(kind: str, out: torch.Tensor, column: int) -> ctypes.c_void_p:
-    return _ptr_at(out, column) if kind == "scores" else _ptr(out)  # scores into this part's columns; values added
-
-
-def _ring_call(kind: str, ring, x: torch.Tensor, column: int, ld: int, out: torch.Tensor) -> None:
-    """Kernel over an unquantized ring (sinks, residual, or the body of a float codec)."""
-    b, h, r = x.shape[:3]
-    getattr(load(), f"{kind}_float")(_in(kind, x, column), _ptr(ring.buf), FLOAT_CODE[ring.buf.dtype], b, h, r,
-                                     ring.buf.shape[-1], ring.slots, ring.start, ring.count, ld, _out(kind, out, column))
-
-
-def _body_call(kind: str, store: TensorStore, x: torch.Tensor, column: int, ld: int, out: torch.Tensor) -> None:
-    """Kernel over the body of `store`. kind "scores": x = q (B, H, R, D), the scores go to
-    columns [column, column + n_body) of out (rows ld apart). kind "values": x = p, whose
-    columns from `column` weight the body's values, added to out (B, H, R, D)."""
-    codec = store.codec
-    if codec.kind == "float":
-        return _ring_call(kind, store.body["values"], x, column, ld, out)
-    lib = load()
-    b, h, r = x.shape[:3]
-    d, n = store.head_dim, store.n_body
-    codes, scale = store.body["codes"], store.body["scale"]
-    zero = store.body["zero"].buf if "zero" in store.body else None
-    if codec.kind == "channel":
-        getattr(lib, f"{kind}_channel")(_in(kind, x, column), _ptr(codes.buf), _ptr(scale.buf), _ptr(zero), b, h, r, d,
-                                        _bits(store), store.group, codes.slots, codes.start, scale.slots, scale.start,
-                                        n, ld, _out(kind, out, column))
-    else:
-        levels = gaussian_codebook(codec.bits) if codec.kind == "codebook" else None  # (2**bits,) float32
-        getattr(lib, f"{kind}_token")(_in(kind, x, column), _ptr(codes.buf), _ptr(scale.buf), _ptr(zero), _ptr(levels),
-                                      b, h, r, d, _bits(store), store.group, codes.slots, codes.start, n, ld,
-                                      _out(kind, out, column))
+def route(kind: str, store: TensorStore, part: str, rope) -> int:
+    """Which kernel reads this part (see the module docstring)."""
+    if rope is not None or (part == "body" and store.codec.kind == "calib"):
+        return ROWS
+    if part != "body" or store.codec.kind == "float":
+        return FLOAT_RING
+    if integer_path(kind, store):
+        return INTEGER
+    return CHANNEL if store.codec.kind == "channel" else TOKEN
 
 
 def _pieces(store: TensorStore) -> list[tuple[str, int]]:
@@ -144,13 +141,18 @@ def _pieces(store: TensorStore) -> list[tuple[str, int]]:
 
 def _part_call(kind: str, store: TensorStore, part: str, n: int, x: torch.Tensor, column: int, ld: int,
                out: torch.Tensor, rope, pos0: int) -> None:
-    """One part of one tensor into its columns of the score matrix (or added to the output)."""
-    if rope is not None or (part == "body" and store.codec.kind == "calib"):
-        _rows_call(kind, store, part, n, x, column, ld, out, rope, pos0)
-    elif part == "body":
-        _body_call(kind, store, x, column, ld, out)
-    else:
-        _ring_call(kind, getattr(store, part), x, column, ld, out)
+    """One part of `store` through its kernel, alone (tests and bench/attention_micro.py). kind "scores":
+    x = q (B, H, R, D) in the key codec's space, the scores go to columns [column, column + n) of out
+    (rows ld apart); kind "values": columns from `column` of x = p weight the part's rows, added to
+    out (B, H, R, D)."""
+    keep: list = []
+    src = row_source(store, part, rope, pos0, keep)
+    b, h, r = x.shape[:3]
+    values = kind == "values"
+    x_ptr = x.data_ptr() + (4 * column if values else 0)
+    out_ptr = out.data_ptr() + (0 if values else 4 * column)
+    load().attend_part(int(values), route(kind, store, part, rope), ctypes.c_void_p(x_ptr), ctypes.byref(src), b, h, r,
+                       store.head_dim, n, ld, ctypes.c_void_p(out_ptr))
 
 
 def fused_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
@@ -161,30 +163,30 @@ def fused_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     k_store, v_store = cache.layers[layer]
     b, hq, _, d = q.shape
     hkv = k.shape[1]
-    r = hq // hkv
-    held = k_store.held
-    ld = held + 1  # one row of scores: every held token, then the new token itself
     pre = cache.pre_rope
-    last = held if cache.spec.positions == "cache" else cache.position  # the largest position a held key has
-    rope = rotary.halves(last + 1) if pre else None  # (positions, D/2) cos and sin
+    rope = None
+    if pre:
+        last = k_store.held if cache.spec.positions == "cache" else cache.position  # the largest position held
+        rope = rotary.halves(last + 1)  # (positions, D/2) cos and sin
     starts = dict(zip(("sinks", "body", "residual"), cache.part_positions()))
-    key_space = (lambda x: x) if pre else k_store.codec.to_space  # pre-RoPE keys are never rotated
-    qg = key_space(q.float()).reshape(b, hkv, r, d).contiguous()  # (B, Hkv, R, D), heads sharing a KV head
-    s = torch.empty(b, hkv, r, ld)  # (B, Hkv, R, held+1): each part of the cache fills its columns
-    column = 0
-    for name, n in _pieces(k_store):  # sinks, body, residual: all read in place by the kernels
-        _part_call("scores", k_store, name, n, qg, column, ld, s, rope, starts[name])
-        column += n
-    k_own = key_space(k.float())  # (B, Hkv, 1, D)
-    if k_store.center is not None and not pre:
-        k_own = k_own - k_store.center.float()  # stored keys are centered: shift the new one alike
-    s[..., held:] = qg @ k_own.transpose(-1, -2)  # (B, Hkv, R, 1)
-    p = torch.softmax(s / math.sqrt(d), dim=-1)  # (B, Hkv, R, held+1)
-    out = p[..., held:] * v_store.codec.to_space(v.float())  # (B, Hkv, R, D): the new token's own value
-    column = 0
-    for name, n in _pieces(v_store):  # each adds p[..., column:column+n] . V_part to out
-        _part_call("values", v_store, name, n, p, column, ld, out, None, 0)
-        column += n
-    out = v_store.codec.to_space(out)  # back from rotated space, once per query
+    dtype = q.dtype if q.dtype in FLOAT_CODE else torch.float32
+    q, k, v = (x.to(dtype).contiguous() for x in (q, k, v))
+    out = torch.empty(b, hq, 1, d, dtype=dtype)  # (B, Hq, 1, D)
+    keep: list = []
+    plan = LayerPlan(B=b, H=hkv, R=hq // hkv, D=d, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
+                     dtype=FLOAT_CODE[dtype], rotate_k=int(k_store.codec.rotate and not pre),
+                     rotate_v=int(v_store.codec.rotate), out=out.data_ptr())
+    if k_store.center is not None and not pre:  # stored keys are centered: shift the new one alike
+        center = k_store.center.float().contiguous()  # (B, H, 1, D)
+        keep.append(center)
+        plan.k_center = center.data_ptr()
+    for kind, store, parts, count in (("scores", k_store, plan.kparts, "nk"), ("values", v_store, plan.vparts, "nv")):
+        pieces = _pieces(store)
+        setattr(plan, count, len(pieces))
+        for i, (name, n) in enumerate(pieces):
+            r = rope if kind == "scores" else None
+            parts[i].route, parts[i].n = route(kind, store, name, r), n
+            parts[i].src = row_source(store, name, r, starts[name], keep)
+    load().attend_layer(ctypes.byref(plan))
     cache.count_read(k_store.live_read_bytes() + v_store.live_read_bytes())
-    return out.reshape(b, hq, 1, d).to(q.dtype)
+    return out

@@ -13,14 +13,9 @@ class Ring:
     def __init__(self, batch: int, heads: int, slots: int, width: int, dtype: torch.dtype, device: torch.device | str):
         self.buf = torch.zeros(batch, heads, slots, width, dtype=dtype, device=device)  # (B, H, slots, width)
         self.slots = slots
+        self.row_bytes = batch * heads * width * self.buf.element_size()  # one row across the batch and heads
         self.start = 0  # slot of the oldest row
         self.count = 0  # rows held
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row across the whole batch and all heads."""
-        b, h, _, w = self.buf.shape
-        return b * h * w * self.buf.element_size()
 
     def _spans(self, first: int, n: int) -> list[tuple[int, int]]:
         """Slot ranges [a, b) holding n rows starting at logical row `first` (at most two spans)."""

@@ -7,7 +7,8 @@ without ninja or the PyTorch headers (a torch extension takes a minute to compil
 2-core machine). The library is cached under ``~/.cache/minillama`` keyed by a hash
 of the source and compiler flags. When no compiler is found or the build fails, a
 one-line notice goes to stderr and the pure-PyTorch reference path is used.
-Set MINILLAMA_KERNEL=0 to force the reference path.
+Set MINILLAMA_KERNEL=0 to force the reference path, MINILLAMA_EXACT_ATTENTION=1 to keep
+the fused kernels but use the exact float ones instead of the integer-domain ones.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "decode_attention.cpp", HERE / "row_attention.cpp", HERE / "linear.cpp"]
+SOURCES = [HERE / name for name in ("decode_attention.cpp", "row_attention.cpp", "int_attention.cpp",
+                                     "layer_attention.cpp", "linear.cpp")]
 HEADERS = [HERE / "rows.h"]  # included by the sources: part of the build's identity
 # Reassociation lets GCC vectorize the float reductions; unlike -ffast-math it does not link
 # crtfastmath, which would flush denormals to zero for the whole Python process.
@@ -44,6 +46,10 @@ SIGNATURES = {  # every attention kernel ends with (n, ld, output)
     "values_channel": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _P],
     "scores_rows": [_P, _P, _I, _I, _I, _I, _I, _I, _P],
     "values_rows": [_P, _P, _I, _I, _I, _I, _I, _I, _P],
+    "scores_int": [_P, _P, _I, _I, _I, _I, _I, _I, _P],
+    "values_int": [_P, _P, _I, _I, _I, _I, _I, _I, _P],
+    "attend_part": [_I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P],
+    "attend_layer": [_P],
     "gemm_rows": [_P, _P, _I, _I, _I, _I, _P],
 }
 
@@ -74,6 +80,7 @@ def build(flags: list[str]) -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
+    lib.int_attention_available.restype = ctypes.c_int
     return lib
 
 

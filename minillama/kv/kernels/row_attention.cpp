@@ -13,28 +13,6 @@
 
 #include "rows.h"
 
-extern "C" {
-struct RowSource {
-    int kind;   // 0 float rows, 1 per-token codes (affine, ternary, codebook), 2 per-channel (KIVI), 3 calibrated
-    int bits;   // code width (5 = trits); for kind 0 the float dtype (0 f32, 1 f16, 2 bf16)
-    int group;  // channels per scale (kind 1) or tokens per scale row (kind 2)
-    const void* data;  // (B*H, slots, width): codes, or float rows
-    int slots, start;  // the ring of rows
-    const uint16_t* scale;  // fp16: kind 1 (B*H, slots, D/group); kind 2 (B*H, sslots, D)
-    const uint16_t* zero;   // same shape as scale, or null (ternary, codebook)
-    int sslots, sstart;     // kind 2: the ring of scale rows
-    const float* codebook;  // kind 1: Gaussian Lloyd-Max levels, or null
-    const uint16_t* lo;     // kind 3: (B*H, D) fp16
-    const uint16_t* span;   // kind 3: (B*H, D) fp16
-    const uint16_t* levels; // kind 3: (B*H, nlevels) fp16
-    int nlevels;
-    const uint16_t* center; // (B*H, D) fp16 key center to add back, or null
-    const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position
-    const float* sin;
-    int pos0;               // position of the part's first token (consecutive after it)
-};
-}
-
 // Row i (logical, in age order) of head bh, as float32 in plain space.
 static inline void decode(const RowSource& s, int64_t bh, int i, int slot, int D, float* __restrict__ out) {
     if (s.kind == 0) {
@@ -60,7 +38,7 @@ static inline void decode(const RowSource& s, int64_t bh, int i, int slot, int D
         }
     }
     if (s.center)
-        for (int d = 0; d < D; d++) out[d] += half_to_float(s.center[bh * D + d]);
+        for (int d = 0; d < D; d++) out[d] += s.center[bh * D + d];
     if (s.cos) {
         const int h = D / 2;
         const float *c = s.cos + (int64_t)(s.pos0 + i) * h, *sn = s.sin + (int64_t)(s.pos0 + i) * h;

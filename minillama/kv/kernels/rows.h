@@ -253,3 +253,26 @@ static inline void scale_row(const uint16_t* scale, const uint16_t* zero, int D,
         for (int d = g * group; d < (g + 1) * group; d++) c[d] = c[d] * s + z;
     }
 }
+
+// Where one part's rows live and how to decode them (kv/fused_attention.py: RowSource).
+extern "C" {
+struct RowSource {
+    int kind;   // 0 float rows, 1 per-token codes (affine, ternary, codebook), 2 per-channel (KIVI), 3 calibrated
+    int bits;   // code width (5 = trits); for kind 0 the float dtype (0 f32, 1 f16, 2 bf16)
+    int group;  // channels per scale (kind 1) or tokens per scale row (kind 2)
+    const void* data;  // (B*H, slots, width): codes, or float rows
+    int slots, start;  // the ring of rows
+    const uint16_t* scale;  // fp16: kind 1 (B*H, slots, D/group); kind 2 (B*H, sslots, D)
+    const uint16_t* zero;   // same shape as scale, or null (ternary, codebook)
+    int sslots, sstart;     // kind 2: the ring of scale rows
+    const float* codebook;  // kind 1: Gaussian Lloyd-Max levels, or null
+    const uint16_t* lo;     // kind 3: (B*H, D) fp16
+    const uint16_t* span;   // kind 3: (B*H, D) fp16
+    const uint16_t* levels; // kind 3: (B*H, nlevels) fp16
+    int nlevels;
+    const float* center;    // (B*H, D) float32 key center to add back, or null
+    const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position
+    const float* sin;
+    int pos0;               // position of the part's first token (consecutive after it)
+};
+}
