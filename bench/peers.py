@@ -12,9 +12,10 @@ Peers are optional extras and are skipped with a note when missing:
 - transformers eager, DynamicCache, float32 and bfloat16;
 - transformers QuantizedCache with the quanto backend (int4 and int2, group 32, residual 32);
 - llama.cpp through llama-cpp-python (`pip install -e ".[llamacpp]"`; it compiles from
-  source where no wheel exists) on the very GGUF the default model comes from, K/V f16,
-  q8_0 and q4_0, flash attention on. Its weights stay Q4_1 (minillama dequantizes that
-  same file to bf16), so it reads ~3x fewer weight bytes per token.
+  source where no wheel exists), K/V f16, q8_0 and q4_0, flash attention on, on two files:
+  the very Q4_1 GGUF the default model comes from (~3x fewer weight bytes per token than
+  minillama's bf16), and a BF16 GGUF of minillama's own weights (`bench/bf16_gguf.py`),
+  so the engines also meet at equal weight bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,7 +101,8 @@ def hf_ppl(model, kind, ids, n=896, p=128, windows=4) -> float:
     return math.exp(float(torch.cat(nll).mean()))
 
 
-def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_tokens: int) -> list[dict]:
+def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_tokens: int, label: str = "") -> list[dict]:
+    """Rows for llama.cpp on one GGUF with f16, q8_0 and q4_0 K/V; `label` names the weights in the row."""
     try:
         import llama_cpp
     except ImportError:
@@ -109,7 +112,7 @@ def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_token
     bits = {"f16": 16, "q8_0": 8.5, "q4_0": 4.5}
     rows = []
     for name, t in types.items():
-        row = {"peer": f"llama.cpp-{name}", "kv_bits": bits[name]}
+        row = {"peer": f"llama.cpp-{label}{name}", "kv_bits": bits[name]}
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(*contexts, 896) + 64, n_batch=512, flash_attn=True,
                               type_k=t, type_v=t, logits_all=False, verbose=False, n_threads=2)
         row["ppl"] = llama_cpp_ppl(llm, ids)
@@ -161,6 +164,8 @@ def main() -> None:
     ap.add_argument("--text", default=None, help="a UTF-8 text file to prefill and score (instead of --dataset)")
     ap.add_argument("--dataset", default="hamlet", choices=["hamlet", "wikitext2"])
     ap.add_argument("--skip", action="append", default=[], choices=["transformers", "llama.cpp"])
+    ap.add_argument("--llama-weights", default="q4_1,bf16",
+                    help="llama.cpp weights: q4_1 (the GGUF as shipped), bf16 (minillama's own weights); comma-separated")
     ap.add_argument("--hf-dtype", action="append", default=None, choices=["float32", "bfloat16"],
                     help="transformers dtypes to run (default: both)")
     args = ap.parse_args()
@@ -176,7 +181,13 @@ def main() -> None:
         dtypes = [getattr(torch, d) for d in (args.hf_dtype or ["float32", "bfloat16"])]
         rows += hf_rows(folder, ids, contexts, args.decode_tokens, dtypes)
     if "llama.cpp" not in args.skip:
-        rows += llama_cpp_rows(find_gguf(install=False), ids, contexts, args.decode_tokens)
+        if "q4_1" in args.llama_weights:
+            rows += llama_cpp_rows(find_gguf(install=False), ids, contexts, args.decode_tokens)
+        if "bf16" in args.llama_weights:  # the very bf16 weights minillama decodes with (bench/bf16_gguf.py)
+            bf16 = Path("weights") / "smollm2-135m-instruct.bf16.gguf"
+            if not bf16.exists():
+                subprocess.run([sys.executable, str(Path(__file__).with_name("bf16_gguf.py")), str(bf16)], check=True)
+            rows += llama_cpp_rows(bf16, ids, contexts, args.decode_tokens, label="bf16w-")
     text = json.dumps(rows, indent=2)
     if args.json:
         Path(args.json).write_text(text)

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 from minillama.eval.bench import weight_bytes_per_token
 from minillama.app.cli import cli
 
-KEYS = {"kv": str, "context": int, "decode_ms_per_token": float, "decode_tokens_per_s": float, "cache_bytes": int,
+KEYS = {"kv": str, "context": int, "decode_ms_per_token": float, "decode_tokens_per_s": float,
+        "attention_ms_per_layer": float, "cache_bytes": int,
         "bytes_read_per_token": int, "roofline_pct": float, "peak_rss_mb": float, "model": str, "dtype": str, "fill": str,
         "fused": bool}
 
@@ -26,6 +27,7 @@ def test_bench_json_schema(tiny_dir):
         assert all(isinstance(row[k], t) for k, t in KEYS.items()), row
         assert row["prefill_tokens_per_s"] is None  # synthetic fill: nothing was prefilled
         assert row["bytes_read_per_token"] > row["cache_bytes"]  # weights + the whole cache
+        assert 0 < row["attention_ms_per_layer"] < row["decode_ms_per_token"]
 
 
 def test_weight_bytes_count_a_tied_table_once(tiny):
@@ -34,3 +36,20 @@ def test_weight_bytes_count_a_tied_table_once(tiny):
     emb = model.model.embed_tokens.weight
     # untied tiny model: the embedding table is not read, only one row of it
     assert weight_bytes_per_token(model) == total - emb.numel() * 4 + emb.shape[1] * 4
+
+
+def test_bench_prefill_reads_a_text_file(tiny_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("A short text to prefill. " * 20)
+    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_dir), "--kv", "k=fp16,v=fp16,rope=pre", "--context",
+                                      "64", "--decode-tokens", "2", "--text", str(text), "--dtype", "float32", "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["rows"]
+    assert row["fill"] == "prefill" and row["prefill_tokens_per_s"] > 0
+
+
+def test_bench_with_too_short_a_text_is_one_line(tiny_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("tiny")
+    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_dir), "--context", "64", "--text", str(text)])
+    assert result.exit_code == 1 and "fewer than --context 64" in result.stderr and "--fill synthetic" in result.stderr

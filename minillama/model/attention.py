@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from minillama.kv.codecs import CODECS, Codec
+from minillama.kv.fused_attention import available as fused_available
+from minillama.kv.fused_attention import fused_decode_attention
+from minillama.model.rope import apply_rope
 
 QUERY_BLOCK = 1024  # queries per score matrix: (B, Hkv, n_rep*1024, P+T) floats at most
 
@@ -88,3 +91,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if rotated:
         out = v_codec.to_space(out)  # rotate back once per query (H is its own inverse)
     return out.reshape(b, hq, t, d).to(out_dtype)
+
+
+def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer: int, rotary=None,
+                 fast: bool = True) -> torch.Tensor:
+    """New tokens' q (B, Hq, T, D) and k (after RoPE), v (B, Hkv, T, D) against the cache's past.
+
+    One decode token goes to the fused kernels, which read the packed cache in place; anything
+    else reads the past (dequantized, in storage space) and attends by ``attend``. Keys stored
+    before RoPE are first turned back into plain keys and rotated for their positions
+    (``rotary``: model/rope.py: RotaryTable)."""
+    if q.shape[2] == 1 and cache.held and fused_available(cache):
+        return fused_decode_attention(q, k, v, cache, layer, rotary)  # reads packed codes in place
+    past_k, past_v = cache.read(layer, q.dtype)  # read the past before this step writes anything
+    k_codec, center = cache.spec.k, cache.key_center(layer)
+    if cache.pre_rope:  # stored before RoPE: back to plain keys, then rotated for their positions
+        cos_k, sin_k = rotary.at(cache.key_positions(q.device))  # (held, D) each
+        past_k = apply_rope(plain_keys(past_k, k_codec, center), cos_k, sin_k).to(q.dtype)
+        k_codec, center = PLAIN, None
+    return attend(q, k, v, (past_k, past_v), k_codec, cache.spec.v, center, fast=fast)

@@ -12,11 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillama.model.attention import PLAIN, attend, plain_keys
+from minillama.model.attention import attend, attend_cache
 from minillama.kv.cache import KVCache
 from minillama.model.config import LlamaConfig
-from minillama.kv.fused_attention import available as fused_available
-from minillama.kv.fused_attention import fused_decode_attention
 from minillama.model.linear import DecodeLinear, concat_rows, project
 from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
 
@@ -63,16 +61,8 @@ class Attention(nn.Module):
         stored = k if cache is not None and cache.pre_rope else k_rope
         if cache is None:
             out = attend(q, k_rope, v, None, None, None, fast=self.fast)
-        elif t == 1 and cache.held and fused_available(cache):
-            out = fused_decode_attention(q, k_rope, v, cache, layer, rotary)  # reads packed codes in place
         else:
-            past_k, past_v = cache.read(layer, x.dtype)  # read the past before this step writes anything
-            k_codec, center = cache.spec.k, cache.key_center(layer)
-            if cache.pre_rope:  # stored before RoPE: back to plain keys, then rotated for their positions
-                cos_k, sin_k = rotary.at(cache.key_positions(x.device))  # (held, D) each
-                past_k = apply_rope(plain_keys(past_k, k_codec, center), cos_k, sin_k).to(x.dtype)
-                k_codec, center = PLAIN, None
-            out = attend(q, k_rope, v, (past_k, past_v), k_codec, cache.spec.v, center, fast=self.fast)
+            out = attend_cache(q, k_rope, v, cache, layer, rotary, self.fast)
         out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
         return self.o_proj(out), (stored, v)
 
