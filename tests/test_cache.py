@@ -37,6 +37,9 @@ class PlainCache:
             return torch.zeros(1, 2, 0, 64), torch.zeros(1, 2, 0, 64)
         return self.kv[layer]
 
+    def codecs(self, layer):
+        return self.spec.k, self.spec.v
+
     def key_center(self, layer):
         return None  # keys are stored as they are
 
@@ -192,7 +195,8 @@ def test_capacity_too_small_is_a_clear_error():
                                                     "k=lm3h,v=int4c,group=16,residual=8,sinks=2,center=1",
                                                     "k=int3cs,v=nuq2,kgroup=32,vgroup=16,residual=8,sinks=4,start=40",
                                                     "k=nuq4,v=int3c,group=16,residual=3,rope=pre,positions=cache",
-                                                    "k=int2c,v=int2h,kgroup=16,vgroup=64,residual=4,center=1,rope=pre"])
+                                                    "k=int2c,v=int2h,kgroup=16,vgroup=64,residual=4,center=1,rope=pre",
+                                                    "k=int3cs,v=int2h,residual=8,sinks=4,rope=pre,kfirst=int4c,first=1"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_byte_counters_equal_the_closed_form(tiny, preset, batch):
     spec = parse_kv(preset)
@@ -288,3 +292,26 @@ def test_a_cache_too_big_for_memory_is_refused_before_anything_is_allocated(monk
     monkeypatch.setattr("minillama.kv.store.Ring", no_allocation)
     with pytest.raises(UserError, match=r"needs 4,608,000,000,000 bytes .* lower --ctx or pick a smaller --kv"):
         KVCache(parse_kv("fp32"), n_layers=30, n_kv_heads=3, head_dim=64, capacity=100_000_000)
+
+
+def test_the_first_layers_can_store_keys_with_another_codec(tiny):
+    spec = parse_kv("k=int2,v=fp16,group=16,residual=2,kfirst=int8,first=1")
+    cache = KVCache.for_model(tiny.config, spec, 64)
+    assert [pair[0].codec.name for pair in cache.layers] == ["int8", "int2"]
+    fill_synthetic(cache, 40)
+    exact = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp16"), 64)
+    fill_synthetic(exact, 40)
+    errors = [(cache.read(i, torch.float32)[0] - exact.read(i, torch.float32)[0]).abs().mean() for i in range(2)]
+    assert errors[0] < errors[1] / 4  # int8 keys in layer 0, int2 keys in layer 1
+
+
+@pytest.mark.parametrize("text, message", [("k=int4,v=int4,first=2", "go together"),
+                                           ("k=int4,v=int4,kfirst=int9,first=1", "unknown codec"),
+                                           ("k=int4,v=int4,rope=pre,kfirst=int4h,first=1", None)])
+def test_per_layer_key_codecs_parse_and_validate_with_clear_errors(text, message):
+    if message:
+        with pytest.raises(UserError, match=message):
+            parse_kv(text)
+    else:
+        with pytest.raises(UserError, match="rope=pre needs an unrotated key codec, not int4h"):
+            KVCache(parse_kv(text), 2, 1, 64, 128)

@@ -27,7 +27,8 @@ def exact_kernels(monkeypatch):
 SPECS = list(PRESETS) + [f"k={c},v={c},group=16,residual=5" for c in CODECS] + [
     "k=int4c,v=int2h,group=32,residual=32,sinks=4", "k=int3h,v=ternh,group=32,residual=0,sinks=2",
     "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1", "k=int4c,v=int4,group=32,residual=32,center=1",
-    "k=int4c,v=int2h,kgroup=16,vgroup=64,residual=8,sinks=4", "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=4,start=50"]
+    "k=int4c,v=int2h,kgroup=16,vgroup=64,residual=8,sinks=4", "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=4,start=50",
+    "k=int3c,v=int2h,kgroup=16,residual=8,sinks=4,kfirst=int4c,first=1"]
 
 
 def compare(spec: str, batch: int, tokens: int, capacity: int = 512, chunk: int = 7):
@@ -36,7 +37,7 @@ def compare(spec: str, batch: int, tokens: int, capacity: int = 512, chunk: int 
     g = torch.Generator().manual_seed(tokens)
     q = torch.randn(batch, 6, 1, 64, generator=g)  # 3 query heads per KV head
     k, v = torch.randn(batch, 2, 1, 64, generator=g), torch.randn(batch, 2, 1, 64, generator=g)
-    reference = attend(q, k, v, cache.read(0, torch.float32), cache.spec.k, cache.spec.v, cache.key_center(0))
+    reference = attend(q, k, v, cache.read(0, torch.float32), *cache.codecs(0), cache.key_center(0))
     fused = fused_decode_attention(q, k, v, cache, 0)
     return reference, fused, cache
 
@@ -102,7 +103,7 @@ def test_fused_equals_reference_for_other_head_shapes(head_dim, q_per_kv, spec):
     fill_synthetic(cache, 99, chunk=5)
     q = torch.randn(1, 2 * q_per_kv, 1, head_dim)
     k, v = torch.randn(1, 2, 1, head_dim), torch.randn(1, 2, 1, head_dim)
-    reference = attend(q, k, v, cache.read(0, torch.float32), cache.spec.k, cache.spec.v, cache.key_center(0))
+    reference = attend(q, k, v, cache.read(0, torch.float32), *cache.codecs(0), cache.key_center(0))
     assert torch.allclose(fused_decode_attention(q, k, v, cache, 0), reference, atol=2e-5, rtol=1e-4)
 
 

@@ -119,3 +119,26 @@ def test_fused_chunk_attention_equals_the_explicit_reference(spec, t, past):
     reference = attend(q, k, v, stored, s.k, s.v, center)
     fast = attend(q, k, v, stored, s.k, s.v, center, fast=True)
     assert torch.allclose(fast, reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv", ["fp32", "k=fp32,v=fp32,rope=pre"])
+def test_fused_small_ops_of_a_decode_step_equal_the_reference(tmp_path, dtype, kv):
+    """The compiled norms, RoPE and SiLU x up (model/fastops.py) against the PyTorch reference:
+    batch 3, one-token steps after a prefill; float32 to rounding, bfloat16 within a few ulps."""
+    folder = make_tiny(tmp_path / "gqa", **CONFIGS["biases"])
+    tokens = torch.randint(0, 300, (3, 14), generator=torch.Generator().manual_seed(6))
+    logits = []
+    for fast in (True, False):
+        lm = load_model(str(folder), dtype)
+        lm.model.use_kernels(fast)
+        cache = KVCache.for_model(lm.config, parse_kv(kv), capacity=32, batch=3, fused=False)
+        with torch.no_grad():
+            steps = [lm.model(tokens[:, :6], cache)[:, -1:]]
+            steps += [lm.model(tokens[:, i : i + 1], cache) for i in range(6, 14)]
+        logits.append(torch.cat(steps, dim=1).float())
+    fast, plain = logits
+    if dtype == "float32":
+        assert torch.allclose(fast, plain, atol=1e-4, rtol=1e-4)
+    else:
+        assert (fast - plain).abs().max() < 1e-2 * plain.abs().max()  # measured: 2e-6 (rounding placed as in PyTorch)

@@ -253,6 +253,9 @@ class ListCache:
         keys, values = self.layers[layer]
         return torch.cat([self.empty, *keys], dim=2).to(dtype), torch.cat([self.empty, *values], dim=2).to(dtype)
 
+    def codecs(self, layer):
+        return self.spec.k, self.spec.v
+
     def key_center(self, layer):
         return None
 

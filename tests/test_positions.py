@@ -69,6 +69,9 @@ class SlotCache:
     def key_positions(self, device=None):
         return torch.arange(self.held)
 
+    def codecs(self, layer):
+        return self.spec.k, self.spec.v
+
     def key_center(self, layer):
         return None
 

@@ -35,11 +35,12 @@ def store_live_bytes(codec: Codec, group: int, spec: KVSpec, tokens: int, head_d
 def formula_live_bytes(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tokens: int,
                        batch: int = 1) -> dict[str, int]:
     """Closed-form live bytes of a whole cache (every layer, KV head and sequence), by component."""
-    heads = n_layers * n_kv_heads * batch
+    heads = n_kv_heads * batch
     total = {"codes": 0, "scales": 0, "residual": 0, "sinks": 0}
-    for codec, group, centered in spec.tensors():
-        for key, value in store_live_bytes(codec, group, spec, tokens, head_dim, centered).items():
-            total[key] += int(value) * heads
+    for layer in range(n_layers):
+        for codec, group, centered in spec.tensors(layer):
+            for key, value in store_live_bytes(codec, group, spec, tokens, head_dim, centered).items():
+                total[key] += int(value) * heads
     return total
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minillama.kv.codecs import Codec
 from minillama.kv.spec import KVSpec
 from minillama.errors import UserError
 from minillama.kv.memory import check_fits
@@ -55,15 +56,16 @@ class KVCache:
             raise UserError(f"on_full must be 'evict' or 'stop', not {on_full!r}")
         if spec.start and spec.start > capacity - spec.sinks:
             raise UserError(f"--kv start={spec.start} must leave room in a cache of {capacity} tokens: lower start or raise --ctx")
-        per_head = sum(allocation_bytes(codec, group, spec, capacity, head_dim) for codec, group, _ in spec.tensors())
-        check_fits(n_layers * batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
+        per_head = sum(allocation_bytes(codec, group, spec, capacity, head_dim)
+                       for layer in range(n_layers) for codec, group, _ in spec.tensors(layer))
+        check_fits(batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
         self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
         self.fused = fused and torch.device(device).type == "cpu"  # decode through the C++ kernel when it builds
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.layers = [
             tuple(TensorStore(codec, group, spec, capacity, batch, n_kv_heads, head_dim, device, centered)
-                  for codec, group, centered in spec.tensors())
-            for _ in range(n_layers)
+                  for codec, group, centered in spec.tensors(layer))
+            for layer in range(n_layers)
         ]
         self.position = 0
         self.evicted = 0
@@ -117,6 +119,10 @@ class KVCache:
         self.count_read(nk + nv)
         return k, v
 
+    def codecs(self, layer: int) -> tuple[Codec, Codec]:
+        """This layer's key and value codecs (the first layers' keys may differ: kfirst=)."""
+        return self.layers[layer][0].codec, self.layers[layer][1].codec
+
     def key_center(self, layer: int) -> torch.Tensor | None:
         """The mean subtracted from this layer's stored keys (B, H_kv, 1, D), or None.
 
@@ -136,9 +142,11 @@ class KVCache:
         unit = self.spec.unit
         evict = -(-overflow // unit) * unit if overflow > 0 else 0
         written = read = 0
-        for t in (0, 1):  # keys, then values: every layer in one batch
-            w, r = append_layers([pair[t] for pair in self.layers], [kv[t] for kv in new_kv], evict)
-            written, read = written + w, read + r
+        for t in (0, 1):  # keys, then values: every layer that shares a codec in one batch
+            for codec in dict.fromkeys(pair[t].codec for pair in self.layers):
+                same = [i for i, pair in enumerate(self.layers) if pair[t].codec == codec]
+                w, r = append_layers([self.layers[i][t] for i in same], [new_kv[i][t] for i in same], evict)
+                written, read = written + w, read + r
         self.position += n
         self.evicted += evict
         self.bytes.last_read, self.bytes.last_written = self._pending_read + read, written

@@ -15,6 +15,8 @@ A spec is plain data; the cache (``cache.py``) and its stores (``store.py``) act
   a ring can stream forever; ``absolute`` keeps every token's original position.
 * ``start=N`` keeps every token exact until N tokens are held (mlx-lm's
   ``quantized_kv_start``): short contexts pay no quantization error.
+* ``kfirst=CODEC,first=N``: the first N layers store keys with another codec (per-layer
+  bits: the first layers of Llama models are the most sensitive to key error).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class KVSpec:
     rope: str = "post"  # "post": keys stored after RoPE; "pre": before, rotated at read
     positions: str = "absolute"  # "absolute" or "cache" (slot positions; needs rope="pre")
     start: int = 0  # every token stays exact until this many are held
+    kfirst: Codec | None = None  # the key codec of the first `first` layers (per-layer bits), else k
+    first: int = 0
 
     @property
     def quantized(self) -> bool:
@@ -48,19 +52,22 @@ class KVSpec:
 
     @property
     def unit(self) -> int:
-        """Eviction unit: whole groups whenever either tensor is per-channel."""
-        return max(self.k.unit(self.kgroup), self.v.unit(self.vgroup))
+        """Eviction unit: whole groups whenever a tensor of any layer is per-channel."""
+        keys = [self.k] + ([self.kfirst] if self.kfirst else [])
+        return max(self.v.unit(self.vgroup), *(k.unit(self.kgroup) for k in keys))
 
-    def tensors(self) -> list[tuple[Codec, int, bool]]:
-        """(codec, group, centered) for K, then V."""
-        return [(self.k, self.kgroup, self.center), (self.v, self.vgroup, False)]
+    def tensors(self, layer: int = -1) -> list[tuple[Codec, int, bool]]:
+        """(codec, group, centered) for K, then V, of this layer (-1: past the first layers)."""
+        k = self.kfirst if self.kfirst is not None and 0 <= layer < self.first else self.k
+        return [(k, self.kgroup, self.center), (self.v, self.vgroup, False)]
 
     def validate(self, head_dim: int) -> None:
-        self.k.validate(head_dim, self.kgroup)
         self.v.validate(head_dim, self.vgroup)
-        if self.rope == "pre" and self.k.rotate:
-            raise UserError(f"rope=pre needs an unrotated key codec, not {self.k.name}: the Hadamard rotation "
-                            "does not commute with RoPE (use int4c, int4, int4cs, nuq4, ...)")
+        for k in [self.k] + ([self.kfirst] if self.kfirst else []):
+            k.validate(head_dim, self.kgroup)
+            if self.rope == "pre" and k.rotate:
+                raise UserError(f"rope=pre needs an unrotated key codec, not {k.name}: the Hadamard rotation "
+                                "does not commute with RoPE (use int4c, int4, int4cs, nuq4, ...)")
         if head_dim % 2:
             raise UserError(f"head_dim {head_dim} is odd: RoPE pairs channels")
 
@@ -70,7 +77,8 @@ class KVSpec:
         group = f"group={self.kgroup}" if self.kgroup == self.vgroup else f"kgroup={self.kgroup},vgroup={self.vgroup}"
         text = f"k={self.k.name},v={self.v.name},{group},residual={self.residual},sinks={self.sinks}"
         extras = [("center=1", self.center), ("rope=pre", self.rope == "pre"),
-                  ("positions=cache", self.positions == "cache"), (f"start={self.start}", self.start > 0)]
+                  ("positions=cache", self.positions == "cache"), (f"start={self.start}", self.start > 0),
+                  (f"kfirst={self.kfirst.name if self.kfirst else ''},first={self.first}", self.kfirst is not None)]
         return text + "".join("," + e for e, on in extras if on)
 
 
@@ -112,8 +120,8 @@ PRESET_NOTES: dict[str, str] = {
 }
 
 GRAMMAR = ("k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
-           "[,rope=post|pre][,positions=absolute|cache][,start=N]")
-NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start")
+           "[,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]")
+NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start", "first")
 WORDS = {"rope": ("post", "pre"), "positions": ("absolute", "cache")}
 _FIELD = re.compile(r"^([a-z]+)=(.+)$")
 
@@ -133,13 +141,15 @@ def parse_kv(text: str) -> KVSpec:
     fields: dict[str, str] = {}
     for item in text.split(","):
         m = _FIELD.match(item.strip())
-        if not m or m.group(1) not in ("k", "v", *NUMBERS, *WORDS):
+        if not m or m.group(1) not in ("k", "v", "kfirst", *NUMBERS, *WORDS):
             raise UserError(f"malformed --kv item {item!r}: expected {GRAMMAR} ({_choices()})")
         fields[m.group(1)] = m.group(2).strip()
     if "k" not in fields or "v" not in fields:
         raise UserError(f"--kv {text!r} must name both k= and v= codecs ({_choices()})")
-    for key in ("k", "v"):
-        if fields[key] not in CODECS:
+    if ("kfirst" in fields) != ("first" in fields):
+        raise UserError("--kv kfirst=CODEC and first=N go together: the key codec of the first N layers")
+    for key in ("k", "v", "kfirst"):
+        if key in fields and fields[key] not in CODECS:
             raise UserError(f"unknown codec {fields[key]!r} for {key}= ({_choices()})")
     k, v = CODECS[fields["k"]], CODECS[fields["v"]]
     nums = {}
@@ -163,7 +173,9 @@ def parse_kv(text: str) -> KVSpec:
     rope, positions = fields.get("rope", "post"), fields.get("positions", "absolute")
     if positions == "cache" and rope != "pre":
         raise UserError("--kv positions=cache needs rope=pre: keys stored after RoPE carry their old positions")
-    residual = nums.get("residual", 32 if k.quantized or v.quantized else 0)
+    kfirst = CODECS[fields["kfirst"]] if "kfirst" in fields else None
+    quantized = k.quantized or v.quantized or (kfirst is not None and kfirst.quantized)
+    residual = nums.get("residual", 32 if quantized else 0)
     return KVSpec(k, v, kgroup, vgroup, residual, nums.get("sinks", 0),
                   name=text if text not in PRESETS.values() else "", center=bool(nums.get("center", 0)),
-                  rope=rope, positions=positions, start=nums.get("start", 0))
+                  rope=rope, positions=positions, start=nums.get("start", 0), kfirst=kfirst, first=nums.get("first", 0))

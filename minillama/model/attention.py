@@ -104,9 +104,10 @@ def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer
     if q.shape[2] == 1 and cache.held and fused_available(cache):
         return fused_decode_attention(q, k, v, cache, layer, rotary)  # reads packed codes in place
     past_k, past_v = cache.read(layer, q.dtype)  # read the past before this step writes anything
-    k_codec, center = cache.spec.k, cache.key_center(layer)
+    k_codec, v_codec = cache.codecs(layer)
+    center = cache.key_center(layer)
     if cache.pre_rope:  # stored before RoPE: back to plain keys, then rotated for their positions
         cos_k, sin_k = rotary.at(cache.key_positions(q.device))  # (held, D) each
         past_k = apply_rope(plain_keys(past_k, k_codec, center), cos_k, sin_k).to(q.dtype)
         k_codec, center = PLAIN, None
-    return attend(q, k, v, (past_k, past_v), k_codec, cache.spec.v, center, fast=fast)
+    return attend(q, k, v, (past_k, past_v), k_codec, v_codec, center, fast=fast)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minillama.model import fastops
 from minillama.model.attention import attend, attend_cache
 from minillama.kv.cache import KVCache
 from minillama.model.config import LlamaConfig
@@ -45,9 +46,11 @@ class Attention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
         self.fast = True  # PyTorch's fused attention for chunks (Llama.use_kernels(False): the explicit reference)
 
-    def forward(self, x, cos, sin, cache: KVCache | None, layer: int, rotary: RotaryTable | None = None):
+    def forward(self, x, cos, sin, cache: KVCache | None, layer: int, rotary: RotaryTable | None = None,
+                fast: bool = False):
         """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output and the
-        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys."""
+        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``fast``
+        (one token, fused q/k/v, float32 cos/sin): RoPE by the compiled kernel (model/fastops.py)."""
         b, t, _ = x.shape
         if self.qkv is not None:  # one matrix product for q, k and v (their weights are views of it)
             qkv = project(x, *self.qkv, self.q_proj.kernel)  # (B, T, (Hq + 2 Hkv) D)
@@ -57,8 +60,12 @@ class Attention(nn.Module):
         q = q.reshape(b, t, self.hq, self.d).transpose(1, 2)  # (B, Hq, T, D)
         k = k.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
-        q, k_rope = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        stored = k if cache is not None and cache.pre_rope else k_rope
+        pre = cache is not None and cache.pre_rope
+        if fast and self.qkv is not None:  # in place on the fused output (q and k are views of it)
+            q, k_rope = fastops.rope_(q, cos, sin), fastops.rope_(k.clone() if pre else k, cos, sin)
+        else:
+            q, k_rope = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        stored = k if pre else k_rope
         if cache is None:
             out = attend(q, k_rope, v, None, None, None, fast=self.fast)
         else:
@@ -75,9 +82,12 @@ class MLP(nn.Module):
         self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
-    def forward(self, x):
+    def forward(self, x, fast: bool = False):
         if self.gate_up is not None:  # gate and up in one matrix product
-            gate, up = project(x, *self.gate_up, self.gate_proj.kernel).chunk(2, dim=-1)  # (..., I) each
+            gate_up = project(x, *self.gate_up, self.gate_proj.kernel)  # (..., 2I)
+            if fast:
+                return self.down_proj(fastops.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)  # (..., I) each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)  # SwiGLU
@@ -91,7 +101,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, layer, rotary=None):
+    def forward(self, x, cos, sin, cache, layer, rotary=None, fast=False):
+        if fast:  # the same steps, each norm (with the residual add before it) one compiled call
+            _, normed = fastops.add_rms_norm(x, None, self.input_layernorm.weight, self.input_layernorm.eps)
+            h, kv = self.self_attn(normed, cos, sin, cache, layer, rotary, fast=True)
+            x, normed = fastops.add_rms_norm(x, h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+            return x + self.mlp(normed, fast=True), kv
         h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv
@@ -115,10 +130,13 @@ class Llama(nn.Module):
         self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)  # (D/2,)
         self.rotary: RotaryTable | None = None  # angles of every position, for keys stored before RoPE
+        self.fast_ops = True  # one-token steps through model/fastops.py (use_kernels(False): the reference)
 
     def use_kernels(self, enabled: bool = True) -> "Llama":
-        """Use (or not) the fast paths: the compiled skinny-product kernel for decode steps and
-        PyTorch's fused attention for chunks. Off, every product is the plain reference."""
+        """Use (or not) the fast paths: the compiled skinny-product kernel and the fused small ops
+        (norms, RoPE, SiLU) for decode steps, PyTorch's fused attention for chunks. Off, every
+        operation is the plain reference."""
+        self.fast_ops = enabled
         for m in self.modules():
             if isinstance(m, DecodeLinear):
                 m.kernel = enabled
@@ -163,17 +181,18 @@ class Llama(nn.Module):
         Evaluations keep these instead of logits: 576 floats per token rather than 49k."""
         b, t = tokens.shape
         positions = cache.query_positions(t, tokens.device) if cache is not None else torch.arange(t, device=tokens.device)
-        cos, sin = rope_tables(self.inv_freq, positions, self.dtype)  # (T, D) each
+        x = self.model.embed_tokens(tokens)  # (B, T, hidden)
+        fast = self.fast_ops and t == 1 and fastops.usable(x) and self.model.layers[0].self_attn.qkv is not None
+        cos, sin = rope_tables(self.inv_freq, positions, torch.float32 if fast else self.dtype)  # (T, D) each
         rotary = None
         if cache is not None and cache.pre_rope:
             if self.rotary is None or self.rotary.inv_freq.device != self.inv_freq.device:
                 self.rotary = RotaryTable(self.inv_freq)
             rotary = self.rotary
             rotary.get(int(positions[-1]) + 1)  # every position a key of this step can have
-        x = self.model.embed_tokens(tokens)  # (B, T, hidden)
         new_kv = []
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, cache, i, rotary)
+            x, kv = layer(x, cos, sin, cache, i, rotary, fast)
             new_kv.append(kv)
         if cache is not None:
             cache.append(new_kv)  # the one place the cache grows

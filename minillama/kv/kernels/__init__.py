@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("decode_attention.cpp", "row_attention.cpp", "int_attention.cpp",
-                                     "layer_attention.cpp", "linear.cpp")]
+                                     "layer_attention.cpp", "decode_ops.cpp", "linear.cpp")]
 HEADERS = [HERE / "rows.h"]  # included by the sources: part of the build's identity
 # Reassociation lets GCC vectorize the float reductions; unlike -ffast-math it does not link
 # crtfastmath, which would flush denormals to zero for the whole Python process.
@@ -50,6 +50,9 @@ SIGNATURES = {  # every attention kernel ends with (n, ld, output)
     "values_int": [_P, _P, _I, _I, _I, _I, _I, _I, _P],
     "attend_part": [_I, _I, _P, _P, _I, _I, _I, _I, _I, _I, _P],
     "attend_layer": [_P],
+    "add_rms_norm": [_P, _P, _P, _I, _I, _I, ctypes.c_float, _P, _P],
+    "rope_rows": [_P, _I, _I, _I, _I, ctypes.c_int64, _P, _P],
+    "silu_mul": [_P, _I, _I, _I, _P],
     "gemm_rows": [_P, _P, _I, _I, _I, _I, _P],
 }
 
