@@ -315,3 +315,44 @@ def test_per_layer_key_codecs_parse_and_validate_with_clear_errors(text, message
     else:
         with pytest.raises(UserError, match="rope=pre needs an unrotated key codec, not int4h"):
             KVCache(parse_kv(text), 2, 1, 64, 128)
+
+
+@pytest.mark.parametrize("spec", ["kivi4", "hadv2", "k4v3hc", "kivi2", "int8", "fp16", "k4v4lmc",
+                                  "k=int3c,v=int3,group=16,residual=5,sinks=3,center=1",
+                                  "k=int2h,v=int8c,group=8,residual=0", "k=int4cs,v=int2h,residual=4,rope=pre"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
+    """KVCache(fused=True) writes through kernels/encode.cpp, fused=False through PyTorch: the
+    rings must hold the same bytes after appends of every size, wrap-around included."""
+    caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=150, batch=2, fused=f)
+              for f in (True, False)]
+    g = torch.Generator().manual_seed(1)
+    big = torch.zeros(64)
+    big[::9] = 6.0  # a few large channels, like real keys
+    for n in (17, 1, 1, 40, 3, 64, 1, 90, 1):
+        kv = [(torch.randn(2, 2, n, 64, generator=g).mul(2).add(big).to(dtype),
+               torch.randn(2, 2, n, 64, generator=g).to(dtype)) for _ in range(3)]
+        for cache in caches:
+            cache.append(kv)
+    fast, slow = caches
+    assert fast.evicted > 0 and fast.held == slow.held
+    for pair_fast, pair_slow in zip(fast.layers, slow.layers):
+        for a, b in zip(pair_fast, pair_slow):
+            rings = [(a.sinks, b.sinks), (a.residual, b.residual), *((a.body[k], b.body[k]) for k in a.body)]
+            for ra, rb in rings:
+                assert (ra.start, ra.count) == (rb.start, rb.count)
+                assert torch.equal(ra.read().view(torch.uint8), rb.read().view(torch.uint8))
+            assert (a.center is None) == (b.center is None) and (a.center is None or torch.equal(a.center, b.center))
+
+
+def test_the_cpp_cache_write_is_the_one_that_runs(monkeypatch):
+    from minillama.kv.codecs import Codec
+
+    def no_pytorch_encode(*args, **kwargs):
+        raise AssertionError("the PyTorch encode ran")
+
+    monkeypatch.setattr(Codec, "encode", no_pytorch_encode)
+    monkeypatch.setattr(Codec, "to_space", no_pytorch_encode)
+    cache = KVCache(parse_kv("hadv2"), n_layers=2, n_kv_heads=2, head_dim=64, capacity=200)
+    fill_synthetic(cache, 130)  # flushes KIVI key groups and per-token rotated values
+    assert cache.layers[0][0].n_body == 96 and cache.layers[0][1].n_body == 98

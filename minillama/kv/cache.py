@@ -60,7 +60,8 @@ class KVCache:
                        for layer in range(n_layers) for codec, group, _ in spec.tensors(layer))
         check_fits(batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
         self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
-        self.fused = fused and torch.device(device).type == "cpu"  # decode through the C++ kernel when it builds
+        # Decode attention and cache writes through the C++ kernels when they build (False: the references).
+        self.fused = fused and torch.device(device).type == "cpu"
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.layers = [
             tuple(TensorStore(codec, group, spec, capacity, batch, n_kv_heads, head_dim, device, centered)
@@ -145,7 +146,7 @@ class KVCache:
         for t in (0, 1):  # keys, then values: every layer that shares a codec in one batch
             for codec in dict.fromkeys(pair[t].codec for pair in self.layers):
                 same = [i for i, pair in enumerate(self.layers) if pair[t].codec == codec]
-                w, r = append_layers([self.layers[i][t] for i in same], [new_kv[i][t] for i in same], evict)
+                w, r = append_layers([self.layers[i][t] for i in same], [new_kv[i][t] for i in same], evict, self.fused)
                 written, read = written + w, read + r
         self.position += n
         self.evicted += evict

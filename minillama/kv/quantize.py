@@ -167,8 +167,22 @@ def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.de
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x (..., D) -> x @ H. Since H is symmetric and orthonormal this is also the inverse."""
-    return x @ hadamard_matrix(x.shape[-1], x.dtype, x.device)
+    """x (..., D) -> x @ H in x's dtype. Since H is symmetric and orthonormal this is also the inverse.
+
+    Computed as the fast Walsh-Hadamard transform (log2 D rounds of sums and differences of
+    halves of blocks, in float32, then one scale by 1/sqrt(D) and one rounding to x's dtype):
+    D log D work instead of D^2, and the very operations, in the very order, of the C++ cache
+    write (kv/kernels/encode.cpp), so both store identical bytes."""
+    d = x.shape[-1]
+    hadamard_matrix(d)  # the power-of-two check, with its message
+    y = x.float()
+    h = 1
+    while h < d:
+        blocks = y.reshape(*y.shape[:-1], d // (2 * h), 2, h)  # (..., blocks, 2, h): pairs h apart
+        a, b = blocks[..., 0, :], blocks[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2).reshape(y.shape)
+        h *= 2
+    return (y * (1.0 / math.sqrt(d))).to(x.dtype)
 
 
 # -- per-channel ranges fitted once per sequence (KVQuant-style, calibrated on the prefill) --

@@ -34,6 +34,7 @@ import torch
 from minillama.kv.codecs import Codec
 from minillama.kv.spec import KVSpec
 from minillama.kv.ring import Ring
+from minillama.kv.write import encode, storage_form
 
 
 @dataclass(frozen=True)
@@ -146,12 +147,12 @@ class TensorStore:
             written += self.residual.push(rest)
         return written
 
-    def append(self, x: torch.Tensor, evict: int) -> tuple[int, int]:
+    def append(self, x: torch.Tensor, evict: int, kernel: bool = True) -> tuple[int, int]:
         """Store new vectors x (B, H, n, D) after evicting `evict` oldest non-sink tokens.
 
         Returns (bytes written, bytes read) for the counters: ``append_layers`` for one layer.
         """
-        return append_layers([self], [x], evict)
+        return append_layers([self], [x], evict, kernel)
 
     @property
     def center_bytes(self) -> int:
@@ -214,25 +215,26 @@ class TensorStore:
         return sum(r.allocated_bytes for r in [self.sinks, self.residual, *self.body.values()]) + self.center_bytes
 
 
-def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int) -> tuple[int, int]:
+def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int, kernel: bool = True) -> tuple[int, int]:
     """``TensorStore.append`` for the same tensor (K or V) of every layer at once.
 
     All layers hold the same number of tokens, so they evict and flush the same tokens in
     the same step; stacking them lets one rotation and one ``encode`` call do the work of
     one per layer (a decode step would otherwise pay ~30 small PyTorch ops per layer).
     Results are identical to appending layer by layer (the codecs work per row and group).
+    ``kernel`` lets the C++ cache write do the storage form and the affine encoding (kv/write.py).
     """
     codec = stores[0].codec
-    x = codec.to_space(torch.stack(xs))  # (L, B, H, n, D), in codec space
-    if stores[0].centered:  # the first append sets each layer's center (see the module docstring)
-        if stores[0].center is None:
-            means = x.float().mean(dim=-2, keepdim=True).to(stores[0].residual.buf.dtype)  # (L, B, H, 1, D)
-            for store, m in zip(stores, means):
-                store.center = m
-        x = x.float() - torch.stack([s.center for s in stores]).float()
+    x = torch.stack(xs)  # (L, B, H, n, D), in the model's dtype
+    exact = stores[0].residual.buf.dtype
+    if stores[0].centered and stores[0].center is None:  # the first append sets each layer's center
+        means = codec.to_space(x).float().mean(dim=-2, keepdim=True).to(exact)  # (L, B, H, 1, D)
+        for store, m in zip(stores, means):
+            store.center = m
+    center = torch.stack([s.center for s in stores]) if stores[0].centered else None  # (L, B, H, 1, D)
     # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
     # quantized from the same values whether or not it waited in the residual.
-    x = x.to(stores[0].residual.buf.dtype)
+    x = storage_form(codec, x, center, exact, kernel)
     written = read = 0
     taken = []
     for store, xi in zip(stores, x):
@@ -253,7 +255,7 @@ def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int)
         if codec.kind == "calib":
             params = {name: torch.stack([s.params[name] for s in stores]).reshape(l * b, *stores[0].params[name].shape[1:])
                       for name in stores[0].params}
-        parts = codec.encode(blocks.reshape(l * b, h, n_flush, d), stores[0].group, params)  # each (L*B, H, rows, width)
+        parts = encode(codec, blocks.reshape(l * b, h, n_flush, d), stores[0].group, params, kernel)  # (L*B, H, rows, width)
         parts = {name: p.reshape(l, b, *p.shape[1:]) for name, p in parts.items()}  # each (L, B, H, rows, width)
         parts_per_layer = [{name: p[i] for name, p in parts.items()} for i in range(l)]
     for store, (_, rest), parts_i in zip(stores, taken, parts_per_layer):

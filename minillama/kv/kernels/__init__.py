@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("decode_attention.cpp", "row_attention.cpp", "int_attention.cpp",
-                                     "layer_attention.cpp", "decode_ops.cpp", "linear.cpp")]
+                                     "layer_attention.cpp", "decode_ops.cpp", "encode.cpp", "linear.cpp")]
 HEADERS = [HERE / "rows.h"]  # included by the sources: part of the build's identity
 # Reassociation lets GCC vectorize the float reductions; unlike -ffast-math it does not link
 # crtfastmath, which would flush denormals to zero for the whole Python process.
@@ -54,6 +54,7 @@ SIGNATURES = {  # every attention kernel ends with (n, ld, output)
     "rope_rows": [_P, _I, _I, _I, _I, ctypes.c_int64, _P, _P],
     "silu_mul": [_P, _I, _I, _I, _P],
     "gemm_rows": [_P, _P, _I, _I, _I, _I, _P],
+    "encode_affine": [_P, ctypes.c_int64, _I, _I, _I, _I, _I, _P, _P, _P],
 }
 
 
@@ -84,6 +85,8 @@ def build(flags: list[str]) -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
     lib.int_attention_available.restype = ctypes.c_int
+    lib.prepare_rows.argtypes = [_P, _I, ctypes.c_int64, _I, _I, _P, ctypes.c_int64, _P]
+    lib.prepare_rows.restype = ctypes.c_int64
     return lib
 
 
