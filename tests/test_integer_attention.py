@@ -2,8 +2,8 @@
 
 The integer path is an approximation with a known bound, derived from the int8 rounding:
 
-* scores: the query is q ~= a * q8 with a = max|q| / 127 (per query head), so each channel's
-  query is off by at most a/2 and a score q.k_t = sum_d q_d (s_t c_td + z_t) by at most
+* scores: the query is q ~= a * q8 with a = max|q| / 127 over each block of 8 channels (at
+  most the head's max|q| / 127, which the bound below uses), so each channel's query is off by at most a/2 and a score q.k_t = sum_d q_d (s_t c_td + z_t) by at most
   a/2 * s_t * sum_d c_td (the zero points are applied exactly); for KIVI keys the
   per-channel scales are folded in first, qs_d = q_d s_gd ~= a_g q8_d per group of tokens,
   and the bound is a_g/2 * sum_d c_td;

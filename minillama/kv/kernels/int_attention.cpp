@@ -6,7 +6,8 @@
 // q8 x q4 dot products:
 //
 // scores  A row of codes c_t (D bytes, unpacked with one BMI2 pdep per 8 codes) meets an
-//         int8 query: q ~= a * q8 with a = max|q| / 127 per query head. `vpmaddubsw`
+//         int8 query: q ~= a * q8 with one scale a = max|q| / 127 per block of 8 channels
+//         (the channels one 32-bit lane of the dot product sums, see quantize_query_lanes). `vpmaddubsw`
 //         multiplies unsigned code bytes by signed query bytes and adds pairs (<= 2*15*127,
 //         no saturation), `vpmaddwd` with ones widens to 32 bits; eight tokens' partial
 //         sums are reduced together by a transposing `vphaddd` tree, so no horizontal sum
@@ -15,8 +16,9 @@
 //             per-channel codes (KIVI, scale s_gd and zero z_gd per group of tokens): the scale
 //             is folded into the query first, qs_d = q_d s_gd ~= a_g qs8_d, once per group, and
 //                                                                 q.k_t = a_g I_t + sum_d q_d z_gd.
-//         Error: |q - a q8| <= a/2 per channel, so |score error| <= a/2 * s_t * sum_d c_td
-//         (per-token codes), a_g/2 * sum_d c_td (per-channel, the scales are inside a_g).
+//         Error: |q - a q8| <= a/2 per channel, so |score error| <= sum_d a(d)/2 * s_t * c_td
+//         (per-token codes), sum_d a_g(d)/2 * c_td (per-channel, the scales are inside a_g), and
+//         a(d) is at most the head's max|q| / 127.
 // values  o_d = sum_t p_t (s_tg c_td + z_tg) = sum_t w_tg c_td + sum_t p_t z_tg with w = p s >= 0.
 //         w is quantized to unsigned bytes per block of 32 tokens (w ~= b * w8, b = max w / 255,
 //         per query head and channel group); two tokens' codes are interleaved byte by byte so
@@ -69,30 +71,23 @@ static inline void unpack_bytes(const uint8_t* row, int D, uint8_t* __restrict__
     }
 }
 
-// Lane t of the result = the sum of the eight 32-bit lanes of v[t].
-static inline __m256i hsum8(const __m256i* v) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+// x (D floats) -> int8 codes with one scale per 32-bit lane of dot_codes' result: lane m sums
+// channels d with (d % 32) / 4 == m, so giving each lane its own a_m = max|x_d| / 127 over its
+// channels keeps small channels precise beside large ones (KIVI's folded query mixes channel
+// scales that differ by 100x). Returns the 8 lane scales in `a`.
+static inline void quantize_query_lanes(const float* x, int D, int8_t* __restrict__ q8, float* __restrict__ a) {
+    float m[8] = {0.f};
+    for (int d = 0; d < D; d++) m[(d % 32) / 4] = std::max(m[(d % 32) / 4], std::fabs(x[d]));
+    float inv[8];
+    for (int l = 0; l < 8; l++) a[l] = m[l] > 0.f ? m[l] / 127.f : 1.f, inv[l] = 1.f / a[l];
+    for (int d = 0; d < D; d++) q8[d] = (int8_t)std::nearbyint(x[d] * inv[(d % 32) / 4]);
 }
 
-// x (D floats) -> int8 codes and the scale a = max|x| / 127 (x ~= a * q8).
-static inline float quantize_query(const float* x, int D, int8_t* __restrict__ q8) {
-    __m256 m8 = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int d = 0; d < D; d += 8) m8 = _mm256_max_ps(m8, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + d)));
-    alignas(32) float mm[8];
-    _mm256_store_ps(mm, m8);
-    float m = 0.f;
-    for (int j = 0; j < 8; j++) m = std::max(m, mm[j]);
-    const float a = m > 0.f ? m / 127.f : 1.f;
-    const __m256 inv = _mm256_set1_ps(1.f / a);
-    for (int d = 0; d < D; d += 8) {  // round to nearest, then pack 32 -> 16 -> 8 bits
-        const __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + d), inv));
-        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
-        _mm_storel_epi64((__m128i*)(q8 + d), _mm_packs_epi16(i16, i16));
-    }
-    return a;
+// Lane t of the result = the sum of the eight float lanes of v[t].
+static inline __m256 hsum8_ps(const __m256* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
 // 8 fp16 values -> 8 floats.
@@ -121,13 +116,14 @@ static void scores_int_impl(const float* q, const RowSource& s, int B, int H, in
         for (int blk = 0; blk < n_blocks(n); blk++) {
             alignas(32) int8_t q8[8][512];   // per query head (R <= 8)
             alignas(32) uint8_t rows[8][512];
-            alignas(32) __m256i part[8][8];  // [head][token of the chunk]
-            float qa[8], qsum[8], qz[8];  // query scale; sum_d q_d (per-token zero); sum_d q_d z_gd (per-channel)
+            __m256 part[8][8];                 // [head][token of the chunk]: lane sums times lane scales
+            alignas(32) float qa[8][8];        // [head][lane]: the query's int8 scales
+            float qsum[8], qz[8];  // sum_d q_d (per-token zeros); sum_d q_d z_gd (per-channel zeros)
             std::vector<float> qs(D);
             const float* qb = q + (int64_t)bh * R * D;
             if (s.kind == 1)
                 for (int r = 0; r < R; r++) {
-                    qa[r] = quantize_query(qb + r * D, D, q8[r]);
+                    quantize_query_lanes(qb + r * D, D, q8[r], qa[r]);
                     qsum[r] = 0.f;
                     for (int d = 0; d < D; d++) qsum[r] += qb[r * D + d];
                 }
@@ -152,7 +148,7 @@ static void scores_int_impl(const float* q, const RowSource& s, int B, int H, in
                             alignas(32) float zz[8];
                             _mm256_store_ps(zz, z8);
                             qz[r] = zz[0] + zz[1] + zz[2] + zz[3] + zz[4] + zz[5] + zz[6] + zz[7];
-                            qa[r] = quantize_query(qs.data(), D, q8[r]);
+                            quantize_query_lanes(qs.data(), D, q8[r], qa[r]);
                         }
                     }
                 }
@@ -165,14 +161,15 @@ static void scores_int_impl(const float* q, const RowSource& s, int B, int H, in
                         at.next();
                     }
                     for (int r = 0; r < R; r++)
-                        part[r][t] = t < len ? dot_codes(rows[t], q8[r], D) : _mm256_setzero_si256();
+                        part[r][t] = t < len ? _mm256_mul_ps(_mm256_cvtepi32_ps(dot_codes(rows[t], q8[r], D)),
+                                                             _mm256_load_ps(qa[r]))
+                                             : _mm256_setzero_ps();
                 }
                 for (int r = 0; r < R; r++) {
                     alignas(32) float dots[8];
-                    _mm256_store_ps(dots, _mm256_cvtepi32_ps(hsum8(part[r])));
+                    _mm256_store_ps(dots, hsum8_ps(part[r]));
                     float* out = scores + ((int64_t)bh * R + r) * ld + i0;
-                    for (int t = 0; t < len; t++)
-                        out[t] = s.kind == 1 ? qa[r] * sc[t] * dots[t] + zt[t] * qsum[r] : qa[r] * dots[t] + qz[r];
+                    for (int t = 0; t < len; t++) out[t] = s.kind == 1 ? sc[t] * dots[t] + zt[t] * qsum[r] : dots[t] + qz[r];
                 }
                 i0 += len;
             }
