@@ -8,8 +8,9 @@ The integer path is an approximation with a known bound, derived from the int8 r
   per-channel scales are folded in first, qs_d = q_d s_gd ~= a_g q8_d per group of tokens,
   and the bound is a_g/2 * sum_d c_td;
 * values: w_t = p_t s_t is rounded to unsigned bytes per block of 32 tokens, w ~= b * w8 with
-  b = max w / 255, so each w_t is off by at most b/2 and an output channel by at most
-  sum_t b_t/2 * c_td.
+  b = max w / 255, with error diffusion (each remainder d_t, |d_t| <= 1/2, is carried into the
+  next token), so the error of an output channel over one block is
+  b * (sum_t d_t (c_t+1,d - c_td) - d_last c_last,d), at most b/2 * (sum_t |c_t+1,d - c_td| + c_last,d).
 """
 
 from __future__ import annotations
@@ -86,11 +87,42 @@ def test_integer_values_are_within_the_byte_weight_bound(spec, n, batch):
     scale = parts["scale"].float().repeat_interleave(g, dim=-1)  # (B, H, m, D): each channel's scale
     w = p.unsqueeze(-1) * scale.unsqueeze(2)  # (B, H, R, m, D)
     blocks = torch.arange(m) // 32  # the kernel's blocks of 32 tokens
-    b = torch.zeros_like(w)
+    bound = torch.zeros_like(exact)  # (B, H, R, D)
     for k in range(int(blocks.max()) + 1):
         sel = blocks == k
-        b[..., sel, :] = w[..., sel, :].amax(dim=3, keepdim=True) / 255
-    bound = (b / 2 * codes.unsqueeze(2)).sum(3)  # (B, H, R, D)
+        b = w[..., sel, :].amax(dim=3) / 255  # (B, H, R, D)
+        c = codes[..., sel, :].float()  # (B, H, len, D)
+        steps = (c[..., 1:, :] - c[..., :-1, :]).abs().sum(2) + c[..., -1, :]  # (B, H, D)
+        bound += b / 2 * steps.unsqueeze(2)
+    assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+
+
+@needs_int
+def test_integer_values_keep_the_mass_of_a_long_tail():
+    """In every block of 32 tokens one weight A and 31 weights A/600, each below half a byte
+    step (b/2 = A/510), over identical value rows. Plain rounding would send all the small
+    weights to zero, an error of 31 A/600 per block, 26x the bound b/2 * c that error diffusion
+    keeps (the codes do not change from token to token, so only the last code counts)."""
+    cache = KVCache(parse_kv("k=int4c,v=int4,group=64,residual=0"), n_layers=1, n_kv_heads=1, head_dim=64,
+                    capacity=512, batch=1)
+    keys = torch.randn(1, 1, 512, 64)  # (B, H, T, D)
+    values = torch.linspace(-1, 1, 64).expand(1, 1, 512, 64).contiguous()  # (B, H, T, D): one row
+    cache.append([(keys, values)])
+    store = cache.layers[0][1]
+    assert integer_path("values", store)
+    codes, parts = body(store)
+    m = store.n_body
+    p = torch.full((1, 1, 3, m), 1 / 600)  # (B, H, R, m)
+    p[..., ::32] = 1.0
+    p = p / p.sum(-1, keepdim=True)
+    got = torch.zeros(1, 1, 3, 64)
+    _part_call("values", store, "body", m, p, 0, m, got, None, 0)
+    exact = p @ store.codec.decode(parts, 64, 64)
+    w_max = p[..., ::32].unsqueeze(-1) * parts["scale"].float()[..., ::32, :].unsqueeze(2)  # (B, H, R, blocks, 1)
+    row = codes[..., 0:1, :].unsqueeze(2)  # (B, H, 1, 1, D): every token's codes
+    bound = (w_max / 255 / 2 * row).sum(3)  # (B, H, R, D)
+    lost = (31 / 600 * w_max * row).sum(3)  # what plain rounding would drop
+    assert (lost > 20 * bound).any()
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 

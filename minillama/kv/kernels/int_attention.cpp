@@ -24,7 +24,11 @@
 //         per query head and channel group); two tokens' codes are interleaved byte by byte so
 //         that `vpmaddubsw` of (w8_t, w8_t+1) against (c_td, c_t+1,d) sums over tokens, per
 //         channel. Sums stay in 16 bits for 4 token pairs (<= 4 * 2 * 255 * 15 < 32767), then
-//         widen to 32 bits, and to float once per block. Error: |w - b w8| <= b/2 per token.
+//         widen to 32 bits, and to float once per block. The bytes are rounded with error
+//         diffusion (w8_t = round(w_t / b + d_t-1), d_t the remainder, |d_t| <= 1/2), so the
+//         error sum_t b (d_t-1 - d_t) c_td = b (sum_t d_t (c_t+1,d - c_td) - d_last c_last,d) is
+//         again at most b/2 per token times the largest code, as with plain rounding, but no
+//         longer biased: weights below b/2 are not all lost.
 //         The zero term is summed in float.
 // Only codes with one scale per row (per-token codes with group == D, or per-token values
 // with groups of 32 channels) and KIVI per-channel keys take this path; the exact float
@@ -226,9 +230,19 @@ static void values_int_impl(const float* p, const RowSource& s, int B, int H, in
                         zsum[r][g] += z;
                         const float b = m > 0.f ? m / 255.f : 1.f, inv = 1.f / b;
                         bscale[r][g] = b;
+                        // Error diffusion: each token's rounding remainder is carried into the next
+                        // token's weight, so the block's byte weights sum to its float weights
+                        // within b/2. Plain rounding sent every weight below b/2 to zero, a mass
+                        // the long tail of a softmax loses systematically (seen as a ppl shift).
+                        int w8[SB];
+                        float carry = 0.f;
+                        for (int t = 0; t < SB; t++) {
+                            const float x = w[t] * inv + carry;
+                            w8[t] = std::min(255, std::max(0, (int)std::nearbyint(x)));
+                            carry = x - (float)w8[t];
+                        }
                         for (int t = 0; t < SB; t += 2)
-                            wpairs[r][t / 2][g] = (uint16_t)((int)std::nearbyint(w[t] * inv) |
-                                                             ((int)std::nearbyint(w[t + 1] * inv) << 8));
+                            wpairs[r][t / 2][g] = (uint16_t)(w8[t] | (w8[t + 1] << 8));
                     }
                 }
                 for (int r = 0; r < R; r++) {
