@@ -294,6 +294,23 @@ def test_streaming_table_says_the_cache_evicted(tiny_dir, tmp_path):
     assert "perplexity per bucket" in result.stdout
 
 
+def test_streaming_plot_draws_ppl_per_bucket(tiny_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "stream.png"
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "100",
+                                      "--prefill", "16", "--ctx", "48", "--bucket", "50", "--kv", "k=fp16,v=fp16,sinks=4",
+                                      "--plot", str(png), "--no-blind"])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_frontier_or_bucket_is_one_clear_error(tiny_dir, tmp_path):
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "100",
+                                      "--prefill", "16", "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code != 0
+    assert "add --frontier" in result.output and "--bucket" in result.output and not (tmp_path / "x.png").exists()
+
+
 def test_a_window_longer_than_the_model_context_streams_with_ctx(tiny_dir, tmp_path):
     """The tiny model's max_position_embeddings is 512: --ctx lets a 600-token window through."""
     result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path, TEXT * 3),

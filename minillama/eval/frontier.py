@@ -4,6 +4,8 @@
 peers measured by ``bench/peers.py`` (transformers quanto, llama.cpp) on the same axes.
 Peer bits are their nominal storage cost (quanto int4/int2 at group 32 with an fp16
 scale and zero: 5.0 / 3.0 bits; llama.cpp q8_0 8.5, q4_0 4.5, f16 16).
+``plot_buckets`` draws the other picture ``ppl`` can give: perplexity per range of positions
+(``--bucket``), the streaming curve of a cache that evicts (``--ctx``).
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ def load_peers(path: Path) -> list[tuple[str, float, float]]:
     return points
 
 
-def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, float]], y: str = "ppl") -> None:
-    """ppl (or mean KLD, y="kld") against effective bits, every scheme and the peers' points; left the
-    whole range, right a zoom on the points within 5% of the best perplexity (KLD: below 0.05 nats)."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -40,6 +40,39 @@ def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, floa
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'minillama[bench]'") from None
+    return plt
+
+
+def plot_buckets(rows: list[dict], path: str, trained: int | None = None) -> None:
+    """Perplexity per bucket of positions, one line per scheme (rows as ``PplResult.to_dict()``
+    gives them, so a saved ``--json`` can be drawn again); a dashed line marks the model's
+    trained context (``trained``) and a dotted one where the cache first evicted."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in rows:
+        buckets = r.get("buckets") or []
+        if not buckets:
+            raise UserError("a streaming plot needs --bucket")
+        ax.plot([(b["start"] + b["end"]) / 2 for b in buckets], [b["ppl"] for b in buckets], marker="o", label=r["kv"])
+        first_evicted = next((b["start"] for b in buckets if b["evicted"]), None)
+        if first_evicted is not None:
+            ax.axvline(first_evicted, color="gray", linestyle=":", linewidth=1)
+    if trained:
+        ax.axvline(trained, color="black", linestyle="--", linewidth=1, label=f"trained context ({trained})")
+    r0 = rows[0]
+    ax.set_xlabel("position of the predicted token")
+    ax.set_ylabel("cached-path perplexity per bucket")
+    ax.set_title(f"{r0['model']}: cache of {r0.get('ctx') or r0['tokens']} tokens, window {r0['tokens']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, float]], y: str = "ppl") -> None:
+    """ppl (or mean KLD, y="kld") against effective bits, every scheme and the peers' points; left the
+    whole range, right a zoom on the points within 5% of the best perplexity (KLD: below 0.05 nats)."""
+    plt = _pyplot()
     r0 = results[0]
     if y == "kld" and any(r.kld_mean is None for r in results):
         raise UserError("a KLD plot needs the exact model's logits: they are not computed with --ctx below the window")

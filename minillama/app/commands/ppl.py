@@ -24,7 +24,8 @@ from minillama.errors import UserError
               help="Cache capacity below the window: the ring evicts (sinks kept), streaming past the model's context.")
 @click.option("--bucket", default=None, type=click.IntRange(1), help="Also report perplexity per bucket of this many positions.")
 @click.option("--frontier", is_flag=True, help="Evaluate every preset (the bits-vs-quality frontier).")
-@click.option("--plot", "plot_path", default=None, help="With --frontier: write ppl (or KLD) vs bits/element as a PNG.")
+@click.option("--plot", "plot_path", default=None,
+              help="Write a PNG: with --frontier ppl (or KLD) vs bits/element; with --bucket ppl per range of positions.")
 @click.option("--plot-y", type=click.Choice(["ppl", "kld"]), default="ppl", show_default=True,
               help="The plot's y axis: perplexity, or mean KL divergence from the exact model.")
 @click.option("--peers", "peers_file", default="bench/results/peers.json", show_default=True,
@@ -40,7 +41,7 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
       minillama ppl --text book.txt --kv fp16 --kv int8 --kv kivi4 --kv hadv2 --json
       minillama ppl --dataset wikitext2 --windows 4 --frontier --plot frontier.png   # needs the HF hub once
       minillama ppl --dataset hamlet --tokens 8192 --prefill 7168 --kv fp16 --kv hadv2 --no-blind
-      minillama ppl --dataset hamlet --tokens 20000 --ctx 1024 --bucket 1024 --kv k=fp16,v=fp16,sinks=4
+      minillama ppl --dataset hamlet --tokens 20000 --ctx 1024 --bucket 1024 --kv k=fp16,v=fp16,sinks=4 --plot stream.png
     """
     import json
     import sys
@@ -48,8 +49,8 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     from minillama.kv.spec import PRESETS, parse_kv
     from minillama.eval.perplexity import check_window, evaluate, format_table
 
-    if plot_path and not frontier:
-        raise UserError("--plot draws the frontier: add --frontier")
+    if plot_path and not (frontier or bucket):
+        raise UserError("--plot draws the frontier (add --frontier) or the streaming curve (add --bucket N)")
     names = list(PRESETS) if frontier else list(kvs or ("fp16", "kivi4", "hadv2"))
     if frontier and "fp16" in names:
         names.insert(0, names.pop(names.index("fp16")))  # the baseline row first
@@ -78,9 +79,12 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     if plot_path:
         from pathlib import Path
 
-        from minillama.eval.frontier import load_peers, plot
+        from minillama.eval.frontier import load_peers, plot, plot_buckets
 
-        plot(results, plot_path, load_peers(Path(peers_file)) if plot_y == "ppl" else [], plot_y)
+        if bucket:  # the streaming curve: perplexity per range of positions
+            plot_buckets([r.to_dict() for r in results], plot_path, lm.config.max_position_embeddings)
+        else:
+            plot(results, plot_path, load_peers(Path(peers_file)) if plot_y == "ppl" else [], plot_y)
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:
