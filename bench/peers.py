@@ -101,8 +101,9 @@ def hf_ppl(model, kind, ids, n=896, p=128, windows=4) -> float:
     return math.exp(float(torch.cat(nll).mean()))
 
 
-def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_tokens: int, label: str = "") -> list[dict]:
-    """Rows for llama.cpp on one GGUF with f16, q8_0 and q4_0 K/V; `label` names the weights in the row."""
+def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_tokens: int, label: str = "",
+                   kv_types: tuple[str, ...] = ("f16", "q8_0", "q4_0")) -> list[dict]:
+    """Rows for llama.cpp on one GGUF with each of `kv_types` for K/V; `label` names the weights in the row."""
     try:
         import llama_cpp
     except ImportError:
@@ -111,7 +112,8 @@ def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_token
     types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
     bits = {"f16": 16, "q8_0": 8.5, "q4_0": 4.5}
     rows = []
-    for name, t in types.items():
+    for name in kv_types:
+        t = types[name]
         row = {"peer": f"llama.cpp-{label}{name}", "kv_bits": bits[name]}
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(*contexts, 896) + 64, n_batch=512, flash_attn=True,
                               type_k=t, type_v=t, logits_all=False, verbose=False, n_threads=2)
@@ -166,10 +168,15 @@ def main() -> None:
     ap.add_argument("--skip", action="append", default=[], choices=["transformers", "llama.cpp"])
     ap.add_argument("--llama-weights", default="q4_1,bf16",
                     help="llama.cpp weights: q4_1 (the GGUF as shipped), bf16 (minillama's own weights); comma-separated")
+    ap.add_argument("--llama-kv", default="f16,q8_0,q4_0",
+                    help="llama.cpp K/V types to run, comma-separated (f16, q8_0, q4_0)")
     ap.add_argument("--hf-dtype", action="append", default=None, choices=["float32", "bfloat16"],
                     help="transformers dtypes to run (default: both)")
     args = ap.parse_args()
     contexts = args.context or [512, 8192]
+    kv_types = tuple(args.llama_kv.split(","))
+    if not set(kv_types) <= {"f16", "q8_0", "q4_0"}:
+        ap.error(f"--llama-kv {args.llama_kv!r}: choose from f16, q8_0, q4_0")
     from minillama.app.options import read_text
     from minillama.model.fetch import fetch_default, find_gguf
     from minillama.model.tokenizer import load_tokenizer
@@ -182,12 +189,12 @@ def main() -> None:
         rows += hf_rows(folder, ids, contexts, args.decode_tokens, dtypes)
     if "llama.cpp" not in args.skip:
         if "q4_1" in args.llama_weights:
-            rows += llama_cpp_rows(find_gguf(install=False), ids, contexts, args.decode_tokens)
+            rows += llama_cpp_rows(find_gguf(install=False), ids, contexts, args.decode_tokens, kv_types=kv_types)
         if "bf16" in args.llama_weights:  # the very bf16 weights minillama decodes with (bench/bf16_gguf.py)
             bf16 = Path("weights") / "smollm2-135m-instruct.bf16.gguf"
             if not bf16.exists():
                 subprocess.run([sys.executable, str(Path(__file__).with_name("bf16_gguf.py")), str(bf16)], check=True)
-            rows += llama_cpp_rows(bf16, ids, contexts, args.decode_tokens, label="bf16w-")
+            rows += llama_cpp_rows(bf16, ids, contexts, args.decode_tokens, label="bf16w-", kv_types=kv_types)
     text = json.dumps(rows, indent=2)
     if args.json:
         Path(args.json).write_text(text)

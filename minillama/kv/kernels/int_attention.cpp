@@ -213,6 +213,7 @@ static void values_int_impl(const float* p, const RowSource& s, int B, int H, in
                 }
                 if (len % 2) std::memset(rows[len], 0, D);  // an odd last token pairs with zeros
                 // w = p s per head and group, as bytes: w ~= b * w8, b = max w / 255 over the block.
+                alignas(32) float wq[8][4][SB];  // [head][group][token]: w / b, in byte steps
                 for (int g = 0; g < NG; g++) {
                     float sc[SB], zc[SB];
                     for (int t = 0; t < SB; t++)
@@ -230,20 +231,30 @@ static void values_int_impl(const float* p, const RowSource& s, int B, int H, in
                         zsum[r][g] += z;
                         const float b = m > 0.f ? m / 255.f : 1.f, inv = 1.f / b;
                         bscale[r][g] = b;
-                        // Error diffusion: each token's rounding remainder is carried into the next
-                        // token's weight, so the block's byte weights sum to its float weights
-                        // within b/2. Plain rounding sent every weight below b/2 to zero, a mass
-                        // the long tail of a softmax loses systematically (seen as a ppl shift).
-                        int w8[SB];
-                        float carry = 0.f;
-                        for (int t = 0; t < SB; t++) {
-                            const float x = w[t] * inv + carry;
-                            w8[t] = std::min(255, std::max(0, (int)std::nearbyint(x)));
-                            carry = x - (float)w8[t];
-                        }
-                        for (int t = 0; t < SB; t += 2)
-                            wpairs[r][t / 2][g] = (uint16_t)(w8[t] | (w8[t + 1] << 8));
+                        for (int t = 0; t < SB; t++) wq[r][g][t] = w[t] * inv;
                     }
+                }
+                // Error diffusion: each token's rounding remainder is carried into the next
+                // token's weight, so the block's byte weights sum to its float weights within
+                // b/2. Plain rounding sent every weight below b/2 to zero, a mass the long tail
+                // of a softmax loses systematically (seen as a ppl shift). The carry is a serial
+                // chain per head and group; the chains are stepped together, token by token, so
+                // the CPU overlaps them instead of waiting on one.
+                {
+                    float carry[8][4] = {{0.f}};
+                    alignas(32) uint8_t w8[8][4][SB];
+                    for (int t = 0; t < SB; t++)
+                        for (int r = 0; r < R; r++)
+                            for (int g = 0; g < NG; g++) {
+                                const float x = wq[r][g][t] + carry[r][g];
+                                const int q = std::min(255, std::max(0, (int)std::nearbyint(x)));
+                                carry[r][g] = x - (float)q;
+                                w8[r][g][t] = (uint8_t)q;
+                            }
+                    for (int r = 0; r < R; r++)
+                        for (int g = 0; g < NG; g++)
+                            for (int t = 0; t < SB; t += 2)
+                                wpairs[r][t / 2][g] = (uint16_t)(w8[r][g][t] | (w8[r][g][t + 1] << 8));
                 }
                 for (int r = 0; r < R; r++) {
                     for (int v = 0; v < NV; v++) acc32[v] = _mm256_setzero_si256();
