@@ -45,13 +45,19 @@ def test_ppl_is_exp_mean_nll_of_full_forward_logits(tiny, ids):
     assert r.tokens_scored == n - p
 
 
-def test_batched_windows_equal_windows_run_one_at_a_time(tiny, ids):
+@pytest.mark.parametrize("exact, atol", [("1", 1e-5), ("0", 1e-3)])
+def test_batched_windows_equal_windows_run_one_at_a_time(tiny, ids, monkeypatch, exact, atol):
+    """A batched prefill rounds differently from a single one in the last float bits. The exact
+    kernels keep that at 1e-5; the integer path's byte rounding (and its error diffusion) can
+    flip a code or a weight byte on such a difference, so it is held to its own, looser 1e-3
+    here (its bounds are tested in test_integer_attention.py)."""
+    monkeypatch.setenv("MINILLAMA_EXACT_ATTENTION", exact)
     seq = make_windows(ids, 64, 3, 0, None)  # (3, 64)
     spec = parse_kv("kivi4")
     batched, _ = cached_nll(tiny.model, seq, 16, KVCache.for_model(tiny.config, spec, 64, batch=3))
     for w in range(3):
         alone, _ = cached_nll(tiny.model, seq[w : w + 1], 16, KVCache.for_model(tiny.config, spec, 64))
-        assert torch.allclose(batched[w], alone[0], atol=1e-5)
+        assert torch.allclose(batched[w], alone[0], atol=atol)
 
 
 def test_bos_is_prepended_unscored_when_the_tokenizer_adds_one(tiny, ids, monkeypatch):
