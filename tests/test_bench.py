@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from minillama.eval.bench import weight_bytes_per_token
@@ -53,3 +54,12 @@ def test_bench_with_too_short_a_text_is_one_line(tiny_dir, tmp_path):
     text.write_text("tiny")
     result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_dir), "--context", "64", "--text", str(text)])
     assert result.exit_code == 1 and "fewer than --context 64" in result.stderr and "--fill synthetic" in result.stderr
+
+
+def test_bench_plot_is_written(tiny_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "decode.png"
+    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_dir), "--kv", "fp16", "--context", "40", "--context", "80",
+                                      "--decode-tokens", "2", "--fill", "synthetic", "--dtype", "float32", "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from minillama.eval.pyplot import pyplot
 from minillama.kv.budget import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import KVSpec
@@ -168,15 +169,7 @@ def format_table(rows: list[BenchRow], bandwidth: float) -> str:
 
 
 def plot(rows: list[BenchRow], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        from minillama.errors import UserError
-
-        raise UserError("--plot needs matplotlib: pip install 'minillama[bench]'") from None
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for kv in dict.fromkeys(r.kv for r in rows):
         pts = sorted((r.context, r.decode_ms_per_token) for r in rows if r.kv == kv)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from minillama.errors import UserError
 from minillama.eval.perplexity import PplResult
+from minillama.eval.pyplot import pyplot
 
 PEER_BITS = {"quanto4": 5.0, "quanto2": 3.0}
 
@@ -32,22 +33,11 @@ def load_peers(path: Path) -> list[tuple[str, float, float]]:
     return points
 
 
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'minillama[bench]'") from None
-    return plt
-
-
 def plot_buckets(rows: list[dict], path: str, trained: int | None = None) -> None:
     """Perplexity per bucket of positions, one line per scheme (rows as ``PplResult.to_dict()``
     gives them, so a saved ``--json`` can be drawn again); a dashed line marks the model's
     trained context (``trained``) and a dotted one where the cache first evicted."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in rows:
         buckets = r.get("buckets") or []
@@ -72,7 +62,7 @@ def plot_buckets(rows: list[dict], path: str, trained: int | None = None) -> Non
 def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, float]], y: str = "ppl") -> None:
     """ppl (or mean KLD, y="kld") against effective bits, every scheme and the peers' points; left the
     whole range, right a zoom on the points within 5% of the best perplexity (KLD: below 0.05 nats)."""
-    plt = _pyplot()
+    plt = pyplot()
     r0 = results[0]
     if y == "kld" and any(r.kld_mean is None for r in results):
         raise UserError("a KLD plot needs the exact model's logits: they are not computed with --ctx below the window")

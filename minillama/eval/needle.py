@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from minillama.errors import UserError
+from minillama.eval.pyplot import pyplot
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import KVSpec
 from minillama.model.loader import LoadedModel
@@ -237,13 +238,7 @@ def format_table(rows: list[NeedleRow]) -> str:
 
 def plot(rows: list[NeedleRow], path: str) -> None:
     """The familiar heatmap: depth x length per scheme, green = retrieved."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'minillama[bench]'") from None
+    plt = pyplot()
     kvs = list(dict.fromkeys(r.kv for r in rows))
     lengths = sorted({r.length for r in rows})
     depths = sorted({r.depth for r in rows})
