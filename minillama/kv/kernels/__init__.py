@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in ("decode_attention.cpp", "row_attention.cpp", "int_attention.cpp",
                                      "layer_attention.cpp", "decode_ops.cpp", "encode.cpp", "linear.cpp")]
-HEADERS = [HERE / "rows.h"]  # included by the sources: part of the build's identity
+HEADERS = [HERE / "rows.h", HERE / "dtypes.h"]  # included by the sources: part of the build's identity
 # Reassociation lets GCC vectorize the float reductions; unlike -ffast-math it does not link
 # crtfastmath, which would flush denormals to zero for the whole Python process.
 FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno",

@@ -13,24 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-static inline float get(const void* p, int64_t i, int dtype) {
-    if (dtype == 0) return ((const float*)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-// Round to the dtype (bfloat16: to nearest even, as torch does).
-static inline float round_to(float x, int dtype) {
-    if (dtype == 0) return x;
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
+#include "dtypes.h"
 
 static inline void put(void* p, int64_t i, float x, int dtype) {
     if (dtype == 0) {
@@ -52,9 +35,9 @@ void add_rms_norm(const void* x, const void* h, const void* weight, int dtype, i
         const int64_t row = (int64_t)m * N;
         float ss = 0.f;
         for (int n = 0; n < N; n++) {
-            float v = get(x, row + n, dtype);
+            float v = load_value(x, row + n, dtype);
             if (h) {
-                v = round_to(v + get(h, row + n, dtype), dtype);
+                v = round_to_dtype(v + load_value(h, row + n, dtype), dtype);
                 put(sum, row + n, v, dtype);
             }
             ss += v * v;
@@ -62,8 +45,8 @@ void add_rms_norm(const void* x, const void* h, const void* weight, int dtype, i
         const float inv = 1.f / std::sqrt(ss / N + eps);
         const void* src = h ? sum : x;
         for (int n = 0; n < N; n++) {
-            const float normed = round_to(get(src, row + n, dtype) * inv, dtype);  // float32 math, then the dtype
-            put(out, row + n, round_to(get(weight, n, dtype) * normed, dtype), dtype);
+            const float normed = round_to_dtype(load_value(src, row + n, dtype) * inv, dtype);  // float32 math, then the dtype
+            put(out, row + n, round_to_dtype(load_value(weight, n, dtype) * normed, dtype), dtype);
         }
     }
 }
@@ -74,12 +57,12 @@ void rope_rows(void* x, int dtype, int B, int H, int D, int64_t bstride, const f
     for (int m = 0; m < B * H; m++) {
         const int64_t row = (int64_t)(m / H) * bstride + (int64_t)(m % H) * D;
         for (int d = 0; d < h; d++) {
-            const float x1 = get(x, row + d, dtype), x2 = get(x, row + d + h, dtype);
-            const float c1 = round_to(cos[d], dtype), s1 = round_to(sin[d], dtype);
-            const float c2 = round_to(cos[d + h], dtype), s2 = round_to(sin[d + h], dtype);
+            const float x1 = load_value(x, row + d, dtype), x2 = load_value(x, row + d + h, dtype);
+            const float c1 = round_to_dtype(cos[d], dtype), s1 = round_to_dtype(sin[d], dtype);
+            const float c2 = round_to_dtype(cos[d + h], dtype), s2 = round_to_dtype(sin[d + h], dtype);
             // rotate_half(x) = (-x2, x1); each product and the sum rounded as PyTorch rounds them
-            const float a = round_to(round_to(x1 * c1, dtype) + round_to(-x2 * s1, dtype), dtype);
-            const float b = round_to(round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype), dtype);
+            const float a = round_to_dtype(round_to_dtype(x1 * c1, dtype) + round_to_dtype(-x2 * s1, dtype), dtype);
+            const float b = round_to_dtype(round_to_dtype(x2 * c2, dtype) + round_to_dtype(x1 * s2, dtype), dtype);
             put(x, row + d, a, dtype);
             put(x, row + d + h, b, dtype);
         }
@@ -91,9 +74,9 @@ void silu_mul(const void* gate_up, int dtype, int M, int I, void* out) {
     for (int m = 0; m < M; m++) {
         const int64_t row = (int64_t)m * 2 * I;
         for (int i = 0; i < I; i++) {
-            const float g = get(gate_up, row + i, dtype), u = get(gate_up, row + I + i, dtype);
-            const float silu = round_to(g / (1.f + std::exp(-g)), dtype);
-            put(out, (int64_t)m * I + i, round_to(silu * u, dtype), dtype);
+            const float g = load_value(gate_up, row + i, dtype), u = load_value(gate_up, row + I + i, dtype);
+            const float silu = round_to_dtype(g / (1.f + std::exp(-g)), dtype);
+            put(out, (int64_t)m * I + i, round_to_dtype(silu * u, dtype), dtype);
         }
     }
 }

@@ -16,38 +16,7 @@
 #include <cstring>
 #include <vector>
 
-static inline float half_to_float_(uint16_t h) {
-    _Float16 f;
-    std::memcpy(&f, &h, 2);
-    return (float)f;
-}
-
-static inline uint16_t float_to_half(float x) {  // round to nearest even, as torch's .to(float16)
-    const _Float16 f = (_Float16)x;
-    uint16_t h;
-    std::memcpy(&h, &f, 2);
-    return h;
-}
-
-static inline float load_value(const void* p, int64_t i, int dtype) {  // 0 f32, 1 f16, 2 bf16
-    if (dtype == 0) return ((const float*)p)[i];
-    if (dtype == 1) return half_to_float_(((const uint16_t*)p)[i]);
-    uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float round_to_dtype(float x, int dtype) {
-    if (dtype == 0) return x;
-    if (dtype == 1) return half_to_float_(float_to_half(x));
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
+#include "dtypes.h"
 
 // Pack one row of n codes at `bits` bits (kv/packing.py's layouts).
 static inline void pack_row(const uint8_t* c, int n, int bits, uint8_t* out) {
