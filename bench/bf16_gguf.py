@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from minillama.model.fetch import fetch_default, find_gguf
+from minillama.app.default_model import fetch_default, find_gguf
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -178,7 +178,7 @@ def main() -> None:
     if not set(kv_types) <= {"f16", "q8_0", "q4_0"}:
         ap.error(f"--llama-kv {args.llama_kv!r}: choose from f16, q8_0, q4_0")
     from minillama.app.options import read_text
-    from minillama.model.fetch import fetch_default, find_gguf
+    from minillama.app.default_model import fetch_default, find_gguf
     from minillama.model.tokenizer import load_tokenizer
 
     folder = fetch_default()

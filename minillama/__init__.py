@@ -8,17 +8,22 @@ The public API, each piece a plain function or class you can call from Python:
     ids = lm.tokenizer.encode("The capital of France is")
     for token, stats in generate(lm.model, ids, cache, 20, SamplingParams(temperature=0)):
         print(lm.tokenizer.decode([token]), end="")
+
+``set_backend("reference")`` runs everything as plain PyTorch (native/backend.py).
 """
 
-from minillama.kv.cache import KVCache
 from minillama.app.chat import ChatSession
-from minillama.kv.codecs import CODECS
+from minillama.app.default_model import fetch_default
+from minillama.eval.perplexity import evaluate as perplexity
+from minillama.kv.cache import KVCache
+from minillama.kv.codecs import CODECS, Codec, register
+from minillama.kv.interface import Cache
 from minillama.kv.spec import PRESETS, KVSpec, parse_kv
-from minillama.model.fetch import fetch_default
 from minillama.model.generate import decode_step, generate, prefill
 from minillama.model.loader import load_model
-from minillama.eval.perplexity import evaluate as perplexity
 from minillama.model.sampling import SamplingParams
+from minillama.native.backend import set_backend, using
 
-__all__ = ["CODECS", "PRESETS", "ChatSession", "KVCache", "KVSpec", "SamplingParams", "decode_step", "fetch_default",
-           "generate", "load_model", "parse_kv", "perplexity", "prefill"]
+__all__ = ["CODECS", "PRESETS", "Cache", "ChatSession", "Codec", "KVCache", "KVSpec", "SamplingParams", "decode_step",
+           "fetch_default", "generate", "load_model", "parse_kv", "perplexity", "prefill", "register", "set_backend",
+           "using"]

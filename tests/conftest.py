@@ -49,6 +49,18 @@ def make_tiny(folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+@pytest.fixture(params=["reference", "kernels"])
+def each_backend(request) -> str:
+    """Run a model-equality test on both backends (native/backend.py): the plain PyTorch
+    reference, and the compiled kernels (skipped where they do not build)."""
+    from minillama.native import backend
+
+    with backend.using(request.param):
+        if request.param == "kernels" and backend.library() is None:
+            pytest.skip(f"the kernels are not available here: {backend.describe()}")
+        yield request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """The default tiny model: GQA 4 query heads / 2 KV heads, head_dim 64, untied."""
@@ -64,7 +76,7 @@ def tiny(tiny_dir):
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from minillama.model.fetch import fetch_default
+    from minillama.app.default_model import fetch_default
 
     return fetch_default()
 

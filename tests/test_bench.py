@@ -13,7 +13,7 @@ from minillama.app.cli import cli
 KEYS = {"kv": str, "context": int, "decode_ms_per_token": float, "decode_tokens_per_s": float,
         "attention_ms_per_layer": float, "cache_bytes": int,
         "bytes_read_per_token": int, "roofline_pct": float, "peak_rss_mb": float, "model": str, "dtype": str, "fill": str,
-        "fused": bool}
+        "backend": str, "fallbacks": list}
 
 
 def test_bench_json_schema(tiny_dir):

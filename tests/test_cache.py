@@ -5,47 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillama.kv.budget import fill_synthetic, formula_live_bytes
-from minillama.kv.cache import ContextFullError, KVCache
-from minillama.kv.codecs import CODECS
-from minillama.kv.spec import PRESETS, parse_kv
 from minillama.errors import UserError
-from minillama.model.loader import load_model
+from minillama.eval.synthetic import fill_synthetic
+from minillama.kv.budget import formula_live_bytes
+from minillama.kv.cache import ContextFullError, KVCache
+from minillama.kv.codecs import CODECS, FloatCodec
 from minillama.kv.quantize import dequantize_affine, quantize_affine
+from minillama.kv.spec import PRESETS, parse_kv
+from minillama.kv.store import append_layers
+from minillama.model.loader import load_model
+from minillama.native import backend
 from tests.conftest import make_tiny
+from tests.fakes import ListCache
 
-
-class PlainCache:
-    """The simplest possible dense cache (grows by concatenation): the oracle for fp32."""
-
-    def __init__(self, n_layers):
-        self.spec = parse_kv("fp32")
-        self.kv = [None] * n_layers
-        self.position = 0
-        self.fused = False  # always the reference attention
-        self.pre_rope = False  # keys are stored after RoPE, at their absolute positions
-
-    def query_positions(self, t, device=None):
-        return torch.arange(self.position, self.position + t, device=device)
-
-    @property
-    def held(self):
-        return self.position
-
-    def read(self, layer, dtype):
-        if self.kv[layer] is None:
-            return torch.zeros(1, 2, 0, 64), torch.zeros(1, 2, 0, 64)
-        return self.kv[layer]
-
-    def codecs(self, layer):
-        return self.spec.k, self.spec.v
-
-    def key_center(self, layer):
-        return None  # keys are stored as they are
-
-    def append(self, new_kv):
-        self.kv = [kv if old is None else tuple(torch.cat([o, n], 2) for o, n in zip(old, kv)) for old, kv in zip(self.kv, new_kv)]
-        self.position += new_kv[0][0].shape[2]
+needs_kernels = pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
 
 
 def run(model, cache, tokens, prefill=8):
@@ -58,11 +31,13 @@ def tokens(n, seed=0, batch=1):
     return torch.randint(0, 300, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def test_fp32_preset_reproduces_a_plain_dense_cache_bit_for_bit(tiny):
-    # The reference attention path; the fused kernel is held to it in test_fused.py.
+def test_fp32_preset_reproduces_a_plain_list_cache_bit_for_bit(tiny):
+    # The reference path; the kernels are held to it in test_fused.py.
     t = tokens(40)
-    ours = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64, fused=False), t)
-    plain = run(tiny.model, PlainCache(tiny.config.num_hidden_layers), t)
+    cfg = tiny.config
+    with backend.using("reference"):
+        ours = run(tiny.model, KVCache.for_model(cfg, parse_kv("fp32"), 64), t)
+        plain = run(tiny.model, ListCache(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim), t)
     assert torch.equal(ours, plain)
 
 
@@ -71,7 +46,7 @@ def test_rotated_space_attention_equals_plain_attention_when_storage_is_exact(ti
     t = tokens(30)
     plain = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64), t)
     rotated = KVCache.for_model(tiny.config, parse_kv("fp32"), 64)
-    rot = CODECS["fp32"].__class__("fp32", "float", 32, rotate=True)
+    rot = FloatCodec("fp32", 32, rotate=True, dtype=torch.float32)
     rotated.spec = rotated.spec.__class__(rot, rot, 32, 0, 0, "fp32-rotated")
     for pair in rotated.layers:
         for store in pair:
@@ -79,17 +54,18 @@ def test_rotated_space_attention_equals_plain_attention_when_storage_is_exact(ti
     assert torch.allclose(run(tiny.model, rotated, t), plain, atol=1e-5)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_centering_keys_leaves_attention_unchanged_when_storage_is_exact(tiny, fused):
+@pytest.mark.parametrize("name", ["reference", "kernels"])
+def test_centering_keys_leaves_attention_unchanged_when_storage_is_exact(tiny, name):
     """Subtracting one per-channel mean from every key shifts all scores of a query
     equally, so softmax (and the logits) must not move. Chunked prefill included."""
     t = tokens(40, seed=5)
-    plain = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64, fused=fused), t)
-    cache = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp32,center=1"), 64, fused=fused)
-    centered = torch.cat([tiny.model(t[:, :5], cache), tiny.model(t[:, 5:12], cache),
-                          *[tiny.model(t[:, i : i + 1], cache) for i in range(12, 40)]], dim=1)
+    with backend.using(name):
+        plain = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64), t)
+        cache = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp32,center=1"), 64)
+        centered = torch.cat([tiny.model(t[:, :5], cache), tiny.model(t[:, 5:12], cache),
+                              *[tiny.model(t[:, i : i + 1], cache) for i in range(12, 40)]], dim=1)
     assert torch.allclose(centered, plain, atol=1e-5)
-    center = cache.key_center(0)  # (B, H, 1, D): the mean of the first chunk's keys
+    center = cache.layer(0).key_center  # (B, H, 1, D): the mean of the first chunk's keys
     assert center.shape == (1, tiny.config.n_kv_heads, 1, tiny.config.head_dim) and center.abs().sum() > 0
 
 
@@ -100,8 +76,8 @@ def test_centering_shrinks_the_range_of_keys_with_a_constant_offset():
     offset = torch.tensor([20.0, -15, 0, 0, 0, 0, 0, 30])
     k = offset + torch.randn(1, 1, 32, 8, generator=g)
     cache.append([(k, torch.zeros(1, 1, 32, 8))])
-    stored, _ = cache.read(0, torch.float32)
-    assert stored.abs().max() < 5 and torch.allclose(stored + cache.key_center(0), k, atol=1e-5)
+    stored, _ = cache.layer(0).read(torch.float32)
+    assert stored.abs().max() < 5 and torch.allclose(stored + cache.layer(0).key_center, k, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -139,7 +115,7 @@ def test_kivi_key_flushing_matches_direct_rule(chunks):
             assert 32 <= res <= 32 + 31
         expected, expected_res = reference_kivi_keys(k_all[:, :, :done], 32, 32)
         assert res == expected_res
-        assert torch.equal(cache.read(0, torch.float32)[0], expected)
+        assert torch.equal(cache.layer(0).read(torch.float32)[0], expected)
 
 
 def test_per_token_values_leave_the_residual_one_at_a_time():
@@ -253,7 +229,7 @@ def test_truncate_keeps_a_prefix_and_cuts_groups_whole(tiny):
 @pytest.mark.parametrize("spec", ["fp16", "kivi4", "hadv2", "k4v3hc", "k=lm3h,v=tern,group=16,residual=3,sinks=2"])
 def test_appending_all_layers_at_once_equals_one_layer_at_a_time(spec):
     """KVCache.append quantizes every layer in one batch; storing each layer on its own
-    (TensorStore.append) must leave exactly the same bytes in every ring."""
+    (append_layers with one store) must leave exactly the same bytes in every ring."""
     parsed = parse_kv(spec)
     batched = KVCache(parsed, n_layers=3, n_kv_heads=2, head_dim=64, capacity=96)
     single = KVCache(parsed, n_layers=3, n_kv_heads=2, head_dim=64, capacity=96)
@@ -263,8 +239,8 @@ def test_appending_all_layers_at_once_equals_one_layer_at_a_time(spec):
         batched.append(new_kv)
         evict = batched.evicted - single.evicted
         for (ks, vs), (k, v) in zip(single.layers, new_kv):
-            ks.append(k, evict)
-            vs.append(v, evict)
+            append_layers([ks], [k], evict)
+            append_layers([vs], [v], evict)
         single.position, single.evicted = batched.position, batched.evicted
     for pair_a, pair_b in zip(batched.layers, single.layers):
         for a, b in zip(pair_a, pair_b):
@@ -301,7 +277,8 @@ def test_the_first_layers_can_store_keys_with_another_codec(tiny):
     fill_synthetic(cache, 40)
     exact = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp16"), 64)
     fill_synthetic(exact, 40)
-    errors = [(cache.read(i, torch.float32)[0] - exact.read(i, torch.float32)[0]).abs().mean() for i in range(2)]
+    errors = [(cache.layer(i).read(torch.float32)[0] - exact.layer(i).read(torch.float32)[0]).abs().mean()
+              for i in range(2)]
     assert errors[0] < errors[1] / 4  # int8 keys in layer 0, int2 keys in layer 1
 
 
@@ -317,23 +294,25 @@ def test_per_layer_key_codecs_parse_and_validate_with_clear_errors(text, message
             KVCache(parse_kv(text), 2, 1, 64, 128)
 
 
+@needs_kernels
 @pytest.mark.parametrize("spec", ["kivi4", "hadv2", "k4v3hc", "kivi2", "int8", "fp16", "k4v4lmc",
                                   "k=int3c,v=int3,group=16,residual=5,sinks=3,center=1",
                                   "k=int2h,v=int8c,group=8,residual=0", "k=int4cs,v=int2h,residual=4,rope=pre"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
-    """KVCache(fused=True) writes through kernels/encode.cpp, fused=False through PyTorch: the
+    """The kernels backend writes through native/encode.cpp, the reference through PyTorch: the
     rings must hold the same bytes after appends of every size, wrap-around included."""
-    caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=150, batch=2, fused=f)
-              for f in (True, False)]
+    names = ("kernels", "reference")
+    caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=150, batch=2) for _ in names]
     g = torch.Generator().manual_seed(1)
     big = torch.zeros(64)
     big[::9] = 6.0  # a few large channels, like real keys
     for n in (17, 1, 1, 40, 3, 64, 1, 90, 1):
         kv = [(torch.randn(2, 2, n, 64, generator=g).mul(2).add(big).to(dtype),
                torch.randn(2, 2, n, 64, generator=g).to(dtype)) for _ in range(3)]
-        for cache in caches:
-            cache.append(kv)
+        for name, cache in zip(names, caches):
+            with backend.using(name):
+                cache.append(kv)
     fast, slow = caches
     assert fast.evicted > 0 and fast.held == slow.held
     for pair_fast, pair_slow in zip(fast.layers, slow.layers):
@@ -345,13 +324,15 @@ def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
             assert (a.center is None) == (b.center is None) and (a.center is None or torch.equal(a.center, b.center))
 
 
+@needs_kernels
 def test_the_cpp_cache_write_is_the_one_that_runs(monkeypatch):
-    from minillama.kv.codecs import Codec
+    from minillama.kv.codecs import ChannelAffine, Codec, TokenAffine
 
     def no_pytorch_encode(*args, **kwargs):
         raise AssertionError("the PyTorch encode ran")
 
-    monkeypatch.setattr(Codec, "encode", no_pytorch_encode)
+    for cls in (ChannelAffine, TokenAffine):  # hadv2's key and value codecs
+        monkeypatch.setattr(cls, "encode", no_pytorch_encode)
     monkeypatch.setattr(Codec, "to_space", no_pytorch_encode)
     cache = KVCache(parse_kv("hadv2"), n_layers=2, n_kv_heads=2, head_dim=64, capacity=200)
     fill_synthetic(cache, 130)  # flushes KIVI key groups and per-token rotated values

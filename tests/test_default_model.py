@@ -65,7 +65,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer_on_real_text(smollm, engl
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    from minillama.model.fetch import find_gguf
+    from minillama.app.default_model import find_gguf
 
     gguf = find_gguf(install=False)
     hf = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -79,7 +79,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer_on_real_text(smollm, engl
 def test_logits_match_transformers_gguf_loader(smollm, english_text):
     from transformers import AutoModelForCausalLM
 
-    from minillama.model.fetch import find_gguf
+    from minillama.app.default_model import find_gguf
 
     gguf = find_gguf(install=False)
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()

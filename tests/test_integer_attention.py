@@ -20,13 +20,37 @@ import math
 import pytest
 import torch
 
+from minillama.eval.synthetic import fill_synthetic
 from minillama.kv import packing
-from minillama.kv.budget import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import _part_call, fused_decode_attention, int_available, integer_path
+from minillama.kv.codecs import ChannelAffine
+from minillama.kv.fused_attention import attend_one_part, fused_decode_attention
 from minillama.kv.spec import parse_kv
+from minillama.native import abi, backend
+from minillama.native.abi import Route
+from minillama.native.build import build
 
-needs_int = pytest.mark.skipif(not int_available(), reason="the integer kernels need AVX2 and BMI2")
+
+@pytest.fixture(params=["native", "avx2"])
+def lib(request):
+    """Each build with the integer kernels (they need AVX2 and BMI2), on the kernels backend."""
+    with backend.using("kernels", request.param):
+        library = backend.library()
+        if library is None or not {"avx2", "bmi2"} <= set(abi.features(library)):
+            pytest.skip(f"no {request.param} build with AVX2 and BMI2 here: {build(request.param)[1] or 'no BMI2'}")
+        yield library
+
+
+def body_part(cache: KVCache, values: bool):
+    """The body part of layer 0's keys (or values), as the kernels see it."""
+    k_parts, v_parts = cache.layer(0).parts()
+    return next(p for p in (v_parts if values else k_parts) if p.name == "body")
+
+
+def integer_call(lib, cache: KVCache, values: bool, x: torch.Tensor, out: torch.Tensor) -> None:
+    """The body of layer 0's keys (scores of q = x) or values (p = x weights them) through the
+    integer kernel alone, as attend_layer would route it."""
+    assert attend_one_part(lib, values, body_part(cache, values), x, out) == Route.INTEGER
 
 SCORE_SPECS = ["kivi4", "hadv2", "k4v3hc", "kivi2", "k=int3c,v=int4,group=16,residual=3",
                "k=int4,v=int2,group=64,residual=5,sinks=4", "k=int2h,v=int3h,group=64,residual=0"]
@@ -43,23 +67,21 @@ def filled(spec: str, n: int, batch: int, capacity: int = 1200):
 def body(store):
     """The body's codes (B, H, n, D) as integers and its parts, in age order."""
     parts = {name: ring.read() for name, ring in store.body.items()}
-    return packing.unpack(parts["codes"], store.codec.packing(), store.head_dim).float(), parts
+    return packing.unpack(parts["codes"], store.codec.packing, store.head_dim).float(), parts
 
 
-@needs_int
 @pytest.mark.parametrize("spec", SCORE_SPECS)
 @pytest.mark.parametrize("n, batch", [(77, 1), (333, 3), (1000, 1)])
-def test_integer_scores_are_within_the_int8_query_bound(spec, n, batch):
+def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
     cache = filled(spec, n, batch)
     store = cache.layers[0][0]
-    assert integer_path("scores", store)
     codes, parts = body(store)  # (B, H, m, D)
     m, d, g = store.n_body, store.head_dim, store.group
     q = torch.randn(batch, 2, 3, d)  # (B, H, R, D), in the key codec's space
     got = torch.empty(batch, 2, 3, m)
-    _part_call("scores", store, "body", m, q, 0, m, got, None, 0)
+    integer_call(lib, cache, False, q, got)
     exact = q @ store.codec.decode(parts, g, d).transpose(-1, -2)  # (B, H, R, m)
-    if store.codec.kind == "channel":
+    if isinstance(store.codec, ChannelAffine):
         scale = parts["scale"].float().repeat_interleave(g, dim=2)[:, :, :m]  # (B, H, m, D): each token's scales
         qs = q.unsqueeze(3) * scale.unsqueeze(2)  # (B, H, R, m, D): the folded query per token
         a = qs.abs().amax(-1) / 127  # (B, H, R, m): the folded query's int8 step
@@ -71,18 +93,16 @@ def test_integer_scores_are_within_the_int8_query_bound(spec, n, batch):
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
-@needs_int
 @pytest.mark.parametrize("spec", VALUE_SPECS)
 @pytest.mark.parametrize("n, batch", [(77, 1), (333, 3), (1000, 1)])
-def test_integer_values_are_within_the_byte_weight_bound(spec, n, batch):
+def test_integer_values_are_within_the_byte_weight_bound(lib, spec, n, batch):
     cache = filled(spec, n, batch)
     store = cache.layers[0][1]
-    assert integer_path("values", store)
     codes, parts = body(store)
     m, d, g = store.n_body, store.head_dim, store.group
     p = torch.softmax(torch.randn(batch, 2, 3, m) * 3, -1)  # peaked attention weights
     got = torch.zeros(batch, 2, 3, d)
-    _part_call("values", store, "body", m, p, 0, m, got, None, 0)
+    integer_call(lib, cache, True, p, got)
     exact = p @ store.codec.decode(parts, g, d)
     scale = parts["scale"].float().repeat_interleave(g, dim=-1)  # (B, H, m, D): each channel's scale
     w = p.unsqueeze(-1) * scale.unsqueeze(2)  # (B, H, R, m, D)
@@ -97,8 +117,7 @@ def test_integer_values_are_within_the_byte_weight_bound(spec, n, batch):
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 
-@needs_int
-def test_integer_values_keep_the_mass_of_a_long_tail():
+def test_integer_values_keep_the_mass_of_a_long_tail(lib):
     """In every block of 32 tokens one weight A and 31 weights A/600, each below half a byte
     step (b/2 = A/510), over identical value rows. Plain rounding would send all the small
     weights to zero, an error of 31 A/600 per block, 26x the bound b/2 * c that error diffusion
@@ -109,14 +128,13 @@ def test_integer_values_keep_the_mass_of_a_long_tail():
     values = torch.linspace(-1, 1, 64).expand(1, 1, 512, 64).contiguous()  # (B, H, T, D): one row
     cache.append([(keys, values)])
     store = cache.layers[0][1]
-    assert integer_path("values", store)
     codes, parts = body(store)
     m = store.n_body
     p = torch.full((1, 1, 3, m), 1 / 600)  # (B, H, R, m)
     p[..., ::32] = 1.0
     p = p / p.sum(-1, keepdim=True)
     got = torch.zeros(1, 1, 3, 64)
-    _part_call("values", store, "body", m, p, 0, m, got, None, 0)
+    integer_call(lib, cache, True, p, got)
     exact = p @ store.codec.decode(parts, 64, 64)
     w_max = p[..., ::32].unsqueeze(-1) * parts["scale"].float()[..., ::32, :].unsqueeze(2)  # (B, H, R, blocks, 1)
     row = codes[..., 0:1, :].unsqueeze(2)  # (B, H, 1, 1, D): every token's codes
@@ -126,10 +144,9 @@ def test_integer_values_keep_the_mass_of_a_long_tail():
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 
-@needs_int
 @pytest.mark.parametrize("spec", ["kivi4", "hadv2", "k4v3hc", "k=int4c,v=int2h,group=8,residual=8,sinks=4"])
 @pytest.mark.parametrize("n, capacity", [(45, 1200), (700, 200)])  # 700 into 200: the ring wraps
-def test_whole_attention_on_the_integer_path_stays_within_its_bound(spec, n, capacity, monkeypatch):
+def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n, capacity):
     """Sinks and residual stay exact; the body's score error e moves every softmax weight by at
     most a factor exp(+-2e/sqrt(D)), so the output moves by at most (exp(2e/sqrt(D)) - 1) max|v|
     plus the values' own bound (here taken loosely as 1% of max|v|)."""
@@ -137,10 +154,10 @@ def test_whole_attention_on_the_integer_path_stays_within_its_bound(spec, n, cap
     assert (cache.evicted > 0) == (n > capacity)
     g = torch.Generator().manual_seed(n)
     q, k, v = torch.randn(2, 6, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g)
-    fast = fused_decode_attention(q, k, v, cache, 0)
-    monkeypatch.setenv("MINILLAMA_EXACT_ATTENTION", "1")
-    exact = fused_decode_attention(q, k, v, cache, 0)
-    vmax = cache.read(0, torch.float32)[1].abs().max()
+    fast = fused_decode_attention(lib, q, k, v, cache.layer(0))
+    with backend.using("kernels-exact"):
+        exact = fused_decode_attention(lib, q, k, v, cache.layer(0))
+    vmax = cache.layer(0).read(torch.float32)[1].abs().max()
     score_err = 0.1  # generous: the bounds above for these unit-scale synthetic keys are ~1e-2
     assert (fast - exact).abs().max() <= (math.exp(2 * score_err / 8) - 1) * vmax + 0.01 * vmax
     assert not torch.equal(fast, exact)

@@ -1,4 +1,9 @@
-"""minillama's Llama equals transformers' LlamaForCausalLM on tiny random models."""
+"""minillama's Llama equals transformers' LlamaForCausalLM on tiny random models.
+
+The model-equality tests run on both backends (``each_backend``: the plain PyTorch reference
+and the compiled kernels). Tolerances are set from the error measured on these models with a
+stated margin of at most 10x.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
 from minillama.model.loader import load_model
+from minillama.native import backend
 from tests.conftest import make_tiny
 
 CONFIGS = {
@@ -30,15 +36,16 @@ def hf_logits(folder, tokens):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_full_forward_logits_match_transformers(tmp_path, name):
+def test_full_forward_logits_match_transformers(tmp_path, name, each_backend):
     folder = make_tiny(tmp_path / name, **CONFIGS[name])
     tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
     ours = load_model(str(folder)).model(tokens)
-    assert (ours - hf_logits(folder, tokens)).abs().max() < 1e-4
+    # measured: <= 6.3e-7 (reference: explicit attention), 0 (kernels: the same SDPA call as HF); logits ~1-2
+    assert (ours - hf_logits(folder, tokens)).abs().max() < 5e-6
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_prefill_then_decode_matches_full_forward(tmp_path, name):
+def test_prefill_then_decode_matches_full_forward(tmp_path, name, each_backend):
     folder = make_tiny(tmp_path / name, **CONFIGS[name])
     lm = load_model(str(folder))
     tokens = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(2))
@@ -46,11 +53,11 @@ def test_prefill_then_decode_matches_full_forward(tmp_path, name):
     cache = KVCache.for_model(lm.config, parse_kv("fp32"), capacity=64)
     steps = [lm.model(tokens[:, :10], cache)]  # prefill 10 tokens
     steps += [lm.model(tokens[:, i : i + 1], cache) for i in range(10, 24)]  # then one at a time
-    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-4
+    assert (torch.cat(steps, dim=1) - full).abs().max() < 5e-6  # measured: <= 7.2e-7 on both backends
     assert cache.position == 24
 
 
-def test_chunked_prefill_equals_one_shot(tiny):
+def test_chunked_prefill_equals_one_shot(tiny, each_backend):
     from minillama.model.generate import prefill
 
     tokens = list(range(5, 75))
@@ -59,32 +66,35 @@ def test_chunked_prefill_equals_one_shot(tiny):
     assert (one - chunked).abs().max() < 1e-5
 
 
-def test_bfloat16_weights_stay_close_to_float32(tiny_dir):
+def test_bfloat16_weights_stay_close_to_float32(tiny_dir, each_backend):
     tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(3))
     f32 = load_model(str(tiny_dir), "float32").model(tokens)
     bf16 = load_model(str(tiny_dir), "bfloat16").model(tokens).float()
     assert load_model(str(tiny_dir), "bfloat16").model.lm_head.weight.dtype == torch.bfloat16
-    assert (f32 - bf16).abs().max() < 0.1 * f32.abs().max()
+    assert (f32 - bf16).abs().max() < 0.02 * f32.abs().max()  # measured: 0.0094 of max|logit| 1.15 (0.8%)
+
+
+def bf16_decode(folder, tokens, kv: str = "bf16", prefill: int = 9) -> torch.Tensor:
+    """bf16 weights: prefill, then one-token steps; float32 logits of the decoded positions."""
+    lm = load_model(str(folder), "bfloat16")
+    cache = KVCache.for_model(lm.config, parse_kv(kv), capacity=32, batch=tokens.shape[0])
+    with torch.no_grad():
+        steps = [lm.model(tokens[:, :prefill], cache)[:, -1:]]
+        steps += [lm.model(tokens[:, i : i + 1], cache) for i in range(prefill, tokens.shape[1])]
+    return torch.cat(steps, dim=1).float()
 
 
 @pytest.mark.parametrize("name", ["gqa-untied", "biases"])
 def test_bfloat16_decode_with_the_matrix_vector_kernel_matches_transformers(tmp_path, name):
-    """bf16 one-token decode steps (the bf16 kernel path when it builds) stay as close to
-    transformers' float32 logits as the torch-only bf16 path does."""
+    """bf16 one-token decode steps on the kernels backend (the bf16 matrix-vector kernel) stay as
+    close to transformers' float32 logits as the reference's bf16 path does."""
     folder = make_tiny(tmp_path / name, **CONFIGS[name])
     tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(4))
     reference = hf_logits(folder, tokens)[:, 8:]  # (1, 12, V)
-    errors = []
-    for kernels in (True, False):
-        lm = load_model(str(folder), "bfloat16")
-        lm.model.use_kernels(kernels)
-        cache = KVCache.for_model(lm.config, parse_kv("bf16"), capacity=32)
-        with torch.no_grad():
-            steps = [lm.model(tokens[:, :9], cache)[:, -1:]]
-            steps += [lm.model(tokens[:, i : i + 1], cache) for i in range(9, 20)]
-        errors.append((torch.cat(steps, dim=1).float() - reference).abs().max().item())
-    fast, plain = errors
-    assert fast < 0.1 * reference.abs().max() and fast < 2 * plain + 1e-2, errors
+    fast = (bf16_decode(folder, tokens) - reference).abs().max().item()
+    with backend.using("reference"):
+        plain = (bf16_decode(folder, tokens) - reference).abs().max().item()
+    assert fast < 0.1 * reference.abs().max() and fast < 2 * plain + 1e-2, (fast, plain)
 
 
 def test_fused_projections_share_memory_and_change_nothing(tmp_path):
@@ -123,22 +133,23 @@ def test_fused_chunk_attention_equals_the_explicit_reference(spec, t, past):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kv", ["fp32", "k=fp32,v=fp32,rope=pre"])
-def test_fused_small_ops_of_a_decode_step_equal_the_reference(tmp_path, dtype, kv):
-    """The compiled norms, RoPE and SiLU x up (model/fastops.py) against the PyTorch reference:
-    batch 3, one-token steps after a prefill; float32 to rounding, bfloat16 within a few ulps."""
+def test_the_kernels_backend_decodes_like_the_reference(tmp_path, dtype, kv):
+    """A whole decode step on the kernels backend (compiled norms, RoPE, SiLU x up, projections,
+    attention) against the reference backend: batch 3, one-token steps after a prefill; float32
+    to rounding, bfloat16 within a few ulps."""
     folder = make_tiny(tmp_path / "gqa", **CONFIGS["biases"])
     tokens = torch.randint(0, 300, (3, 14), generator=torch.Generator().manual_seed(6))
     logits = []
-    for fast in (True, False):
-        lm = load_model(str(folder), dtype)
-        lm.model.use_kernels(fast)
-        cache = KVCache.for_model(lm.config, parse_kv(kv), capacity=32, batch=3, fused=False)
-        with torch.no_grad():
-            steps = [lm.model(tokens[:, :6], cache)[:, -1:]]
-            steps += [lm.model(tokens[:, i : i + 1], cache) for i in range(6, 14)]
-        logits.append(torch.cat(steps, dim=1).float())
+    for name in ("kernels-exact", "reference"):
+        with backend.using(name):
+            lm = load_model(str(folder), dtype)
+            cache = KVCache.for_model(lm.config, parse_kv(kv), capacity=32, batch=3)
+            with torch.no_grad():
+                steps = [lm.model(tokens[:, :6], cache)[:, -1:]]
+                steps += [lm.model(tokens[:, i : i + 1], cache) for i in range(6, 14)]
+            logits.append(torch.cat(steps, dim=1).float())
     fast, plain = logits
     if dtype == "float32":
-        assert torch.allclose(fast, plain, atol=1e-4, rtol=1e-4)
-    else:
-        assert (fast - plain).abs().max() < 1e-2 * plain.abs().max()  # measured: 2e-6 (rounding placed as in PyTorch)
+        assert (fast - plain).abs().max() < 2e-6  # measured: 3.6e-7 (summation order)
+    else:  # measured: 4.8e-7, and one bfloat16 ulp (2^-8 of a logit near 1) with keys stored before RoPE
+        assert (fast - plain).abs().max() <= 2 * 2**-8 * plain.abs().max()

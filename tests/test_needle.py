@@ -63,11 +63,10 @@ def greedy_full_forward(model, ids, n):
     return ids[-n:]
 
 
-def test_an_fp32_cache_answers_exactly_like_a_full_forward(tiny, monkeypatch):
-    monkeypatch.setattr(nh, "PREFILL_CHUNK", 64)  # several chunks, each reading the stored past
+def test_an_fp32_cache_answers_exactly_like_a_full_forward(tiny):
     trial = nh.build_trial(tiny.tokenizer, "passkey", 300, 0.5, random.Random(3), FILLER)
     cache = KVCache.for_model(tiny.config, parse_kv("fp32"), 320)
-    (text,) = nh.answer_batch(tiny, [trial.ids], cache, 6)
+    (text,) = nh.answer_batch(tiny, [trial.ids], cache, 6, chunk=64)  # several chunks, each reading the stored past
     with torch.no_grad():
         assert text == tiny.tokenizer.decode(greedy_full_forward(tiny.model, trial.ids, 6))
 

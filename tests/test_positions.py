@@ -5,21 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillama.kv import kernels
-from minillama.kv.budget import fill_synthetic
+from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import parse_kv
 from minillama.model.attention import PLAIN, attend, plain_keys
 from minillama.model.rope import RotaryTable, apply_rope, rope_tables
+from minillama.native import backend
+from tests.fakes import ListCache
 
-needs_kernel = pytest.mark.skipif(kernels.load() is None, reason="no C++ compiler: the reference path is used")
-
-
-@pytest.fixture(autouse=True)
-def exact_kernels(monkeypatch):
-    """Exactness tests: the exact float kernels (the integer-domain ones have their own bound tests)."""
-    monkeypatch.setenv("MINILLAMA_EXACT_ATTENTION", "1")
+needs_kernels = pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
+BACKENDS = ["reference", "kernels-exact"]  # exactness tests: the integer-domain kernels have their own bound tests
 
 
 def run(model, cache, tokens, chunks=(5, 3)):
@@ -36,65 +32,26 @@ def tokens(n, seed=0, batch=1):
     return torch.randint(0, 300, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("capacity", [64, 30])  # 30: the ring wraps and evicts
-def test_pre_rope_with_exact_storage_gives_the_same_logits_as_post(tiny, fused, capacity):
+def test_pre_rope_with_exact_storage_gives_the_same_logits_as_post(tiny, name, capacity):
     t = tokens(50, batch=2)
-    post = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp32,sinks=2"), capacity, batch=2,
-                                             fused=fused), t)
-    cache = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp32,sinks=2,rope=pre"), capacity, batch=2, fused=fused)
-    pre = run(tiny.model, cache, t)
+    with backend.using(name):
+        post = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp32,sinks=2"), capacity, batch=2), t)
+        cache = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp32,sinks=2,rope=pre"), capacity, batch=2)
+        pre = run(tiny.model, cache, t)
     assert torch.allclose(pre, post, atol=1e-5, rtol=1e-5)
     assert (cache.evicted > 0) == (capacity < 50)
 
 
-class SlotCache:
-    """By hand: every token's pre-RoPE K/V in lists; keep the first `sinks` and the newest
-    `capacity - sinks` after each append; held tokens sit at positions 0..held-1 (StreamingLLM)."""
-
-    def __init__(self, n_layers, n_kv_heads, head_dim, capacity, sinks):
-        self.spec = parse_kv(f"k=fp32,v=fp32,sinks={sinks},rope=pre,positions=cache")
-        self.capacity, self.sinks = capacity, sinks
-        self.layers = [([], []) for _ in range(n_layers)]
-        self.empty = torch.zeros(1, n_kv_heads, 0, head_dim)
-        self.position, self.fused, self.pre_rope = 0, False, True
-
-    @property
-    def held(self):
-        return len(self.layers[0][0])
-
-    def query_positions(self, t, device=None):
-        return torch.arange(self.held, self.held + t)
-
-    def key_positions(self, device=None):
-        return torch.arange(self.held)
-
-    def codecs(self, layer):
-        return self.spec.k, self.spec.v
-
-    def key_center(self, layer):
-        return None
-
-    def read(self, layer, dtype):
-        keys, values = self.layers[layer]
-        return torch.cat([self.empty, *keys], dim=2), torch.cat([self.empty, *values], dim=2)
-
-    def append(self, new_kv):
-        for (keys, values), (k, v) in zip(self.layers, new_kv):
-            keys.extend(k.split(1, dim=2))
-            values.extend(v.split(1, dim=2))
-            while len(keys) > self.capacity:
-                del keys[self.sinks], values[self.sinks]
-        self.position += new_kv[0][0].shape[2]
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_cache_positions_equal_a_cache_rebuilt_at_slots_0_to_c(tiny, fused):
+@pytest.mark.parametrize("name", BACKENDS)
+def test_cache_positions_equal_a_cache_rebuilt_at_slots_0_to_c(tiny, name):
     t = tokens(70)
     cfg = tiny.config
-    ours = KVCache.for_model(cfg, parse_kv("k=fp32,v=fp32,sinks=4,rope=pre,positions=cache"), 24, fused=fused)
-    by_hand = SlotCache(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, 24, 4)
-    a, b = run(tiny.model, ours, t, chunks=(8,)), run(tiny.model, by_hand, t, chunks=(8,))
+    ours = KVCache.for_model(cfg, parse_kv("k=fp32,v=fp32,sinks=4,rope=pre,positions=cache"), 24)
+    by_hand = ListCache(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, 24, 4, pre_rope=True, slot_positions=True)
+    with backend.using(name):
+        a, b = run(tiny.model, ours, t, chunks=(8,)), run(tiny.model, by_hand, t, chunks=(8,))
     assert ours.evicted == 70 - 24
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
@@ -103,10 +60,10 @@ def test_cache_positions_never_pass_the_capacity(tiny):
     cache = KVCache.for_model(tiny.config, parse_kv("k=fp16,v=fp16,sinks=4,rope=pre,positions=cache"), 32)
     run(tiny.model, cache, tokens(100), chunks=(16,))
     assert cache.position == 100 and cache.query_positions(1).item() == 32  # the next token's position
-    assert cache.key_positions().tolist() == list(range(32))
+    assert cache.layer(0).positions().tolist() == list(range(32))
 
 
-def compare_fused(spec, n, capacity=512, chunk=7, batch=2):
+def compare_fused(lib, spec, n, capacity=512, chunk=7, batch=2):
     """One decode step's attention through the fused kernels and through the reference, pre-RoPE keys."""
     cache = KVCache(parse_kv(spec), n_layers=1, n_kv_heads=2, head_dim=64, capacity=capacity, batch=batch)
     fill_synthetic(cache, n, chunk=chunk)
@@ -117,14 +74,15 @@ def compare_fused(spec, n, capacity=512, chunk=7, batch=2):
     pos = cache.query_positions(1)
     cos, sin = rope_tables(rotary.inv_freq, pos, torch.float32)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    past_k, past_v = cache.read(0, torch.float32)
-    cos_k, sin_k = rotary.at(cache.key_positions())
-    past_k = apply_rope(plain_keys(past_k, cache.spec.k, cache.key_center(0)), cos_k, sin_k)
+    view = cache.layer(0)
+    past_k, past_v = view.read(torch.float32)
+    cos_k, sin_k = rotary.at(view.positions())
+    past_k = apply_rope(plain_keys(past_k, cache.spec.k, view.key_center), cos_k, sin_k)
     reference = attend(q, k, v, (past_k, past_v), PLAIN, cache.spec.v, None)
-    return reference, fused_decode_attention(q, k, v, cache, 0, rotary), cache
+    return reference, fused_decode_attention(lib, q, k, v, view, rotary.halves), cache
 
 
-@needs_kernel
+@needs_kernels
 @pytest.mark.parametrize("spec", ["k=fp16,v=fp16,rope=pre", "k=int4c,v=int2h,group=32,residual=32,sinks=4,rope=pre",
                                   "k=int4,v=int3h,group=16,residual=5,center=1,rope=pre",
                                   "k=int3cs,v=int4,group=32,residual=8,sinks=4,rope=pre",
@@ -132,7 +90,8 @@ def compare_fused(spec, n, capacity=512, chunk=7, batch=2):
                                   "k=int4cs,v=int2h,residual=8,sinks=4,rope=pre,positions=cache,start=40"])
 @pytest.mark.parametrize("n, capacity", [(1, 512), (45, 512), (77, 512), (700, 200)])  # 700 into 200: wrapped
 def test_fused_pre_rope_attention_equals_the_reference(spec, n, capacity):
-    reference, fused, cache = compare_fused(spec, n, capacity)
+    with backend.using("kernels-exact"):
+        reference, fused, cache = compare_fused(backend.library(), spec, n, capacity)
     assert (cache.evicted > 0) == (n > capacity)
     assert torch.allclose(fused, reference, atol=3e-5, rtol=1e-4)
 

@@ -29,6 +29,7 @@ from minillama.model.generate import GenerationStats, generate, prefill
 from minillama.model.loader import LoadedModel
 from minillama.model.sampling import SamplingParams
 from minillama.model.tokenizer import StreamDecoder
+from minillama.native import backend
 
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_k=0, top_p=0.9, min_p=0.05, repeat_penalty=1.1)
 
@@ -218,6 +219,7 @@ class ChatSession:
             f"allocated bytes: {c.allocated_bytes():,}; effective bits/element "
             + (f"{c.bits_per_element():.2f}" if c.held else "- (the cache is empty)"),
             f"last step: {c.bytes.last_read:,} bytes read, {c.bytes.last_written:,} bytes written",
+            f"backend: {backend.describe()}",
             f"last turn: reused {self.last.reused_tokens} cached tokens, prefilled {self.last.prefilled_tokens} new",
         ]
         if g:

@@ -19,7 +19,14 @@ class Main(click.Group):
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            if (ctx.obj or {}).get("debug"):
+                from minillama.native import backend
+
+                click.echo(f"debug: backend {backend.describe()}", err=True)
+                for reason in backend.fallbacks():
+                    click.echo(f"debug: the reference ran instead of a kernel: {reason}", err=True)
+            return result
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except KeyboardInterrupt:

@@ -7,21 +7,33 @@ import click
 from minillama.errors import UserError
 
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
+BACKENDS = ("reference", "kernels", "kernels-exact")  # native/backend.py: NAMES
 
 
-def model_options(f):
-    """--model and --device, as every command that runs a model takes them."""
-    f = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(f)
-    f = click.option("--model", "model_name", default=None,
-                     help="Model folder or Hugging Face repo id (default: SmolLM2-135M-Instruct, offline).")(f)
-    return f
+def model_options(device: bool = True):
+    """--model, and for commands that run the model --device and --backend."""
+
+    def wrap(f):
+        if device:
+            f = click.option("--backend", default=None, type=click.Choice(BACKENDS),
+                             help="reference: plain PyTorch; kernels: the compiled kernels (default; "
+                                  "MINILLAMA_BACKEND sets it too); kernels-exact: exact float attention.")(f)
+            f = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(f)
+        return click.option("--model", "model_name", default=None,
+                            help="Model folder or Hugging Face repo id (default: SmolLM2-135M-Instruct, offline).")(f)
+
+    return wrap
 
 
-def load(model_name: str | None, dtype: str, device: str):
-    """The model named on the command line (the offline default when None), loaded."""
-    from minillama.model.fetch import resolve_model
+def load(model_name: str | None, dtype: str, device: str, backend: str | None = None):
+    """The model named on the command line (the offline default when None), loaded; `backend`
+    (from --backend) is set for the whole run."""
+    from minillama.app.default_model import resolve_model
     from minillama.model.loader import load_model
+    from minillama.native.backend import set_backend
 
+    if backend:
+        set_backend(backend)
     return load_model(resolve_model(model_name), dtype, device)
 
 

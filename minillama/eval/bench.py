@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from minillama.eval.pyplot import pyplot
-from minillama.kv.budget import fill_synthetic
+from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import KVSpec
 from minillama.model.attention import attend_cache
 from minillama.model.generate import decode_step, prefill
 from minillama.model.loader import LoadedModel
+from minillama.native import backend
 
 WARMUP = 3
 
@@ -44,7 +45,8 @@ class BenchRow:
     model: str
     dtype: str
     fill: str
-    fused: bool
+    backend: str  # native/backend.py: describe(), e.g. "kernels (native build: avx2 ...; integer attention)"
+    fallbacks: list[str]  # why any fast path took the reference during this row (empty: none did)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,14 +107,15 @@ def weight_bytes_per_token(model) -> int:
 
 
 def bench_row(lm: LoadedModel, spec: KVSpec, context: int, decode_tokens: int, fill: str, ids: list[int],
-              bandwidth: float, dtype: str, fused: bool = True) -> BenchRow:
+              bandwidth: float, dtype: str) -> BenchRow:
     reset_peak_rss()
+    seen = len(backend.fallbacks())
     capacity = max(context + decode_tokens + WARMUP + 1, spec.sinks + spec.residual + spec.unit)  # never evicts
-    cache = KVCache.for_model(lm.config, spec, capacity, fused=fused)
+    cache = KVCache.for_model(lm.config, spec, capacity)
     prefill_tps = None
     if fill == "prefill":
         t0 = time.perf_counter()
-        logits = prefill(lm.model, ids[:context], cache)
+        logits = prefill(lm.model, ids[:context], cache)[0]
         prefill_tps = context / (time.perf_counter() - t0)
     else:
         fill_synthetic(cache, context)
@@ -133,7 +136,7 @@ def bench_row(lm: LoadedModel, spec: KVSpec, context: int, decode_tokens: int, f
         attention_ms_per_layer=attention,
         prefill_tokens_per_s=prefill_tps, cache_bytes=sum(cache.live_bytes().values()), bytes_read_per_token=read,
         roofline_pct=100 * read / step / bandwidth, peak_rss_mb=peak_rss_mb(), model=lm.name, dtype=dtype, fill=fill,
-        fused=fused and cache.fused)
+        backend=backend.describe(), fallbacks=backend.fallbacks()[seen:])
 
 
 @torch.inference_mode()
@@ -144,11 +147,11 @@ def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 20) -> float:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, cfg.num_attention_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype)
     k, v = (torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype) for _ in range(2))
-    rotary = lm.model.rotary
+    rotary = lm.model.rotary if cache.pre_rope else None
     times = []
     for i in range(3 + repeats):
         t0 = time.perf_counter()
-        attend_cache(q, k, v, cache, 0, rotary)
+        attend_cache(q, k, v, cache.layer(0), rotary)
         if i >= 3:
             times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)
@@ -156,7 +159,7 @@ def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 20) -> float:
 
 def format_table(rows: list[BenchRow], bandwidth: float) -> str:
     lines = [f"decode benchmark: {rows[0].model}, weights {rows[0].dtype}, fill {rows[0].fill}; "
-             f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s",
+             f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; backend {rows[0].backend}",
              f"{'kv':<14}{'context':>8}{'ms/tok':>9}{'tok/s':>8}{'attn ms/layer':>14}{'prefill/s':>10}{'cache MB':>10}"
              f"{'read MB/tok':>12}{'roofline':>9}{'peak RSS':>10}"]
     for r in rows:
@@ -165,6 +168,7 @@ def format_table(rows: list[BenchRow], bandwidth: float) -> str:
                      f"{r.attention_ms_per_layer:>14.3f}{pre:>10}"
                      f"{r.cache_bytes / 1e6:>10.1f}{r.bytes_read_per_token / 1e6:>12.1f}{r.roofline_pct:>8.0f}%"
                      f"{r.peak_rss_mb:>9.0f}M")
+    lines += [f"  {r.kv} at {r.context}: {reason}" for r in rows for reason in r.fallbacks]
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ from minillama.errors import UserError
 from minillama.eval.pyplot import pyplot
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import KVSpec
+from minillama.model.generate import PREFILL_CHUNK, prefill
 from minillama.model.loader import LoadedModel
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -52,7 +53,6 @@ MULTIKEY_QUESTION = ("What is the special magic number for {word} mentioned in t
 WORDS = ["apple", "river", "lantern", "violin", "harbor", "meadow", "copper", "falcon", "glacier", "orchid",
          "saddle", "thunder", "walnut", "compass", "ember", "quartz"]
 TASKS = ("passkey", "multikey")
-PREFILL_CHUNK = 512
 
 
 def split_sentences(text: str) -> list[str]:
@@ -153,19 +153,17 @@ class NeedleRow:
 
 
 @torch.inference_mode()
-def answer_batch(lm: LoadedModel, prompts: list[list[int]], cache: KVCache, max_new: int) -> list[str]:
+def answer_batch(lm: LoadedModel, prompts: list[list[int]], cache: KVCache, max_new: int,
+                 chunk: int = PREFILL_CHUNK) -> list[str]:
     """Prefill equal-length prompts (B, L) in chunks through the cache, then decode greedily; the texts."""
     model = lm.model
-    ids = torch.tensor(prompts, device=model.device)  # (B, L)
-    logits = None
-    for s in range(0, ids.shape[1], PREFILL_CHUNK):
-        logits = model(ids[:, s : s + PREFILL_CHUNK], cache, last_only=True)  # (B, 1, V): reads the stored past
+    logits = prefill(model, torch.tensor(prompts), cache, chunk)  # (B, V): chunks that read the stored past
     out = []
     for i in range(max_new):
-        token = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        token = logits.argmax(-1, keepdim=True)  # (B, 1)
         out.append(token)
         if i < max_new - 1:
-            logits = model(token, cache)  # (B, 1, V): one token, attending over the whole cache
+            logits = model(token, cache)[:, -1]  # (B, V): one token, attending over the whole cache
     generated = torch.cat(out, dim=1).tolist()  # (B, max_new)
     return [lm.tokenizer.decode(row) for row in generated]
 

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 
 from minillama.errors import UserError
 from minillama.kv.cache import KVCache
+from minillama.kv.interface import Cache
 from minillama.kv.spec import KVSpec
+from minillama.model.generate import prefill
 from minillama.model.loader import LoadedModel
-
-PREFILL_CHUNK = 512  # prefill in chunks that read the stored (compressed) past, as generation does
 
 
 @dataclass
@@ -118,7 +118,7 @@ def nll_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, block: i
 
 
 @torch.inference_mode()
-def blind_nll(model, seq: torch.Tensor, first: int, cache: KVCache | None = None) -> torch.Tensor:
+def blind_nll(model, seq: torch.Tensor, first: int, cache: Cache | None = None) -> torch.Tensor:
     """One forward over each window (no past to read): NLL of targets seq[:, first:], (W, L-first)."""
     hidden = model.hidden(seq[:, :-1], cache)  # (W, L-1, hidden); a cache here is written, never read
     return nll_from_hidden(model, hidden[:, first - 1 :], seq[:, first:])
@@ -144,9 +144,7 @@ def cached_scores(model, seq: torch.Tensor, first: int, cache: KVCache, chunk: i
     ``exact_hidden`` (W, L-1, hidden), the exact model's final hidden states at every position,
     turns on KLD and top-1 agreement against it.
     """
-    logits = None
-    for s in range(0, first, PREFILL_CHUNK):  # each chunk reads the stored past
-        logits = model(seq[:, s:min(first, s + PREFILL_CHUNK)], cache, last_only=True)  # (W, 1, V)
+    logits = prefill(model, seq[:, :first], cache)[:, None]  # (W, 1, V): in chunks, each reading the stored past
     nll, kld, top1, evicted = [], [], [], []
 
     def score(logits: torch.Tensor, at: int) -> None:  # logits (W, k, V) predict seq[:, at + 1 : at + 1 + k]
@@ -173,13 +171,6 @@ def cached_scores(model, seq: torch.Tensor, first: int, cache: KVCache, chunk: i
             on_step(logits.shape[1])
     return CachedScores(torch.cat(nll, dim=1), torch.cat(kld, dim=1) if kld else None,
                         torch.cat(top1, dim=1) if top1 else None, evicted, decode_s)
-
-
-def cached_nll(model, seq: torch.Tensor, first: int, cache: KVCache, chunk: int = 1,
-               on_step: Callable[[int], None] | None = None) -> tuple[torch.Tensor, float]:
-    """NLL of targets seq[:, first:] (W, L-first) on the cached path, and the decode seconds."""
-    scores = cached_scores(model, seq, first, cache, chunk, on_step=on_step)
-    return scores.nll, scores.decode_s
 
 
 def bucket_rows(nll: torch.Tensor, evicted: list[int], first: int, bucket: int) -> list[dict]:

@@ -7,9 +7,10 @@ it was written at and positions keep increasing when the ring evicts; with ``rop
 keys are stored before RoPE and the cache says which position each held token has
 (``part_positions``): its original one, or with ``positions=cache`` its slot.
 
-The model reads each layer during a forward pass and hands all new K/V to ``append``
-at the end: that one call is the only place the cache grows or evicts. Every byte
-read and written goes through ``Ring``s and is counted where it is touched.
+The model sees the cache only through the ``Cache`` protocol (kv/interface.py): it reads
+each layer through ``layer(i)`` during a forward pass and hands all new K/V to ``append`` at
+the end: that one call is the only place the cache grows or evicts. Every byte read and
+written goes through ``Ring``s and is counted when it is touched.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minillama.kv.codecs import Codec
-from minillama.kv.spec import KVSpec
 from minillama.errors import UserError
+from minillama.kv.interface import PartView
 from minillama.kv.memory import check_fits
+from minillama.kv.spec import KVSpec
 from minillama.kv.store import TensorStore, allocation_bytes, append_layers
 
 
@@ -45,7 +46,7 @@ class KVCache:
     """
 
     def __init__(self, spec: KVSpec, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 batch: int = 1, device: torch.device | str = "cpu", on_full: str = "evict", fused: bool = True):
+                 batch: int = 1, device: torch.device | str = "cpu", on_full: str = "evict"):
         spec.validate(head_dim)
         if capacity - spec.sinks - spec.residual < spec.unit:
             raise UserError(
@@ -60,8 +61,6 @@ class KVCache:
                        for layer in range(n_layers) for codec, group, _ in spec.tensors(layer))
         check_fits(batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
         self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
-        # Decode attention and cache writes through the C++ kernels when they build (False: the references).
-        self.fused = fused and torch.device(device).type == "cpu"
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.layers = [
             tuple(TensorStore(codec, group, spec, capacity, batch, n_kv_heads, head_dim, device, centered)
@@ -71,13 +70,13 @@ class KVCache:
         self.position = 0
         self.evicted = 0
         self.bytes = ByteCounters()
-        self._pending_read = 0
+        self._step_read = 0  # bytes read since the last append (the step in progress)
 
     @classmethod
-    def for_model(cls, cfg, spec: KVSpec, capacity: int | None = None, batch: int = 1, device="cpu", on_full="evict",
-                  fused: bool = True) -> "KVCache":
+    def for_model(cls, cfg, spec: KVSpec, capacity: int | None = None, batch: int = 1, device="cpu",
+                  on_full="evict") -> "KVCache":
         return cls(spec, cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim,
-                   capacity or cfg.max_position_embeddings, batch, device, on_full, fused)
+                   capacity or cfg.max_position_embeddings, batch, device, on_full)
 
     @property
     def held(self) -> int:
@@ -96,43 +95,20 @@ class KVCache:
         first = self.held if self.spec.positions == "cache" else self.position
         return torch.arange(first, first + t, device=device)
 
-    def part_positions(self) -> tuple[int, int, int]:
-        """Position of the first token of each part (sinks, body, residual); positions are
-        consecutive inside a part. Absolute: sinks 0.., the rest from the oldest held token's
-        position; positions=cache: slot order."""
-        k_store = self.layers[0][0]
-        sinks = k_store.sinks.count
-        first_rest = sinks if self.spec.positions == "cache" else self.position - (self.held - sinks)
-        return 0, first_rest, first_rest + k_store.n_body
+    def first_rest_position(self) -> int:
+        """Position of the oldest held token that is not a sink (positions are consecutive from it):
+        absolute, or with positions=cache its slot (sinks take the first ones)."""
+        sinks = self.layers[0][0].sinks.count
+        return sinks if self.spec.positions == "cache" else self.position - (self.held - sinks)
 
-    def key_positions(self, device=None) -> torch.Tensor:
-        """Positions of the held tokens in age order (held,), as a read returns them."""
-        k_store = self.layers[0][0]
-        sinks, body, _ = self.part_positions()
-        rest = self.held - k_store.sinks.count
-        return torch.cat([torch.arange(sinks, sinks + k_store.sinks.count), torch.arange(body, body + rest)]).to(device)
-
-    def read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Held keys and values of one layer, each (B, H_kv, held, D), in storage space."""
-        k_store, v_store = self.layers[layer]
-        k, nk = k_store.read(dtype)
-        v, nv = v_store.read(dtype)
-        self.count_read(nk + nv)
-        return k, v
-
-    def codecs(self, layer: int) -> tuple[Codec, Codec]:
-        """This layer's key and value codecs (the first layers' keys may differ: kfirst=)."""
-        return self.layers[layer][0].codec, self.layers[layer][1].codec
-
-    def key_center(self, layer: int) -> torch.Tensor | None:
-        """The mean subtracted from this layer's stored keys (B, H_kv, 1, D), or None.
-
-        New keys must be shifted by it before they meet the stored ones (attention.py)."""
-        return self.layers[layer][0].center
+    def layer(self, i: int) -> "CacheLayer":
+        """What attention reads of layer i (kv/interface.py: LayerView)."""
+        return CacheLayer(self, i)
 
     def count_read(self, nbytes: int) -> None:
-        """Bytes read from the cache during the current step (reported at the next append)."""
-        self._pending_read += nbytes
+        """Count bytes read from the cache now (``last_read`` reports the step once it is appended)."""
+        self.bytes.total_read += nbytes
+        self._step_read += nbytes
 
     def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full."""
@@ -146,14 +122,14 @@ class KVCache:
         for t in (0, 1):  # keys, then values: every layer that shares a codec in one batch
             for codec in dict.fromkeys(pair[t].codec for pair in self.layers):
                 same = [i for i, pair in enumerate(self.layers) if pair[t].codec == codec]
-                w, r = append_layers([self.layers[i][t] for i in same], [new_kv[i][t] for i in same], evict, self.fused)
+                w, r = append_layers([self.layers[i][t] for i in same], [new_kv[i][t] for i in same], evict)
                 written, read = written + w, read + r
         self.position += n
         self.evicted += evict
-        self.bytes.last_read, self.bytes.last_written = self._pending_read + read, written
-        self.bytes.total_read += self.bytes.last_read
+        self.count_read(read)
+        self.bytes.last_read, self.bytes.last_written = self._step_read, written
         self.bytes.total_written += written
-        self._pending_read = 0
+        self._step_read = 0
 
     def seek(self, position: int) -> None:
         """Leave a gap: the next token gets this absolute position (used to rebuild a ring)."""
@@ -206,3 +182,35 @@ class KVCache:
         """8 x live bytes / (layers x 2 x kv_heads x head_dim x tokens held x batch)."""
         elements = self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.held * self.batch
         return 8 * sum(self.live_bytes().values()) / elements if elements else float("nan")
+
+
+class CacheLayer:
+    """One layer of a ``KVCache`` as attention reads it (kv/interface.py: LayerView)."""
+
+    def __init__(self, cache: KVCache, i: int):
+        self._cache = cache
+        self._k, self._v = cache.layers[i]
+        self.k_codec, self.v_codec = self._k.codec, self._v.codec
+        self.key_center = self._k.center  # (B, H, 1, D) or None
+
+    def positions(self, device=None) -> torch.Tensor:
+        """Positions of the held tokens in age order (held,), as a read returns them."""
+        ranges = [torch.arange(p.first_position, p.first_position + p.n)
+                  for p in self._k.parts(self._cache.first_rest_position())]
+        return (torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.long)).to(device)
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held keys and values, each (B, H_kv, held, D), dequantized, in storage space."""
+        k, nk = self._k.read(dtype)
+        v, nv = self._v.read(dtype)
+        self._cache.count_read(nk + nv)
+        return k, v
+
+    def parts(self) -> tuple[list[PartView], list[PartView]]:
+        """The held parts of keys and values, for kernels that read them in place."""
+        first = self._cache.first_rest_position()
+        return self._k.parts(first), self._v.parts(first)
+
+    def count_kernel_read(self) -> None:
+        """A kernel read every held part of this layer in place."""
+        self._cache.count_read(self._k.live_read_bytes() + self._v.live_read_bytes())

@@ -1,27 +1,31 @@
 """KV codecs: what is stored per token for one tensor (K or V), and how many bytes it takes.
 
-A codec turns a block of key or value vectors (B, H, T, D) into named *parts* (packed
-codes, scales, zeros) and back. It only arranges calls to the pure quantizers in
-``quantize.py`` and ``packing.py``; it holds no state. The cache (``cache.py``) owns the
-buffers that parts are written into; the ``--kv`` spec that picks codecs is ``spec.py``.
+A codec is one class that owns everything about its format: the named *parts* it stores
+(packed codes, fp16 scales, zeros: each a tensor (B, H, rows, width)), its bits/element
+formula, ``encode`` and ``decode`` (arranging calls to the pure quantizers in
+``quantize.py`` and ``packing.py``), the checks a model shape must pass, and ``row_kind``:
+how the native attention kernels read one stored row (or ``None``: no kernel reads it, and
+decode attention takes the reference path). A codec holds no state; the cache
+(``cache.py``) owns the buffers its parts are written into, and the ``--kv`` spec
+(``spec.py``) picks one per tensor.
 
-Every part is a tensor (B, H, rows, width); a row covers ``tokens_per_row`` tokens
-(1 for per-token parts, the group size for the per-channel scales of KIVI keys).
+A row of a part covers ``tokens_per_row`` tokens: 1 for per-token parts, the group size for
+the per-channel scales of KIVI keys. Calibrated codecs (``int4cs``..., ``nuq4``...) also keep
+per-sequence *parameters* (a range per channel, for ``nuq`` a fitted grid per head), fitted
+once on the first tokens the sequence quantizes; the store keeps them.
 
-Calibrated codecs (kind "calib": ``int4cs``..., ``nuq4``...) keep per-sequence
-*parameters* besides their parts: a range per channel (and for ``nuq`` a fitted grid per
-head), fitted once on the first tokens the sequence quantizes; the store holds them and
-passes them to ``encode``/``decode``.
+Adding a codec is one subclass plus ``register()`` (docs/cache.md: "Add your own codec").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from minillama.kv import packing
 from minillama.errors import UserError
+from minillama.kv import packing
 from minillama.kv.quantize import (
     check_finite,
     dequantize_affine,
@@ -30,6 +34,7 @@ from minillama.kv.quantize import (
     dequantize_ternary,
     fit_channel_range,
     fit_levels,
+    gaussian_codebook,
     hadamard_rotate,
     quantize_affine,
     quantize_codebook,
@@ -37,8 +42,7 @@ from minillama.kv.quantize import (
     quantize_ternary,
     uniform_levels,
 )
-
-FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from minillama.native.abi import RowKind
 
 
 @dataclass(frozen=True)
@@ -51,79 +55,75 @@ class PartSpec:
 
 @dataclass(frozen=True)
 class Codec:
+    """The base of every codec: per-token rows of packed codes with the parts a subclass names."""
+
     name: str
-    kind: str  # "float" | "token" | "channel" | "ternary" | "codebook" | "calib"
     bits: int
-    rotate: bool = False
     about: str = ""
-    fitted: bool = False  # calib codecs: a grid fitted per sequence (nuq) instead of the uniform one
+    rotate: bool = False  # stored Hadamard-rotated (x H); attention runs in the rotated space
+
+    quantized: ClassVar[bool] = True
+    row_kind: ClassVar[RowKind | None] = None  # how the native kernels decode a stored row; None: reference only
+    per_sequence: ClassVar[bool] = False  # fits parameters once per sequence (``calibrate``)
+    channel_groups: ClassVar[bool] = False  # scales per group of G channels of a token: G must divide head_dim
 
     @property
-    def quantized(self) -> bool:
-        return self.kind != "float"
+    def exact_dtype(self) -> torch.dtype:
+        """The dtype of the tokens this codec keeps unquantized (residual window, sinks)."""
+        return torch.float16
 
     @property
-    def float_dtype(self) -> torch.dtype:
-        return FLOAT_DTYPES[self.name]
+    def packing(self) -> int | str:
+        """How codes are packed (kv/packing.py): a bit width, or "trit"."""
+        return self.bits
+
+    @property
+    def kernel_bits(self) -> int:
+        """The code width as the kernels read it (5 = trits, five per byte)."""
+        return self.bits
 
     def unit(self, group: int) -> int:
-        """Tokens that must be quantized together: a whole group for per-channel codecs."""
-        return group if self.kind == "channel" else 1
-
-    def packing(self) -> int | str:
-        return "trit" if self.kind == "ternary" else self.bits
+        """Tokens that must be quantized together (a whole group for per-channel codecs)."""
+        return 1
 
     def bits_formula(self) -> str:
-        if self.kind == "float":
-            return f"{self.bits}"
-        if self.kind == "ternary":
-            return "8/5 + 16/G  (5 trits per byte, fp16 scale per G channels)"
-        if self.kind == "codebook":
-            return f"{self.bits} + 16/G  (Gaussian Lloyd-Max levels, fp16 RMS scale per G channels)"
-        if self.kind == "calib":
-            grid = f" + {2 ** self.bits} fp16 levels" if self.fitted else ""
-            return f"{self.bits} + (32 D{grid})/(D T) (fp16 lo + span per channel{grid}, once per sequence)"
-        where = "G tokens, per channel" if self.kind == "channel" else "G channels"
-        return f"{self.bits} + 32/G  (fp16 scale + zero per {where})"
+        raise NotImplementedError
 
     def validate(self, head_dim: int, group: int) -> None:
+        """Raise a UserError when this codec cannot store vectors of head_dim at this group size."""
         if self.rotate and head_dim & (head_dim - 1):
             raise UserError(f"codec {self.name} needs a power-of-two head_dim for the Hadamard rotation, got {head_dim}")
-        if self.kind in ("token", "ternary", "codebook") and head_dim % group:
+        if self.channel_groups and head_dim % group:
             raise UserError(f"group={group} does not divide head_dim={head_dim}: pick a divisor of {head_dim}")
-        if self.quantized:
-            try:
-                packing.check_packable(head_dim, self.packing())
-            except ValueError as e:
-                raise UserError(f"codec {self.name}: {e}") from None
+        try:
+            packing.check_packable(head_dim, self.packing)
+        except ValueError as e:
+            raise UserError(f"codec {self.name}: {e}") from None
 
     def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        if self.kind == "float":
-            return [PartSpec("values", self.float_dtype, head_dim, 1)]
-        codes = PartSpec("codes", torch.uint8, packing.packed_width(head_dim, self.packing()), 1)
-        if self.kind in ("ternary", "codebook"):
-            return [codes, PartSpec("scale", torch.float16, head_dim // group, 1)]
-        if self.kind == "calib":
-            return [codes]  # the ranges are per sequence: see param_bytes
-        if self.kind == "channel":
-            return [codes, PartSpec("scale", torch.float16, head_dim, group), PartSpec("zero", torch.float16, head_dim, group)]
-        return [codes, PartSpec("scale", torch.float16, head_dim // group, 1), PartSpec("zero", torch.float16, head_dim // group, 1)]
+        raise NotImplementedError
+
+    def codes_part(self, head_dim: int) -> PartSpec:
+        return PartSpec("codes", torch.uint8, packing.packed_width(head_dim, self.packing), 1)
 
     def bytes_per_token(self, head_dim: int, group: int) -> float:
         """Stored bytes per token per KV head (scales of per-channel groups spread over G tokens)."""
         return sum(p.width * p.dtype.itemsize / p.tokens_per_row for p in self.parts(head_dim, group))
 
     def param_bytes(self, head_dim: int) -> int:
-        """Bytes of per-sequence parameters per KV head (calib codecs): lo and span per channel, the grid."""
-        if self.kind != "calib":
-            return 0
-        return 2 * head_dim * 2 + (2**self.bits * 2 if self.fitted else 0)
+        """Bytes of per-sequence parameters per KV head (calibrated codecs)."""
+        return 0
+
+    def stored_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The per-sequence parameters that occupy memory (and are counted)."""
+        return params
 
     def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-sequence parameters from x (B, H, T, D): lo, span (B, H, 1, D) and levels (B, H, 2**bits)."""
-        lo, span = fit_channel_range(x)
-        levels = fit_levels(x, lo, span, self.bits) if self.fitted else uniform_levels(self.bits, x.shape[:-2])
-        return {"lo": lo, "span": span, "levels": levels}
+        raise NotImplementedError(f"codec {self.name} has no per-sequence parameters")
+
+    def kernel_tables(self, params: dict | None) -> dict[str, torch.Tensor]:
+        """Lookup tables the kernels need besides the parts (a codebook; per-sequence ranges)."""
+        return {}
 
     def to_space(self, x: torch.Tensor) -> torch.Tensor:
         """Map vectors into the space they are stored in (rotated for Hadamard codecs)."""
@@ -131,64 +131,225 @@ class Codec:
 
     def encode(self, x: torch.Tensor, group: int, params: dict | None = None) -> dict[str, torch.Tensor]:
         """x (B, H, T, D), already in storage space -> parts, each (B, H, rows, width)."""
-        if self.kind == "float":
-            check_finite(x)
-            return {"values": x.to(self.float_dtype)}
-        bits = self.packing()
-        if self.kind == "calib":
-            check_finite(x)
-            return {"codes": packing.pack(quantize_levels(x, params["lo"], params["span"], params["levels"]), bits)}
-        if self.kind == "ternary":
-            codes, scale = quantize_ternary(x, group)
-            return {"codes": packing.pack(codes, bits), "scale": scale}
-        if self.kind == "codebook":
-            codes, scale = quantize_codebook(x, self.bits, group)
-            return {"codes": packing.pack(codes, bits), "scale": scale}
-        codes, scale, zero = quantize_affine(x, self.bits, group, "channel" if self.kind == "channel" else "token")
-        return {"codes": packing.pack(codes, bits), "scale": scale, "zero": zero}
+        raise NotImplementedError
 
     def decode(self, parts: dict[str, torch.Tensor], group: int, head_dim: int, params: dict | None = None) -> torch.Tensor:
         """parts -> float32 (B, H, T, D), still in storage space."""
-        if self.kind == "float":
-            return parts["values"].float()
-        codes = packing.unpack(parts["codes"], self.packing(), head_dim)  # (B, H, T, D)
-        if self.kind == "calib":
-            return dequantize_levels(codes, params["lo"], params["span"], params["levels"])
-        if self.kind == "ternary":
-            return dequantize_ternary(codes, parts["scale"], group)
-        if self.kind == "codebook":
-            return dequantize_codebook(codes, parts["scale"], self.bits, group)
-        axis = "channel" if self.kind == "channel" else "token"
-        return dequantize_affine(codes, parts["scale"], parts["zero"], group, axis)
+        raise NotImplementedError
+
+    def unpack(self, parts: dict[str, torch.Tensor], head_dim: int) -> torch.Tensor:
+        return packing.unpack(parts["codes"], self.packing, head_dim)  # (B, H, T, D)
 
 
-CODECS: dict[str, Codec] = {
-    c.name: c
-    for c in [
-        Codec("fp32", "float", 32, about="unquantized float32"),
-        Codec("bf16", "float", 16, about="unquantized bfloat16"),
-        Codec("fp16", "float", 16, about="unquantized float16"),
-        Codec("int8", "token", 8, about="per-token groups of G channels"),
-        Codec("int4", "token", 4, about="per-token groups of G channels"),
-        Codec("int3", "token", 3, about="per-token groups of G channels, 8 codes in 3 bytes"),
-        Codec("int2", "token", 2, about="per-token groups of G channels"),
-        Codec("int8c", "channel", 8, about="KIVI per-channel, groups of G tokens"),
-        Codec("int4c", "channel", 4, about="KIVI per-channel, groups of G tokens"),
-        Codec("int3c", "channel", 3, about="KIVI per-channel, groups of G tokens, 8 codes in 3 bytes"),
-        Codec("int2c", "channel", 2, about="KIVI per-channel, groups of G tokens"),
-        Codec("int4cs", "calib", 4, about="per-channel range fitted once per sequence on its prefill (KVQuant)"),
-        Codec("int3cs", "calib", 3, about="per-channel range fitted once per sequence on its prefill (KVQuant)"),
-        Codec("int2cs", "calib", 2, about="per-channel range fitted once per sequence on its prefill (KVQuant)"),
-        Codec("nuq4", "calib", 4, fitted=True, about="per-sequence channel ranges + a grid per head fitted on the prefill"),
-        Codec("nuq3", "calib", 3, fitted=True, about="per-sequence channel ranges + a grid per head fitted on the prefill"),
-        Codec("nuq2", "calib", 2, fitted=True, about="per-sequence channel ranges + a grid per head fitted on the prefill"),
-        Codec("int4h", "token", 4, rotate=True, about="Hadamard-rotated, then per-token groups"),
-        Codec("int3h", "token", 3, rotate=True, about="Hadamard-rotated, then per-token groups"),
-        Codec("int2h", "token", 2, rotate=True, about="Hadamard-rotated, then per-token groups"),
-        Codec("tern", "ternary", 2, about="ternary {-1,0,+1} x fp16 scale per G channels"),
-        Codec("ternh", "ternary", 2, rotate=True, about="Hadamard-rotated ternary"),
-        Codec("lm4h", "codebook", 4, rotate=True, about="Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)"),
-        Codec("lm3h", "codebook", 3, rotate=True, about="Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)"),
-        Codec("lm2h", "codebook", 2, rotate=True, about="Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)"),
-    ]
-}
+@dataclass(frozen=True)
+class FloatCodec(Codec):
+    """Unquantized rows in a float dtype (fp32, bf16, fp16)."""
+
+    dtype: torch.dtype = torch.float16
+    quantized: ClassVar[bool] = False
+    row_kind: ClassVar[RowKind] = RowKind.FLOAT
+
+    @property
+    def exact_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def bits_formula(self) -> str:
+        return f"{self.bits}"
+
+    def validate(self, head_dim: int, group: int) -> None:
+        pass
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        return [PartSpec("values", self.dtype, head_dim, 1)]
+
+    def encode(self, x, group, params=None):
+        check_finite(x)
+        return {"values": x.to(self.dtype)}
+
+    def decode(self, parts, group, head_dim, params=None):
+        return parts["values"].float()
+
+
+@dataclass(frozen=True)
+class TokenAffine(Codec):
+    """Per token, asymmetric min-max codes with an fp16 scale and zero per G channels."""
+
+    row_kind: ClassVar[RowKind] = RowKind.TOKEN
+    channel_groups: ClassVar[bool] = True
+
+    def bits_formula(self) -> str:
+        return f"{self.bits} + 32/G  (fp16 scale + zero per G channels)"
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        per = (head_dim // group, 1)
+        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, *per), PartSpec("zero", torch.float16, *per)]
+
+    def encode(self, x, group, params=None):
+        codes, scale, zero = quantize_affine(x, self.bits, group, "token")
+        return {"codes": packing.pack(codes, self.bits), "scale": scale, "zero": zero}
+
+    def decode(self, parts, group, head_dim, params=None):
+        return dequantize_affine(self.unpack(parts, head_dim), parts["scale"], parts["zero"], group, "token")
+
+
+@dataclass(frozen=True)
+class ChannelAffine(Codec):
+    """KIVI per channel: min-max codes with an fp16 scale and zero per channel and group of G tokens.
+    Tokens wait in the residual window until a whole group can be quantized."""
+
+    row_kind: ClassVar[RowKind] = RowKind.CHANNEL
+
+    def unit(self, group: int) -> int:
+        return group
+
+    def bits_formula(self) -> str:
+        return f"{self.bits} + 32/G  (fp16 scale + zero per G tokens, per channel)"
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        per = (head_dim, group)
+        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, *per), PartSpec("zero", torch.float16, *per)]
+
+    def encode(self, x, group, params=None):
+        codes, scale, zero = quantize_affine(x, self.bits, group, "channel")
+        return {"codes": packing.pack(codes, self.bits), "scale": scale, "zero": zero}
+
+    def decode(self, parts, group, head_dim, params=None):
+        return dequantize_affine(self.unpack(parts, head_dim), parts["scale"], parts["zero"], group, "channel")
+
+
+@dataclass(frozen=True)
+class Ternary(Codec):
+    """{-1, 0, +1} x an fp16 scale per G channels (the ternary-weight-network rule), 5 trits per byte."""
+
+    row_kind: ClassVar[RowKind] = RowKind.TOKEN
+    channel_groups: ClassVar[bool] = True
+
+    @property
+    def packing(self) -> str:
+        return "trit"
+
+    @property
+    def kernel_bits(self) -> int:
+        return 5
+
+    def bits_formula(self) -> str:
+        return "8/5 + 16/G  (5 trits per byte, fp16 scale per G channels)"
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, head_dim // group, 1)]
+
+    def encode(self, x, group, params=None):
+        codes, scale = quantize_ternary(x, group)
+        return {"codes": packing.pack(codes, "trit"), "scale": scale}
+
+    def decode(self, parts, group, head_dim, params=None):
+        return dequantize_ternary(self.unpack(parts, head_dim), parts["scale"], group)
+
+
+@dataclass(frozen=True)
+class Codebook(Codec):
+    """Gaussian Lloyd-Max levels (TurboQuant-style, after a Hadamard rotation) x an fp16 scale per G channels."""
+
+    row_kind: ClassVar[RowKind] = RowKind.TOKEN
+    channel_groups: ClassVar[bool] = True
+
+    def bits_formula(self) -> str:
+        return f"{self.bits} + 16/G  (Gaussian Lloyd-Max levels, fp16 RMS scale per G channels)"
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, head_dim // group, 1)]
+
+    def kernel_tables(self, params):
+        return {"codebook": gaussian_codebook(self.bits)}
+
+    def encode(self, x, group, params=None):
+        codes, scale = quantize_codebook(x, self.bits, group)
+        return {"codes": packing.pack(codes, self.bits), "scale": scale}
+
+    def decode(self, parts, group, head_dim, params=None):
+        return dequantize_codebook(self.unpack(parts, head_dim), parts["scale"], self.bits, group)
+
+
+@dataclass(frozen=True)
+class Calibrated(Codec):
+    """Per channel, one range per sequence fitted on its own first flush (KVQuant-style), and with
+    ``fitted`` a non-uniform grid per head Lloyd-fitted on the same tokens ("nuq")."""
+
+    fitted: bool = False
+    row_kind: ClassVar[RowKind] = RowKind.CALIBRATED
+    per_sequence: ClassVar[bool] = True
+
+    def bits_formula(self) -> str:
+        grid = f" + {2 ** self.bits} fp16 levels" if self.fitted else ""
+        return f"{self.bits} + (32 D{grid})/(D T) (fp16 lo + span per channel{grid}, once per sequence)"
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        return [self.codes_part(head_dim)]  # the ranges are per sequence: see param_bytes
+
+    def param_bytes(self, head_dim: int) -> int:
+        return 2 * head_dim * 2 + (2**self.bits * 2 if self.fitted else 0)
+
+    def stored_params(self, params):
+        return {name: t for name, t in params.items() if name != "levels" or self.fitted}  # a uniform grid is implied
+
+    def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-sequence parameters from x (B, H, T, D): lo, span (B, H, 1, D) and levels (B, H, 2**bits)."""
+        lo, span = fit_channel_range(x)
+        levels = fit_levels(x, lo, span, self.bits) if self.fitted else uniform_levels(self.bits, x.shape[:-2], x.device)
+        return {"lo": lo, "span": span, "levels": levels}
+
+    def kernel_tables(self, params):
+        return {name: params[name].contiguous() for name in ("lo", "span", "levels")}
+
+    def encode(self, x, group, params=None):
+        check_finite(x)
+        return {"codes": packing.pack(quantize_levels(x, params["lo"], params["span"], params["levels"]), self.bits)}
+
+    def decode(self, parts, group, head_dim, params=None):
+        return dequantize_levels(self.unpack(parts, head_dim), params["lo"], params["span"], params["levels"])
+
+
+CODECS: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    """Make a codec usable by name in ``--kv`` specs (and ``minillama kv --list``)."""
+    if codec.name in CODECS and CODECS[codec.name] != codec:
+        raise ValueError(f"a different codec is already registered as {codec.name!r}")
+    CODECS[codec.name] = codec
+    return codec
+
+
+def exact_codec(dtype: torch.dtype) -> Codec:
+    """The unquantized codec of a dtype: how sinks and residual tokens are stored."""
+    return next(c for c in CODECS.values() if isinstance(c, FloatCodec) and c.dtype == dtype)
+
+
+for _codec in [
+    FloatCodec("fp32", 32, "unquantized float32", dtype=torch.float32),
+    FloatCodec("bf16", 16, "unquantized bfloat16", dtype=torch.bfloat16),
+    FloatCodec("fp16", 16, "unquantized float16", dtype=torch.float16),
+    TokenAffine("int8", 8, "per-token groups of G channels"),
+    TokenAffine("int4", 4, "per-token groups of G channels"),
+    TokenAffine("int3", 3, "per-token groups of G channels, 8 codes in 3 bytes"),
+    TokenAffine("int2", 2, "per-token groups of G channels"),
+    ChannelAffine("int8c", 8, "KIVI per-channel, groups of G tokens"),
+    ChannelAffine("int4c", 4, "KIVI per-channel, groups of G tokens"),
+    ChannelAffine("int3c", 3, "KIVI per-channel, groups of G tokens, 8 codes in 3 bytes"),
+    ChannelAffine("int2c", 2, "KIVI per-channel, groups of G tokens"),
+    Calibrated("int4cs", 4, "per-channel range fitted once per sequence on its prefill (KVQuant)"),
+    Calibrated("int3cs", 3, "per-channel range fitted once per sequence on its prefill (KVQuant)"),
+    Calibrated("int2cs", 2, "per-channel range fitted once per sequence on its prefill (KVQuant)"),
+    Calibrated("nuq4", 4, "per-sequence channel ranges + a grid per head fitted on the prefill", fitted=True),
+    Calibrated("nuq3", 3, "per-sequence channel ranges + a grid per head fitted on the prefill", fitted=True),
+    Calibrated("nuq2", 2, "per-sequence channel ranges + a grid per head fitted on the prefill", fitted=True),
+    TokenAffine("int4h", 4, "Hadamard-rotated, then per-token groups", rotate=True),
+    TokenAffine("int3h", 3, "Hadamard-rotated, then per-token groups", rotate=True),
+    TokenAffine("int2h", 2, "Hadamard-rotated, then per-token groups", rotate=True),
+    Ternary("tern", 2, "ternary {-1,0,+1} x fp16 scale per G channels"),
+    Ternary("ternh", 2, "Hadamard-rotated ternary", rotate=True),
+    Codebook("lm4h", 4, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
+    Codebook("lm3h", 3, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
+    Codebook("lm2h", 2, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
+]:
+    register(_codec)

@@ -146,7 +146,7 @@ def quantize_codebook(x: torch.Tensor, bits: int, group: int, refine: int = 4) -
 
 
 def dequantize_codebook(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    levels = gaussian_codebook(bits)
+    levels = gaussian_codebook(bits).to(codes.device)
     cg = levels[_grouped(codes, group, "token").long()]  # (..., T, D/G, G)
     return (cg * scale.float().unsqueeze(-1)).reshape(codes.shape)
 
@@ -172,7 +172,7 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     Computed as the fast Walsh-Hadamard transform (log2 D rounds of sums and differences of
     halves of blocks, in float32, then one scale by 1/sqrt(D) and one rounding to x's dtype):
     D log D work instead of D^2, and the very operations, in the very order, of the C++ cache
-    write (kv/kernels/encode.cpp), so both store identical bytes."""
+    write (native/encode.cpp), so both store identical bytes."""
     d = x.shape[-1]
     hadamard_matrix(d)  # the power-of-two check, with its message
     y = x.float()
@@ -200,10 +200,11 @@ def fit_channel_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo.to(torch.float16), span.to(torch.float16)
 
 
-def uniform_levels(bits: int, lead: tuple[int, ...] = ()) -> torch.Tensor:
+def uniform_levels(bits: int, lead: tuple[int, ...] = (), device: torch.device | str = "cpu") -> torch.Tensor:
     """The uniform grid i / (2**bits - 1) in [0, 1], float16, shape (*lead, 2**bits)."""
     n = 2**bits
-    return (torch.arange(n, dtype=torch.float32) / (n - 1)).to(torch.float16).expand(*lead, n).contiguous()
+    grid = torch.arange(n, dtype=torch.float32, device=device) / (n - 1)
+    return grid.to(torch.float16).expand(*lead, n).contiguous()
 
 
 def _normalized(x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
@@ -241,13 +242,13 @@ def fit_levels(x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, bits: int,
     lead = x.shape[:-2]
     u = _normalized(x, lo, span).reshape(*lead, -1)  # (..., T*D)
     w = span.float().pow(2).expand_as(x).reshape(*lead, -1)  # (..., T*D) weight of each point
-    levels = uniform_levels(bits, lead).float()
+    levels = uniform_levels(bits, lead, x.device).float()
     n = 2**bits
     for _ in range(iters):
         mids = (levels[..., 1:] + levels[..., :-1]) / 2
         idx = torch.searchsorted(mids.contiguous(), u.contiguous())  # (..., T*D)
-        mass = torch.zeros(*lead, n).scatter_add_(-1, idx, w)
-        moment = torch.zeros(*lead, n).scatter_add_(-1, idx, w * u)
+        mass = torch.zeros(*lead, n, device=x.device).scatter_add_(-1, idx, w)
+        moment = torch.zeros(*lead, n, device=x.device).scatter_add_(-1, idx, w * u)
         levels = torch.where(mass > 0, moment / mass.clamp_min(1e-30), levels)  # empty cells keep their level
         levels = levels.sort(dim=-1).values
     fitted = levels.to(torch.float16)
@@ -256,6 +257,6 @@ def fit_levels(x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, bits: int,
         codes = quantize_levels(x, lo, span, lv)
         return (dequantize_levels(codes, lo, span, lv) - x.float()).pow(2).reshape(*lead, -1).sum(-1)  # (...,)
 
-    uniform = uniform_levels(bits, lead)
+    uniform = uniform_levels(bits, lead, x.device)
     better = (error(fitted) <= error(uniform)).unsqueeze(-1)
     return torch.where(better, fitted, uniform)

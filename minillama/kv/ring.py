@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from minillama.kv.interface import RingView
+
 
 class Ring:
     def __init__(self, batch: int, heads: int, slots: int, width: int, dtype: torch.dtype, device: torch.device | str):
@@ -46,6 +48,10 @@ class Ring:
         if not spans:
             return self.buf[:, :, :0]
         return torch.cat([self.buf[:, :, a:b] for a, b in spans], dim=2)
+
+    def view(self) -> RingView:
+        """The buffer and the slot of its oldest row, as kernels that read rows in place need them."""
+        return RingView(self.buf, self.start)
 
     def drop_oldest(self, n: int) -> None:
         self.start = (self.start + n) % max(self.slots, 1)

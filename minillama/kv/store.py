@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minillama.kv.codecs import Codec
+from minillama.kv.codecs import Codec, exact_codec
+from minillama.kv.interface import PartView
 from minillama.kv.spec import KVSpec
 from minillama.kv.ring import Ring
 from minillama.kv.write import encode, storage_form
@@ -61,7 +62,7 @@ def layout(codec: Codec, group: int, spec: KVSpec, capacity: int, head_dim: int)
     """The rings one tensor of one layer preallocates: sinks, residual and the body's parts.
 
     The body holds the rest of the capacity, in rows of ``tokens_per_row`` tokens per part."""
-    exact = codec.float_dtype if not codec.quantized else torch.float16
+    exact = codec.exact_dtype
     shapes = {"sinks": RingShape(spec.sinks, head_dim, exact),
               "residual": RingShape(residual_slots(codec, group, spec), head_dim, exact)}
     body_tokens = capacity - spec.sinks - spec.residual
@@ -147,18 +148,10 @@ class TensorStore:
             written += self.residual.push(rest)
         return written
 
-    def append(self, x: torch.Tensor, evict: int, kernel: bool = True) -> tuple[int, int]:
-        """Store new vectors x (B, H, n, D) after evicting `evict` oldest non-sink tokens.
-
-        Returns (bytes written, bytes read) for the counters: ``append_layers`` for one layer.
-        """
-        return append_layers([self], [x], evict, kernel)
-
     @property
     def center_bytes(self) -> int:
         """Bytes of the per-sequence parameters: the key center, a calibrated codec's ranges and grid."""
-        stored = {name: t for name, t in (self.params or {}).items()
-                  if name != "levels" or self.codec.fitted}  # a uniform grid is implied, not stored
+        stored = dict(self.codec.stored_params(self.params)) if self.params else {}
         if self.center is not None:
             stored["center"] = self.center
         return sum(t.numel() * t.element_size() for t in stored.values())
@@ -185,6 +178,17 @@ class TensorStore:
         if not pieces:
             return self.sinks.buf[:, :, :0].to(dtype), 0
         return torch.cat([p.to(dtype) for p in pieces], dim=2), nbytes
+
+    def parts(self, first_rest: int) -> list[PartView]:
+        """The held parts in age order (sinks, body, residual), each with the position of its first
+        token: sinks from 0, the rest consecutive from `first_rest` (the cache knows it)."""
+        positions = (0, first_rest, first_rest + self.n_body)
+        exact = exact_codec(self.residual.buf.dtype)
+        held = [("sinks", self.sinks.count, exact, {"values": self.sinks.view()}, None),
+                ("body", self.n_body, self.codec, {name: ring.view() for name, ring in self.body.items()}, self.params),
+                ("residual", self.residual.count, exact, {"values": self.residual.view()}, None)]
+        return [PartView(name, n, first, codec, self.group, rings, params)
+                for (name, n, codec, rings, params), first in zip(held, positions) if n]
 
     def keep_newest_limit(self, n_nonsink: int) -> int:
         """Largest m <= n_nonsink such that the oldest m non-sink tokens can be kept exactly."""
@@ -215,14 +219,14 @@ class TensorStore:
         return sum(r.allocated_bytes for r in [self.sinks, self.residual, *self.body.values()]) + self.center_bytes
 
 
-def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int, kernel: bool = True) -> tuple[int, int]:
-    """``TensorStore.append`` for the same tensor (K or V) of every layer at once.
+def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int) -> tuple[int, int]:
+    """Store new vectors xs[i] (B, H, n, D) in stores[i], the same tensor (K or V) of every layer
+    at once, after evicting `evict` oldest non-sink tokens; returns (bytes written, bytes read).
 
     All layers hold the same number of tokens, so they evict and flush the same tokens in
     the same step; stacking them lets one rotation and one ``encode`` call do the work of
     one per layer (a decode step would otherwise pay ~30 small PyTorch ops per layer).
     Results are identical to appending layer by layer (the codecs work per row and group).
-    ``kernel`` lets the C++ cache write do the storage form and the affine encoding (kv/write.py).
     """
     codec = stores[0].codec
     x = torch.stack(xs)  # (L, B, H, n, D), in the model's dtype
@@ -234,7 +238,7 @@ def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int,
     center = torch.stack([s.center for s in stores]) if stores[0].centered else None  # (L, B, H, 1, D)
     # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
     # quantized from the same values whether or not it waited in the residual.
-    x = storage_form(codec, x, center, exact, kernel)
+    x = storage_form(codec, x, center, exact)
     written = read = 0
     taken = []
     for store, xi in zip(stores, x):
@@ -246,16 +250,16 @@ def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int,
     if taken[0][0] is not None:
         blocks = torch.stack([block for block, _ in taken])  # (L, B, H, n_flush, D)
         l, b, h, n_flush, d = blocks.shape
-        if codec.kind == "calib" and stores[0].params is None:  # the first flush fits the per-sequence ranges
+        if codec.per_sequence and stores[0].params is None:  # the first flush fits the per-sequence ranges
             held = torch.stack([torch.cat([block, rest], dim=2) for block, rest in taken])  # (L, B, H, n, D)
             params = codec.calibrate(held.reshape(l * b, h, *held.shape[3:]))  # each (L*B, H, ...)
             for i, store in enumerate(stores):
                 store.params = {name: p.reshape(l, b, *p.shape[1:])[i] for name, p in params.items()}
         params = None
-        if codec.kind == "calib":
+        if codec.per_sequence:
             params = {name: torch.stack([s.params[name] for s in stores]).reshape(l * b, *stores[0].params[name].shape[1:])
                       for name in stores[0].params}
-        parts = encode(codec, blocks.reshape(l * b, h, n_flush, d), stores[0].group, params, kernel)  # (L*B, H, rows, width)
+        parts = encode(codec, blocks.reshape(l * b, h, n_flush, d), stores[0].group, params)  # (L*B, H, rows, width)
         parts = {name: p.reshape(l, b, *p.shape[1:]) for name, p in parts.items()}  # each (L, B, H, rows, width)
         parts_per_layer = [{name: p[i] for name, p in parts.items()} for i in range(l)]
     for store, (_, rest), parts_i in zip(stores, taken, parts_per_layer):

@@ -11,9 +11,10 @@ query length, so K and V are never copied per query head. Long prompts are atten
 blocks of QUERY_BLOCK queries, so a no-cache forward over 8k tokens never holds an
 8k x 8k score matrix per head.
 
-``fast=True`` hands the same masked softmax attention to PyTorch's fused
-``scaled_dot_product_attention`` (about 4x faster for a 512-token chunk over 4k of past
-on a 2-core CPU, no score matrix in memory); a test holds it to the explicit path.
+With the kernels backend (native/backend.py) chunks go to PyTorch's fused
+``scaled_dot_product_attention`` (``fast=True``: about 4x faster for a 512-token chunk over
+4k of past on a 2-core CPU, no score matrix in memory) and single decode tokens to the C++
+kernels over the packed cache (kv/fused_attention.py); tests hold both to the explicit path.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from minillama.kv.codecs import CODECS, Codec
-from minillama.kv.fused_attention import available as fused_available
 from minillama.kv.fused_attention import fused_decode_attention
-from minillama.model.rope import apply_rope
+from minillama.kv.interface import LayerView
+from minillama.model.rope import RotaryTable, apply_rope
+from minillama.native import backend
+from minillama.native.abi import NotSupported
 
 QUERY_BLOCK = 1024  # queries per score matrix: (B, Hkv, n_rep*1024, P+T) floats at most
 
@@ -93,21 +96,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.reshape(b, hq, t, d).to(out_dtype)
 
 
-def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer: int, rotary=None,
-                 fast: bool = True) -> torch.Tensor:
-    """New tokens' q (B, Hq, T, D) and k (after RoPE), v (B, Hkv, T, D) against the cache's past.
+def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView,
+                 rotary: RotaryTable | None = None) -> torch.Tensor:
+    """New tokens' q (B, Hq, T, D) and k (after RoPE), v (B, Hkv, T, D) against one layer of the
+    cache (``cache.layer(i)``). ``rotary`` is given when keys are stored before RoPE.
 
-    One decode token goes to the fused kernels, which read the packed cache in place; anything
-    else reads the past (dequantized, in storage space) and attends by ``attend``. Keys stored
-    before RoPE are first turned back into plain keys and rotated for their positions
-    (``rotary``: model/rope.py: RotaryTable)."""
-    if q.shape[2] == 1 and cache.held and fused_available(cache):
-        return fused_decode_attention(q, k, v, cache, layer, rotary)  # reads packed codes in place
-    past_k, past_v = cache.read(layer, q.dtype)  # read the past before this step writes anything
-    k_codec, v_codec = cache.codecs(layer)
-    center = cache.key_center(layer)
-    if cache.pre_rope:  # stored before RoPE: back to plain keys, then rotated for their positions
-        cos_k, sin_k = rotary.at(cache.key_positions(q.device))  # (held, D) each
+    With the kernels backend one decode token goes to the fused kernels, which read the packed
+    cache in place; anything else reads the past (dequantized, in storage space) and attends by
+    ``attend``. Keys stored before RoPE are first turned back into plain keys and rotated for
+    their positions (``rotary``: model/rope.py: RotaryTable)."""
+    lib = backend.library(q.device)
+    if q.shape[2] == 1 and lib is not None:
+        try:
+            return fused_decode_attention(lib, q, k, v, view, rotary.halves if rotary is not None else None)
+        except NotSupported as e:
+            backend.fallback(f"decode attention: {e}")
+    past_k, past_v = view.read(q.dtype)  # read the past before this step writes anything
+    k_codec, v_codec, center = view.k_codec, view.v_codec, view.key_center
+    if rotary is not None:  # stored before RoPE: back to plain keys, then rotated for their positions
+        cos_k, sin_k = rotary.at(view.positions(q.device))  # (held, D) each
         past_k = apply_rope(plain_keys(past_k, k_codec, center), cos_k, sin_k).to(q.dtype)
         k_codec, center = PLAIN, None
-    return attend(q, k, v, (past_k, past_v), k_codec, v_codec, center, fast=fast)
+    return attend(q, k, v, (past_k, past_v), k_codec, v_codec, center, fast=backend.fast_paths())

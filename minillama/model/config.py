@@ -2,7 +2,7 @@
 
 Field names are Hugging Face's, so a reader can hold this file next to any Llama
 ``config.json``. Unknown keys are ignored, missing required keys are a clear error, and
-derived sizes (``head_dim``, ``n_rep``) are properties. Runtime sizes such as the cache
+derived sizes (``head_dim``, ``n_kv_heads``) are properties. Runtime sizes such as the cache
 capacity or batch size belong to the cache, not here.
 """
 
@@ -47,11 +47,6 @@ class LlamaConfig:
     @property
     def n_kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def n_rep(self) -> int:
-        """How many query heads share one KV head (grouped-query attention)."""
-        return self.num_attention_heads // self.n_kv_heads
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":

@@ -1,6 +1,6 @@
 """Generation as plain functions: prefill a prompt into the cache, then decode step by step.
 
-    logits = prefill(model, prompt_ids, cache)        # writes the prompt's K/V
+    logits = prefill(model, prompt_ids, cache)        # writes the prompt's K/V, chunk by chunk
     for token, stats in generate(model, prompt_ids, cache, ...):  # streams tokens
         ...
 
@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from minillama.kv.cache import KVCache
+from minillama.kv.interface import Cache
 from minillama.model.llama import Llama
 from minillama.model.sampling import SamplingParams, sample
+
+PREFILL_CHUNK = 512  # tokens per prefill chunk: each chunk attends over the stored (compressed) past
 
 
 @dataclass
@@ -41,27 +43,31 @@ class GenerationStats:
 
 
 @torch.inference_mode()
-def prefill(model: Llama, tokens: list[int], cache: KVCache, chunk: int = 512) -> torch.Tensor:
-    """Run prompt tokens through the model in chunks, writing their K/V; returns the last logits (V,)."""
-    if not tokens:
+def prefill(model: Llama, tokens: list[int] | torch.Tensor, cache: Cache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    """Run prompt tokens (a list for one sequence, or (B, T) ids for B) through the model in chunks,
+    writing their K/V; each chunk reads the past as the cache stores it. Returns the logits of
+    each sequence's last token (B, V), float32.
+
+    Every prompt goes through here: generation, chat turns, perplexity windows, needle prompts, bench."""
+    ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor([tokens])  # (B, T)
+    if ids.numel() == 0:
         raise ValueError("prefill needs at least one token")
-    ids = torch.tensor([tokens], device=model.device)  # (1, T)
-    logits = None
+    ids = ids.to(model.device)
     for s in range(0, ids.shape[1], chunk):
-        logits = model(ids[:, s : s + chunk], cache, last_only=True)  # (1, 1, V)
-    return logits[0, -1].float()
+        logits = model(ids[:, s : s + chunk], cache, last_only=True)  # (B, 1, V)
+    return logits[:, -1].float()
 
 
 @torch.inference_mode()
-def decode_step(model: Llama, token: int, cache: KVCache) -> torch.Tensor:
+def decode_step(model: Llama, token: int, cache: Cache) -> torch.Tensor:
     """One token through the model, reading the cache; returns its logits (V,)."""
     ids = torch.tensor([[token]], device=model.device)  # (1, 1)
     return model(ids, cache)[0, -1].float()
 
 
-def generate(model: Llama, prompt: list[int], cache: KVCache, max_new_tokens: int, params: SamplingParams,
+def generate(model: Llama, prompt: list[int], cache: Cache, max_new_tokens: int, params: SamplingParams,
              stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
-             prefill_chunk: int = 512, history: list[int] | None = None) -> Iterator[tuple[int, GenerationStats]]:
+             prefill_chunk: int = PREFILL_CHUNK, history: list[int] | None = None) -> Iterator[tuple[int, GenerationStats]]:
     """Prefill ``prompt`` (the tokens not yet in the cache) and yield sampled tokens with running stats.
 
     Stops after a stop token (which is yielded but not fed back) or max_new_tokens.
@@ -69,7 +75,7 @@ def generate(model: Llama, prompt: list[int], cache: KVCache, max_new_tokens: in
     """
     stats = GenerationStats(prompt_tokens=len(prompt))
     t0 = time.perf_counter()
-    logits = prefill(model, prompt, cache, prefill_chunk)
+    logits = prefill(model, prompt, cache, prefill_chunk)[0]  # (V,)
     stats.prefill_s = time.perf_counter() - t0
     seen = list(history or []) + list(prompt)
     for i in range(max_new_tokens):

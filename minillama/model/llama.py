@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillama.model import fastops
+from minillama.kv.interface import Cache
 from minillama.model.attention import attend, attend_cache
-from minillama.kv.cache import KVCache
 from minillama.model.config import LlamaConfig
-from minillama.model.linear import DecodeLinear, concat_rows, project
+from minillama.model.linear import MAX_ROWS, DecodeLinear, concat_rows, project
 from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
+from minillama.native import backend, ops
 
 
 class RMSNorm(nn.Module):
@@ -44,16 +44,15 @@ class Attention(nn.Module):
         self.o_proj = DecodeLinear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
 
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
-        self.fast = True  # PyTorch's fused attention for chunks (Llama.use_kernels(False): the explicit reference)
 
-    def forward(self, x, cos, sin, cache: KVCache | None, layer: int, rotary: RotaryTable | None = None,
-                fast: bool = False):
+    def forward(self, x, cos, sin, cache: Cache | None, layer: int, rotary: RotaryTable | None = None, lib=None):
         """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output and the
-        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``fast``
-        (one token, fused q/k/v, float32 cos/sin): RoPE by the compiled kernel (model/fastops.py)."""
+        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``lib`` (a
+        decode step on the kernels backend: one token, fused q/k/v, float32 cos/sin): RoPE by the
+        compiled kernel, in place (native/ops.py: rope_)."""
         b, t, _ = x.shape
         if self.qkv is not None:  # one matrix product for q, k and v (their weights are views of it)
-            qkv = project(x, *self.qkv, self.q_proj.kernel)  # (B, T, (Hq + 2 Hkv) D)
+            qkv = project(x, *self.qkv)  # (B, T, (Hq + 2 Hkv) D)
             q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -61,15 +60,15 @@ class Attention(nn.Module):
         k = k.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
         pre = cache is not None and cache.pre_rope
-        if fast and self.qkv is not None:  # in place on the fused output (q and k are views of it)
-            q, k_rope = fastops.rope_(q, cos, sin), fastops.rope_(k.clone() if pre else k, cos, sin)
+        if lib is not None and self.qkv is not None:  # in place on the fused output (q and k are views of it)
+            q, k_rope = ops.rope_(lib, q, cos, sin), ops.rope_(lib, k.clone() if pre else k, cos, sin)
         else:
             q, k_rope = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         stored = k if pre else k_rope
         if cache is None:
-            out = attend(q, k_rope, v, None, None, None, fast=self.fast)
+            out = attend(q, k_rope, v, None, None, None, fast=backend.fast_paths())
         else:
-            out = attend_cache(q, k_rope, v, cache, layer, rotary, self.fast)
+            out = attend_cache(q, k_rope, v, cache.layer(layer), rotary if pre else None)
         out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
         return self.o_proj(out), (stored, v)
 
@@ -82,11 +81,11 @@ class MLP(nn.Module):
         self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
-    def forward(self, x, fast: bool = False):
+    def forward(self, x, lib=None):
         if self.gate_up is not None:  # gate and up in one matrix product
-            gate_up = project(x, *self.gate_up, self.gate_proj.kernel)  # (..., 2I)
-            if fast:
-                return self.down_proj(fastops.silu_mul(gate_up))
+            gate_up = project(x, *self.gate_up)  # (..., 2I)
+            if lib is not None:  # a decode step on the kernels backend: SiLU x up in one call
+                return self.down_proj(ops.silu_mul(lib, gate_up))
             gate, up = gate_up.chunk(2, dim=-1)  # (..., I) each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -101,12 +100,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, layer, rotary=None, fast=False):
-        if fast:  # the same steps, each norm (with the residual add before it) one compiled call
-            _, normed = fastops.add_rms_norm(x, None, self.input_layernorm.weight, self.input_layernorm.eps)
-            h, kv = self.self_attn(normed, cos, sin, cache, layer, rotary, fast=True)
-            x, normed = fastops.add_rms_norm(x, h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-            return x + self.mlp(normed, fast=True), kv
+    def forward(self, x, cos, sin, cache, layer, rotary=None, lib=None):
+        if lib is not None:  # a decode step on the kernels backend: each norm (with the residual add
+            # before it) one compiled call (native/ops.py), the same steps as below
+            _, normed = ops.add_rms_norm(lib, x, None, self.input_layernorm.weight, self.input_layernorm.eps)
+            h, kv = self.self_attn(normed, cos, sin, cache, layer, rotary, lib)
+            x, normed = ops.add_rms_norm(lib, x, h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+            return x + self.mlp(normed, lib), kv
         h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv
@@ -130,19 +130,6 @@ class Llama(nn.Module):
         self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)  # (D/2,)
         self.rotary: RotaryTable | None = None  # angles of every position, for keys stored before RoPE
-        self.fast_ops = True  # one-token steps through model/fastops.py (use_kernels(False): the reference)
-
-    def use_kernels(self, enabled: bool = True) -> "Llama":
-        """Use (or not) the fast paths: the compiled skinny-product kernel and the fused small ops
-        (norms, RoPE, SiLU) for decode steps, PyTorch's fused attention for chunks. Off, every
-        operation is the plain reference."""
-        self.fast_ops = enabled
-        for m in self.modules():
-            if isinstance(m, DecodeLinear):
-                m.kernel = enabled
-            if isinstance(m, Attention):
-                m.fast = enabled
-        return self
 
     def fuse_projections(self) -> "Llama":
         """Concatenate q/k/v and gate/up weights so each group is one matrix product.
@@ -167,7 +154,7 @@ class Llama(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Cache | None = None, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with last_only.
 
         With a cache, the tokens continue the cached sequence at ``cache.position`` and
@@ -175,15 +162,22 @@ class Llama(nn.Module):
         """
         return self.lm_head(self.hidden(tokens, cache, last_only))  # (B, T, vocab)
 
-    def hidden(self, tokens: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+    def step_kernels(self, x: torch.Tensor):
+        """The compiled library for a decode step of x (B, 1, hidden) -- one token per sequence, at
+        most MAX_ROWS sequences, float32 or bfloat16, fused q/k/v -- on the kernels backend; else None."""
+        small = x.shape[1] == 1 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
+        fused = self.model.layers[0].self_attn.qkv is not None
+        return backend.library(x.device) if small and fused and not torch.is_grad_enabled() else None
+
+    def hidden(self, tokens: torch.Tensor, cache: Cache | None = None, last_only: bool = False) -> torch.Tensor:
         """The final normalized hidden states (B, T, hidden) that ``lm_head`` turns into logits.
 
         Evaluations keep these instead of logits: 576 floats per token rather than 49k."""
         b, t = tokens.shape
         positions = cache.query_positions(t, tokens.device) if cache is not None else torch.arange(t, device=tokens.device)
         x = self.model.embed_tokens(tokens)  # (B, T, hidden)
-        fast = self.fast_ops and t == 1 and fastops.usable(x) and self.model.layers[0].self_attn.qkv is not None
-        cos, sin = rope_tables(self.inv_freq, positions, torch.float32 if fast else self.dtype)  # (T, D) each
+        lib = self.step_kernels(x)
+        cos, sin = rope_tables(self.inv_freq, positions, torch.float32 if lib is not None else self.dtype)  # (T, D) each
         rotary = None
         if cache is not None and cache.pre_rope:
             if self.rotary is None or self.rotary.inv_freq.device != self.inv_freq.device:
@@ -192,7 +186,7 @@ class Llama(nn.Module):
             rotary.get(int(positions[-1]) + 1)  # every position a key of this step can have
         new_kv = []
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, cache, i, rotary, fast)
+            x, kv = layer(x, cos, sin, cache, i, rotary, lib)
             new_kv.append(kv)
         if cache is not None:
             cache.append(new_kv)  # the one place the cache grows

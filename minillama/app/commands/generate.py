@@ -11,7 +11,7 @@ from minillama.errors import UserError
 
 @click.command()
 @click.argument("prompt")
-@model_options
+@model_options()
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off.")
@@ -21,7 +21,7 @@ from minillama.errors import UserError
 @click.option("--kv", "kv", default="fp32", show_default=True, help="KV cache spec (see `minillama kv --list`).")
 @click.option("--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max).")
 @click.option("--raw-special", is_flag=True, help="Parse special-token strings in PROMPT as control tokens.")
-def generate(prompt, model_name, device, max_tokens, temperature, top_k, top_p, seed, dtype, kv, ctx, raw_special):
+def generate(prompt, model_name, device, backend, max_tokens, temperature, top_k, top_p, seed, dtype, kv, ctx, raw_special):
     """Raw completion of PROMPT, streamed to stdout; stats on stderr.
 
     \b
@@ -36,7 +36,7 @@ def generate(prompt, model_name, device, max_tokens, temperature, top_k, top_p, 
     from minillama.model.tokenizer import StreamDecoder
 
     spec = parse_kv(kv)
-    lm = load(model_name, dtype, device)
+    lm = load(model_name, dtype, device, backend)
     tok = lm.tokenizer
     ids = tok.encode_with_specials(prompt) if raw_special else tok.encode(prompt)
     if tok.add_bos and tok.bos_id is not None:

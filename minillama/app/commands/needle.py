@@ -21,7 +21,7 @@ def numbers(kind):
 
 
 @click.command()
-@model_options
+@model_options()
 @click.option("--kv", "kvs", multiple=True, help="KV scheme (repeatable). Default: fp16, kivi4, hadv2.")
 @click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Prompt lengths in tokens.")
 @click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Needle depths, 0 (start) to 1 (end).")
@@ -33,7 +33,7 @@ def numbers(kind):
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of the table.")
 @click.option("--plot", "plot_path", default=None, help="Write the depth x length heatmap as a PNG.")
-def needle(model_name, device, kvs, lengths, depths, trials, task, haystack_file, ctx, seed, dtype, as_json, plot_path):
+def needle(model_name, device, backend, kvs, lengths, depths, trials, task, haystack_file, ctx, seed, dtype, as_json, plot_path):
     """Needle-in-a-haystack retrieval through each KV cache: accuracy per length and depth.
 
     \b
@@ -58,7 +58,7 @@ def needle(model_name, device, kvs, lengths, depths, trials, task, haystack_file
     haystack = nh.split_sentences(read_text_file(haystack_file)) if haystack_file else None
     if haystack_file and not haystack:
         raise UserError(f"{haystack_file} has no sentences to use as a haystack")
-    lm = load(model_name, dtype, device)
+    lm = load(model_name, dtype, device, backend)
     if max(lengths_) > lm.config.max_position_embeddings and not ctx:
         click.echo(f"note: {max(lengths_)} tokens is beyond the model's trained context "
                    f"({lm.config.max_position_embeddings})", err=True)

@@ -8,7 +8,7 @@ from minillama.app.options import DTYPES, load, model_options, read_text, text_o
 from minillama.errors import UserError
 
 @click.command()
-@model_options
+@model_options()
 @text_options(default_dataset=None)
 @click.option("--tokens", "n", default=896, show_default=True, type=int, help="Tokens per window (N).")
 @click.option("--prefill", default=128, show_default=True, type=int, help="Tokens prefilled before scoring (P).")
@@ -30,7 +30,7 @@ from minillama.errors import UserError
               help="The plot's y axis: perplexity, or mean KL divergence from the exact model.")
 @click.option("--peers", "peers_file", default="bench/results/peers.json", show_default=True,
               help="Peer points for the plot (from bench/peers.py).")
-def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs, dtype, as_json, no_blind, chunk,
+def ppl(model_name, device, backend, text_file, dataset, n, prefill, offset, windows, kvs, dtype, as_json, no_blind, chunk,
         ctx, bucket, frontier, plot_path, plot_y, peers_file):
     """Cached-path perplexity of KV schemes, with KL divergence and top-1 agreement against the
     exact model and the blind (no-cache) perplexity beside it.
@@ -61,7 +61,7 @@ def ppl(model_name, device, text_file, dataset, n, prefill, offset, windows, kvs
     if not (text_file or dataset):
         raise UserError("nothing to evaluate: pass --text FILE or --dataset hamlet|wikitext2")
     text = read_text(text_file, dataset)
-    lm = load(model_name, dtype, device)
+    lm = load(model_name, dtype, device, backend)
     ids = lm.tokenizer.encode(text)
     bars = []
 

@@ -13,6 +13,8 @@
 // half of a float32). The model uses torch's F.linear (the reference) for
 // anything else: larger M, float16, CUDA.
 
+#include "minillama.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -105,7 +107,10 @@ static void gemm_impl(const float* x, const void* W, int M, int N, int K, float*
     }
 }
 
-extern "C" void gemm_rows(const float* x, const void* W, int dtype, int M, int N, int K, float* y) {
+extern "C" int gemm_rows(const float* x, const void* W, int dtype, int M, int N, int K, float* y) {
+    if (dtype != 0 && dtype != 2) return MINILLAMA_E_DTYPE;
+    if (M < 1 || N < 1 || K < 1) return MINILLAMA_E_SHAPE;
     if (dtype == 0) gemm_impl<0>(x, W, M, N, K, y);
     else gemm_impl<2>(x, W, M, N, K, y);
+    return MINILLAMA_OK;
 }

@@ -3,6 +3,8 @@
 // Header-only (static inline): each kernel source includes it.
 #pragma once
 
+#include "minillama.h"
+
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
@@ -254,25 +256,23 @@ static inline void scale_row(const uint16_t* scale, const uint16_t* zero, int D,
     }
 }
 
-// Where one part's rows live and how to decode them (kv/fused_attention.py: RowSource).
+// The per-part attention kernels behind attend_part (internal: Python calls attend_layer/attend_part).
+// Scores: q (B*H, R, D) float32 in the key codec's space, scores to columns of rows ld apart;
+// values: p (rows ld apart) weights the part's rows, added to out (B*H, R, D).
 extern "C" {
-struct RowSource {
-    int kind;   // 0 float rows, 1 per-token codes (affine, ternary, codebook), 2 per-channel (KIVI), 3 calibrated
-    int bits;   // code width (5 = trits); for kind 0 the float dtype (0 f32, 1 f16, 2 bf16)
-    int group;  // channels per scale (kind 1) or tokens per scale row (kind 2)
-    const void* data;  // (B*H, slots, width): codes, or float rows
-    int slots, start;  // the ring of rows
-    const uint16_t* scale;  // fp16: kind 1 (B*H, slots, D/group); kind 2 (B*H, sslots, D)
-    const uint16_t* zero;   // same shape as scale, or null (ternary, codebook)
-    int sslots, sstart;     // kind 2: the ring of scale rows
-    const float* codebook;  // kind 1: Gaussian Lloyd-Max levels, or null
-    const uint16_t* lo;     // kind 3: (B*H, D) fp16
-    const uint16_t* span;   // kind 3: (B*H, D) fp16
-    const uint16_t* levels; // kind 3: (B*H, nlevels) fp16
-    int nlevels;
-    const float* center;    // (B*H, D) float32 key center to add back, or null
-    const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position
-    const float* sin;
-    int pos0;               // position of the part's first token (consecutive after it)
-};
+void scores_float(const float*, const void*, int, int, int, int, int, int, int, int, int, float*);
+void values_float(const float*, const void*, int, int, int, int, int, int, int, int, int, float*);
+void scores_token(const float*, const uint8_t*, const uint16_t*, const uint16_t*, const float*, int, int, int, int, int,
+                  int, int, int, int, int, float*);
+void values_token(const float*, const uint8_t*, const uint16_t*, const uint16_t*, const float*, int, int, int, int, int,
+                  int, int, int, int, int, float*);
+void scores_channel(const float*, const uint8_t*, const uint16_t*, const uint16_t*, int, int, int, int, int, int, int,
+                    int, int, int, int, int, float*);
+void values_channel(const float*, const uint8_t*, const uint16_t*, const uint16_t*, int, int, int, int, int, int, int,
+                    int, int, int, int, int, float*);
+void scores_int(const float*, const RowSource*, int, int, int, int, int, int, float*);
+void values_int(const float*, const RowSource*, int, int, int, int, int, int, float*);
+void scores_rows(const float*, const RowSource*, int, int, int, int, int, int, float*);
+void values_rows(const float*, const RowSource*, int, int, int, int, int, int, float*);
+int int_attention_available(void);
 }

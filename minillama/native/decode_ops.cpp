@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "dtypes.h"
+#include "minillama.h"
 
 static inline void put(void* p, int64_t i, float x, int dtype) {
     if (dtype == 0) {
@@ -29,8 +30,9 @@ extern "C" {
 
 // x, h, sum, out: (M, N) in dtype; weight (N) in dtype. With h, the norm is of sum = round(x + h),
 // which is written to `sum`; without, of x.
-void add_rms_norm(const void* x, const void* h, const void* weight, int dtype, int M, int N, float eps, void* sum,
-                  void* out) {
+int add_rms_norm(const void* x, const void* h, const void* weight, int dtype, int M, int N, float eps, void* sum,
+                 void* out) {
+    if (dtype != 0 && dtype != 2) return MINILLAMA_E_DTYPE;
     for (int m = 0; m < M; m++) {
         const int64_t row = (int64_t)m * N;
         float ss = 0.f;
@@ -49,10 +51,13 @@ void add_rms_norm(const void* x, const void* h, const void* weight, int dtype, i
             put(out, row + n, round_to_dtype(load_value(weight, n, dtype) * normed, dtype), dtype);
         }
     }
+    return MINILLAMA_OK;
 }
 
 // x: B x H rows of D, row (b, h) at b * bstride + h * D (in place); cos, sin: D floats, one position.
-void rope_rows(void* x, int dtype, int B, int H, int D, int64_t bstride, const float* cos, const float* sin) {
+int rope_rows(void* x, int dtype, int B, int H, int D, int64_t bstride, const float* cos, const float* sin) {
+    if (dtype != 0 && dtype != 2) return MINILLAMA_E_DTYPE;
+    if (D % 2) return MINILLAMA_E_HEAD_DIM;
     const int h = D / 2;
     for (int m = 0; m < B * H; m++) {
         const int64_t row = (int64_t)(m / H) * bstride + (int64_t)(m % H) * D;
@@ -67,10 +72,12 @@ void rope_rows(void* x, int dtype, int B, int H, int D, int64_t bstride, const f
             put(x, row + d + h, b, dtype);
         }
     }
+    return MINILLAMA_OK;
 }
 
 // gate_up: (M, 2I) (gate then up, as the fused projection writes them); out: (M, I).
-void silu_mul(const void* gate_up, int dtype, int M, int I, void* out) {
+int silu_mul(const void* gate_up, int dtype, int M, int I, void* out) {
+    if (dtype != 0 && dtype != 2) return MINILLAMA_E_DTYPE;
     for (int m = 0; m < M; m++) {
         const int64_t row = (int64_t)m * 2 * I;
         for (int i = 0; i < I; i++) {
@@ -79,6 +86,7 @@ void silu_mul(const void* gate_up, int dtype, int M, int I, void* out) {
             put(out, (int64_t)m * I + i, round_to_dtype(silu * u, dtype), dtype);
         }
     }
+    return MINILLAMA_OK;
 }
 
 }  // extern "C"

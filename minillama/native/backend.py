@@ -1,0 +1,118 @@
+"""The one backend switch: does a step run the PyTorch reference or the compiled kernels?
+
+    reference       plain PyTorch everywhere: the readable specification, on any device
+    kernels         the compiled kernels wherever they apply (the default): decode projections
+                    and small ops, cache writes, decode attention straight over packed codes
+                    (integer-domain dot products where a codec allows), PyTorch's fused
+                    attention for prefill chunks
+    kernels-exact   the same, with decode attention in exact float arithmetic
+
+Set it from Python (``set_backend("reference")``, or ``with using("kernels-exact"): ...``),
+from the command line (``minillama --backend reference ...``) or with MINILLAMA_BACKEND in
+the environment (read once, at import). It is one process-wide setting, like
+``torch.backends`` flags; the cache and the model are still passed explicitly.
+
+Every fast path asks this module, and only this module, whether to run: ``library(device)``
+returns the compiled library or None (take the reference). A kernel that refuses its input
+(a shape it does not support) makes its caller take the reference too; ``fallback`` records
+why, and ``describe()`` and ``fallbacks()`` show it (``bench`` rows, ``/stats``, ``--debug``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+import torch
+
+from minillama.errors import UserError
+from minillama.native import abi
+from minillama.native.build import build
+
+NAMES = ("reference", "kernels", "kernels-exact")
+
+
+def _checked(name: str) -> str:
+    if name not in NAMES:
+        raise UserError(f"unknown backend {name!r}: choose {', '.join(NAMES)}")
+    return name
+
+
+_state = {"name": os.environ.get("MINILLAMA_BACKEND", "kernels"), "target": "native"}
+_libraries: dict[str, tuple[ctypes.CDLL | None, str]] = {}
+_fallbacks: dict[str, None] = {}  # reasons, in the order first seen
+
+
+def set_backend(name: str, target: str = "native") -> None:
+    """Choose the backend for the whole process; `target` picks the kernel build (native/build.py)."""
+    _state["name"], _state["target"] = _checked(name), target
+
+
+@contextmanager
+def using(name: str, target: str = "native") -> Iterator[None]:
+    """Run a block with another backend, then restore the previous one."""
+    saved = dict(_state)
+    set_backend(name, target)
+    try:
+        yield
+    finally:
+        _state.update(saved)
+
+
+def name() -> str:
+    """The backend asked for (``reference``, ``kernels`` or ``kernels-exact``)."""
+    return _checked(_state["name"])
+
+
+def _load(target: str) -> tuple[ctypes.CDLL | None, str]:
+    if target not in _libraries:
+        lib, why = build(target)
+        if lib is not None:
+            why = abi.bind(lib)
+            lib = None if why else lib
+        _libraries[target] = (lib, why)
+    return _libraries[target]
+
+
+def library(device: torch.device | str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels when the backend uses them (and they built) for a tensor on `device`;
+    None: run the PyTorch reference."""
+    if name() == "reference" or (device is not None and torch.device(device).type != "cpu"):
+        return None
+    lib, why = _load(_state["target"])
+    if lib is None:
+        fallback(f"kernels unavailable ({why}): the PyTorch reference runs")
+    return lib
+
+
+def fast_paths() -> bool:
+    """Whether the fast paths run at all (kernels, kernels-exact): besides the compiled kernels,
+    PyTorch's fused attention for prefill chunks, on any device."""
+    return name() != "reference"
+
+
+def exact_attention() -> bool:
+    """Decode attention in exact float arithmetic (kernels-exact) instead of the integer domain."""
+    return name() == "kernels-exact"
+
+
+def fallback(reason: str) -> None:
+    """Record why a fast path took the reference (shown by describe() and fallbacks())."""
+    _fallbacks.setdefault(reason)
+
+
+def fallbacks() -> list[str]:
+    return list(_fallbacks)
+
+
+def describe() -> str:
+    """One line: the backend and, for the kernels, the instruction sets they were built with."""
+    if name() == "reference":
+        return "reference (PyTorch)"
+    lib, why = _load(_state["target"])
+    if lib is None:
+        return f"reference (kernels unavailable: {why})"
+    attention = "exact" if exact_attention() else "integer"
+    return f"{name()} ({_state['target']} build: {' '.join(abi.features(lib)) or 'portable'}; {attention} attention)"

@@ -1,0 +1,127 @@
+// The C ABI of minillama's native kernels: every function Python calls (native/abi.py binds
+// them with ctypes) and every struct passed to them, declared once.
+//
+// Conventions:
+//   * dtype codes: 0 float32, 1 float16, 2 bfloat16 (native/abi.py: DTYPE_CODE);
+//   * tensors are raw pointers to contiguous row-major memory; shapes are given in comments;
+//   * a ring buffer of rows is (B*H, slots, width) and logical row i (age order) lives in slot
+//     (start + i) % slots (kv/ring.py);
+//   * every entry point checks what it supports and returns a status: 0 done, or one of
+//     MINILLAMA_E_* with nothing written; Python turns a status into a reason and takes the
+//     PyTorch reference instead (native/abi.py: STATUS). Nothing here aborts the process.
+//
+// Struct layouts are pinned with static_asserts (as llama.cpp's ggml-common.h pins its
+// blocks); native/abi.py compares ctypes' sizes with minillama_abi_size() when it loads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+extern "C" {
+
+enum MinillamaStatus {
+    MINILLAMA_OK = 0,
+    MINILLAMA_E_DTYPE = 1,      // a dtype code the kernel does not take
+    MINILLAMA_E_HEAD_DIM = 2,   // head_dim outside what the kernel supports
+    MINILLAMA_E_GQA = 3,        // query heads per KV head outside what the kernel supports
+    MINILLAMA_E_CODES = 4,      // code width, group or row kind the kernel does not read
+    MINILLAMA_E_SHAPE = 5,      // other sizes that do not fit (parts, rows, groups)
+};
+
+// How a stored row is decoded (kv/codecs.py: Codec.row_kind).
+enum RowKind {
+    ROW_FLOAT = 0,       // unquantized rows (f32 / f16 / bf16)
+    ROW_TOKEN = 1,       // per-token codes: affine (scale, zero), ternary or codebook (scale only)
+    ROW_CHANNEL = 2,     // KIVI per-channel codes: scale and zero per channel and group of tokens
+    ROW_CALIBRATED = 3,  // per-sequence lo/span per channel and a grid of levels per head
+};
+
+// Which kernel reads a part of the cache (kv/fused_attention.py: route()).
+enum Route { ROUTE_FLOAT = 0, ROUTE_TOKEN = 1, ROUTE_CHANNEL = 2, ROUTE_INTEGER = 3, ROUTE_ROWS = 4 };
+
+// Where one part's rows live and how to decode them.
+struct RowSource {
+    int kind;   // RowKind
+    int bits;   // code width (5 = trits); for ROW_FLOAT the dtype code
+    int group;  // channels per scale (ROW_TOKEN) or tokens per scale row (ROW_CHANNEL)
+    const void* data;  // (B*H, slots, width): codes, or float rows
+    int slots, start;  // the ring of rows
+    const uint16_t* scale;  // fp16: ROW_TOKEN (B*H, slots, D/group); ROW_CHANNEL (B*H, sslots, D)
+    const uint16_t* zero;   // same shape as scale, or null (ternary, codebook)
+    int sslots, sstart;     // ROW_CHANNEL: the ring of scale rows
+    const float* codebook;  // ROW_TOKEN: Gaussian Lloyd-Max levels, or null
+    const uint16_t* lo;     // ROW_CALIBRATED: (B*H, D) fp16
+    const uint16_t* span;   // ROW_CALIBRATED: (B*H, D) fp16
+    const uint16_t* levels; // ROW_CALIBRATED: (B*H, nlevels) fp16
+    int nlevels;
+    const float* center;    // (B*H, D) float32 key center to add back, or null
+    const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position
+    const float* sin;
+    int pos0;               // position of the part's first token (consecutive after it)
+};
+
+struct Part {
+    int route, n;  // Route; rows held
+    RowSource src;
+};
+
+// One layer's decode attention: q (B, H*R, D) against every held part of K and V plus the new
+// token's own k, v (B, H, D); out (B, H*R, D). q, k, v and out in `dtype`.
+struct LayerPlan {
+    int B, H, R, D;
+    const void* q;
+    const void* k;
+    const void* v;
+    int dtype;
+    int rotate_k;              // keys stored Hadamard-rotated: rotate q and the new key
+    int rotate_v;              // values stored rotated: rotate the new value and, once, the output
+    const float* k_center;     // (B*H, D) float32, subtracted from the new key (centered keys), or null
+    int nk, nv;                // parts of K and of V (at most 3 each: sinks, body, residual)
+    Part kparts[3], vparts[3];
+    void* out;
+};
+
+// -- entry points -------------------------------------------------------------------------
+
+// Attention (layer_attention.cpp). attend_part: one part alone; values = 0: x = q (B*H, R, D) and
+// scores go to out's columns (rows ld apart); values = 1: x = p (rows ld apart), p . V added to out.
+int attend_layer(const LayerPlan* plan);
+int attend_part(int values, int route, const float* x, const RowSource* src, int B, int H, int R, int D, int n,
+                int ld, float* out);
+// Whether `route` reads `src` (as values, or as keys) for R query heads per KV head of size D: 0 or a status.
+int route_supported(int route, int values, const RowSource* src, int R, int D);
+
+// Projections (linear.cpp): y (M, N) float32 = x (M, K) float32 @ W (N, K)^T, W float32 or bfloat16.
+int gemm_rows(const float* x, const void* W, int dtype, int M, int N, int K, float* y);
+
+// Small decode-step ops (decode_ops.cpp), float32 or bfloat16, rounded as PyTorch rounds.
+int add_rms_norm(const void* x, const void* h, const void* weight, int dtype, int M, int N, float eps, void* sum,
+                 void* out);
+int rope_rows(void* x, int dtype, int B, int H, int D, int64_t bstride, const float* cos, const float* sin);
+int silu_mul(const void* gate_up, int dtype, int M, int I, void* out);
+
+// Cache writes (encode.cpp). prepare_rows returns how many outputs are not finite, or -status.
+int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, const uint16_t* center,
+                     int64_t rows_per_center, uint16_t* out);
+int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
+                  uint16_t* scale, uint16_t* zero);
+
+// What this build was compiled for (a bitmask of MINILLAMA_FEATURE_*), and struct sizes.
+enum MinillamaFeature {
+    MINILLAMA_FEATURE_AVX2 = 1,      // AVX2 + FMA + F16C
+    MINILLAMA_FEATURE_BMI2 = 2,
+    MINILLAMA_FEATURE_AVX512 = 4,    // AVX-512 F + BW + VL
+    MINILLAMA_FEATURE_AVX512_BF16 = 8,
+    MINILLAMA_FEATURE_AVX512_VNNI = 16,
+    MINILLAMA_FEATURE_AVX512_VBMI = 32,
+};
+int minillama_features(void);
+int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan
+}
+
+// The layouts ctypes mirrors (x86-64 and aarch64 LP64: 8-byte pointers, 4-byte ints).
+static_assert(sizeof(void*) == 8, "minillama's native kernels assume a 64-bit target");
+static_assert(sizeof(RowSource) == 128, "RowSource layout changed: update native/abi.py");
+static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56, "RowSource layout");
+static_assert(sizeof(Part) == 136, "Part layout changed: update native/abi.py");
+static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");

@@ -1,0 +1,122 @@
+"""The kernels as functions of tensors: pointers and sizes in, tensors out.
+
+Each function takes the library from ``backend.library()`` (the caller has decided to run
+the kernels), checks the layout it needs and raises ``NotSupported`` with the reason when the
+kernel refuses its input; nothing is written then and the caller takes the reference.
+Which PyTorch code each one replaces is said in its docstring; tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from minillama.native.abi import DTYPE_CODE, LayerPlan, NotSupported, RowSource, check
+
+
+def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() if t is not None else None)
+
+
+def _code(t: torch.Tensor, what: str, allowed=(torch.float32, torch.bfloat16)) -> int:
+    if t.dtype not in allowed:
+        raise NotSupported(f"{what}: {t.dtype} is not one of {', '.join(map(str, allowed))}")
+    return DTYPE_CODE[t.dtype]
+
+
+def gemm_rows(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 @ weight (N, K)^T -> (M, N) float32 (``F.linear`` without bias), weight
+    float32 or bfloat16: the weights stream once for all M rows (kernels: linear.cpp)."""
+    code = _code(weight, "gemm_rows")
+    if not weight.is_contiguous():
+        raise NotSupported("gemm_rows: weights must be contiguous")
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0])  # (M, N)
+    check(lib.gemm_rows(_p(x), _p(weight), code, x.shape[0], weight.shape[0], weight.shape[1], _p(y)), "gemm_rows")
+    return y
+
+
+def add_rms_norm(lib, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, RMSNorm(s) * weight) with s = x + h (or x when h is None); x, h (..., N) float32 or bfloat16,
+    rounded where model/llama.py's RMSNorm and residual add round."""
+    code = _code(x, "add_rms_norm")
+    x = x.contiguous()
+    n = x.shape[-1]
+    s = torch.empty_like(x) if h is not None else x
+    out = torch.empty_like(x)
+    check(lib.add_rms_norm(_p(x), _p(h.contiguous() if h is not None else None), _p(weight), code, x.numel() // n, n,
+                           eps, _p(s), _p(out)), "add_rms_norm")
+    return s, out
+
+
+def rope_(lib, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """model/rope.py's apply_rope in place on x (B, H, 1, D) for one position; cos, sin (1, D) float32.
+    x's heads must be D apart and its batch rows evenly spaced (a view of the fused q/k/v output is)."""
+    b, h, _, d = x.shape
+    if x.stride(-1) != 1 or x.stride(1) != d:
+        raise NotSupported("rope_: heads must be contiguous rows of D")
+    check(lib.rope_rows(_p(x), _code(x, "rope_"), b, h, d, x.stride(0), _p(cos.contiguous()), _p(sin.contiguous())),
+          "rope_")
+    return x
+
+
+def silu_mul(lib, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from the fused gate|up projection (..., 2I) -> (..., I)."""
+    gate_up = gate_up.contiguous()
+    i = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], i, dtype=gate_up.dtype)
+    check(lib.silu_mul(_p(gate_up), _code(gate_up, "silu_mul"), gate_up.numel() // (2 * i), i, _p(out)), "silu_mul")
+    return out
+
+
+def prepare_rows(lib, x: torch.Tensor, rotate: bool, center: torch.Tensor | None) -> torch.Tensor:
+    """x (..., n, D) -> float16 (..., n, D): x H (rotate), minus center (..., 1, D) broadcast over n.
+    Raises NotSupported for non-finite results too: the reference refuses them with a clear error."""
+    code = _code(x, "prepare_rows", tuple(DTYPE_CODE))
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float16)
+    c = center.to(torch.float16).contiguous() if center is not None else None
+    bad = lib.prepare_rows(_p(x), code, x.numel() // x.shape[-1], x.shape[-1], int(rotate), _p(c), x.shape[-2], _p(out))
+    check(min(int(bad), 0), "prepare_rows")
+    if bad:
+        raise NotSupported("prepare_rows: non-finite values")
+    return out
+
+
+def encode_affine(lib, x: torch.Tensor, bits: int, group: int, per_channel: bool, packed_width: int
+                  ) -> dict[str, torch.Tensor]:
+    """x (B, H, T, D) float16 -> codes (B, H, T, packed_width) uint8, scale and zero float16:
+    kv/quantize.py's quantize_affine then kv/packing.py's pack, byte for byte."""
+    if x.dtype != torch.float16:
+        raise NotSupported("encode_affine: float16 input only")
+    x = x.contiguous()
+    b, h, t, d = x.shape
+    codes = torch.empty(b, h, t, packed_width, dtype=torch.uint8)
+    rows = (t // group, d) if per_channel else (t, d // group)
+    scale, zero = torch.empty(b, h, *rows, dtype=torch.float16), torch.empty(b, h, *rows, dtype=torch.float16)
+    check(lib.encode_affine(_p(x), b * h, t, d, bits, group, int(per_channel), _p(codes), _p(scale), _p(zero)),
+          "encode_affine")
+    return {"codes": codes, "scale": scale, "zero": zero}
+
+
+def route_supported(lib, route: int, values: bool, src: RowSource, r: int, d: int) -> int:
+    """0 when the `route` kernel reads `src` (as values, or as keys) for r query heads per KV head
+    of size d, else a status (abi.STATUS says what it means)."""
+    return lib.route_supported(route, int(values), ctypes.byref(src), r, d)
+
+
+def attend_layer(lib, plan: LayerPlan) -> None:
+    """One layer's decode attention as described by `plan` (kv/fused_attention.py builds it)."""
+    check(lib.attend_layer(ctypes.byref(plan)), "attend_layer")
+
+
+def attend_part(lib, values: bool, route: int, x: torch.Tensor, column: int, src: RowSource, r: int, d: int, n: int,
+                ld: int, out: torch.Tensor) -> None:
+    """One part through its kernel alone (tests, bench/attention_micro.py): see minillama.h."""
+    b, h = x.shape[:2]
+    x_ptr = x.data_ptr() + (4 * column if values else 0)
+    out_ptr = out.data_ptr() + (0 if values else 4 * column)
+    check(lib.attend_part(int(values), route, ctypes.c_void_p(x_ptr), ctypes.byref(src), b, h, r, d, n, ld,
+                          ctypes.c_void_p(out_ptr)), "attend_part")
