@@ -32,7 +32,7 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/pip install -q -c constraints.txt -e ".[bench]"
-	$(BIN)/minillama bench --json > bench/results/minillama.json
+	$(BIN)/minillama bench --json > bench/results/minillama_bench.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -31,12 +31,18 @@ def test_bench_json_schema(tiny_dir):
         assert 0 < row["attention_ms_per_layer"] < row["decode_ms_per_token"]
 
 
-def test_weight_bytes_count_a_tied_table_once(tiny):
-    model = tiny.model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.model.embed_tokens.weight
-    # untied tiny model: the embedding table is not read, only one row of it
-    assert weight_bytes_per_token(model) == total - emb.numel() * 4 + emb.shape[1] * 4
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_count_what_a_decode_step_reads(tmp_path, tied):
+    """The tiny model by hand (hidden 256, 4 heads of 64, 2 KV heads, MLP 256, 2 layers, vocab 300, float32):
+    per layer q 256x256, k and v 128x256, o 256x256, gate/up/down 256x256, two norms of 256 = 393,728
+    floats; with the final norm 787,712. A step also reads the lm_head (300x256 = 76,800) and one
+    embedding row (256); with tied embeddings the table is the lm_head, read once."""
+    from minillama.model.loader import load_model
+    from tests.conftest import make_tiny
+
+    model = load_model(str(make_tiny(tmp_path / "m", tie_word_embeddings=tied))).model
+    floats = 787_712 + 76_800 + (0 if tied else 256)
+    assert weight_bytes_per_token(model) == 4 * floats
 
 
 def test_bench_prefill_reads_a_text_file(tiny_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""The repository's shape: four wings that import only downward (app -> eval -> model -> kv)."""
+"""The repository's shape: five wings that import only downward (app -> eval -> model -> kv -> native)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minillama"
-WINGS = ["kv", "model", "eval", "app"]  # each may import only from itself and the wings before it
+WINGS = ["native", "kv", "model", "eval", "app"]  # each may import only from itself and the wings before it
 
 
 def minillama_imports(path: Path) -> set[str]:
@@ -39,6 +39,19 @@ def test_wings_import_only_downward(wing):
 def test_every_module_lives_in_a_wing():
     loose = {p.name for p in PACKAGE.glob("*.py")}
     assert loose == {"__init__.py", "__main__.py", "errors.py"}, loose
+
+
+def test_the_backend_is_decided_in_one_module():
+    """One switch: only native/backend.py reads the environment's backend choice, and no other
+    module keeps a flag of its own for whether the fast paths run."""
+    import re
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(PACKAGE).as_posix()
+        if where != "native/backend.py":
+            assert not re.search(r"environ.*MINILLAMA_(BACKEND|KERNEL|EXACT)", text), where
+        assert not re.search(r"self\.(fused|fast_ops|kernel|fast)\s*=", text), where
 
 
 def test_command_modules_do_not_import_the_cli():

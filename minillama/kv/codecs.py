@@ -171,8 +171,27 @@ class FloatCodec(Codec):
 
 
 @dataclass(frozen=True)
-class TokenAffine(Codec):
-    """Per token, asymmetric min-max codes with an fp16 scale and zero per G channels."""
+class Affine(Codec):
+    """Asymmetric min-max codes (KIVI) with an fp16 scale and zero per group: b + 32/G bits per element.
+    ``axis`` says what a group is: G channels of one token, or one channel over G tokens."""
+
+    axis: ClassVar[str] = "token"
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        per = (head_dim // group, 1) if self.axis == "token" else (head_dim, group)  # (width, tokens per row)
+        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, *per), PartSpec("zero", torch.float16, *per)]
+
+    def encode(self, x, group, params=None):
+        codes, scale, zero = quantize_affine(x, self.bits, group, self.axis)
+        return {"codes": packing.pack(codes, self.bits), "scale": scale, "zero": zero}
+
+    def decode(self, parts, group, head_dim, params=None):
+        return dequantize_affine(self.unpack(parts, head_dim), parts["scale"], parts["zero"], group, self.axis)
+
+
+@dataclass(frozen=True)
+class TokenAffine(Affine):
+    """Per token: groups of G channels."""
 
     row_kind: ClassVar[RowKind] = RowKind.TOKEN
     channel_groups: ClassVar[bool] = True
@@ -180,23 +199,13 @@ class TokenAffine(Codec):
     def bits_formula(self) -> str:
         return f"{self.bits} + 32/G  (fp16 scale + zero per G channels)"
 
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        per = (head_dim // group, 1)
-        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, *per), PartSpec("zero", torch.float16, *per)]
-
-    def encode(self, x, group, params=None):
-        codes, scale, zero = quantize_affine(x, self.bits, group, "token")
-        return {"codes": packing.pack(codes, self.bits), "scale": scale, "zero": zero}
-
-    def decode(self, parts, group, head_dim, params=None):
-        return dequantize_affine(self.unpack(parts, head_dim), parts["scale"], parts["zero"], group, "token")
-
 
 @dataclass(frozen=True)
-class ChannelAffine(Codec):
-    """KIVI per channel: min-max codes with an fp16 scale and zero per channel and group of G tokens.
-    Tokens wait in the residual window until a whole group can be quantized."""
+class ChannelAffine(Affine):
+    """KIVI per channel: groups of G tokens. Tokens wait in the residual window until a whole
+    group can be quantized."""
 
+    axis: ClassVar[str] = "channel"
     row_kind: ClassVar[RowKind] = RowKind.CHANNEL
 
     def unit(self, group: int) -> int:
@@ -205,24 +214,21 @@ class ChannelAffine(Codec):
     def bits_formula(self) -> str:
         return f"{self.bits} + 32/G  (fp16 scale + zero per G tokens, per channel)"
 
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        per = (head_dim, group)
-        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, *per), PartSpec("zero", torch.float16, *per)]
-
-    def encode(self, x, group, params=None):
-        codes, scale, zero = quantize_affine(x, self.bits, group, "channel")
-        return {"codes": packing.pack(codes, self.bits), "scale": scale, "zero": zero}
-
-    def decode(self, parts, group, head_dim, params=None):
-        return dequantize_affine(self.unpack(parts, head_dim), parts["scale"], parts["zero"], group, "channel")
-
 
 @dataclass(frozen=True)
-class Ternary(Codec):
-    """{-1, 0, +1} x an fp16 scale per G channels (the ternary-weight-network rule), 5 trits per byte."""
+class Scaled(Codec):
+    """Per-token codes times one fp16 scale per G channels (no zero): the base of ternary and codebook codecs."""
 
     row_kind: ClassVar[RowKind] = RowKind.TOKEN
     channel_groups: ClassVar[bool] = True
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, head_dim // group, 1)]
+
+
+@dataclass(frozen=True)
+class Ternary(Scaled):
+    """{-1, 0, +1} x an fp16 scale per G channels (the ternary-weight-network rule), 5 trits per byte."""
 
     @property
     def packing(self) -> str:
@@ -235,9 +241,6 @@ class Ternary(Codec):
     def bits_formula(self) -> str:
         return "8/5 + 16/G  (5 trits per byte, fp16 scale per G channels)"
 
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, head_dim // group, 1)]
-
     def encode(self, x, group, params=None):
         codes, scale = quantize_ternary(x, group)
         return {"codes": packing.pack(codes, "trit"), "scale": scale}
@@ -247,17 +250,11 @@ class Ternary(Codec):
 
 
 @dataclass(frozen=True)
-class Codebook(Codec):
+class Codebook(Scaled):
     """Gaussian Lloyd-Max levels (TurboQuant-style, after a Hadamard rotation) x an fp16 scale per G channels."""
-
-    row_kind: ClassVar[RowKind] = RowKind.TOKEN
-    channel_groups: ClassVar[bool] = True
 
     def bits_formula(self) -> str:
         return f"{self.bits} + 16/G  (Gaussian Lloyd-Max levels, fp16 RMS scale per G channels)"
-
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, head_dim // group, 1)]
 
     def kernel_tables(self, params):
         return {"codebook": gaussian_codebook(self.bits)}

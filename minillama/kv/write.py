@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from minillama.kv.codecs import ChannelAffine, Codec, TokenAffine
+from minillama.kv.codecs import Affine, Codec
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 
@@ -39,10 +39,9 @@ def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dty
 def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None) -> dict[str, torch.Tensor]:
     """x (B, H, T, D) in storage form -> the codec's parts, each (B, H, rows, width)."""
     lib = backend.library(x.device)
-    affine = isinstance(codec, (TokenAffine, ChannelAffine))
-    if lib is not None and affine and x.dtype == torch.float16 and bool(torch.isfinite(x).all()):
+    if lib is not None and isinstance(codec, Affine) and x.dtype == torch.float16 and bool(torch.isfinite(x).all()):
         try:
-            return ops.encode_affine(lib, x, codec.bits, group, isinstance(codec, ChannelAffine),
+            return ops.encode_affine(lib, x, codec.bits, group, codec.axis == "channel",
                                      codec.codes_part(x.shape[-1]).width)
         except NotSupported as e:
             backend.fallback(f"cache write of {codec.name}: {e}")

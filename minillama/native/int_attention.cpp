@@ -32,7 +32,7 @@
 //         The zero term is summed in float.
 // Only codes with one scale per row (per-token codes with group == D, or per-token values
 // with groups of 32 channels) and KIVI per-channel keys take this path; the exact float
-// kernels stay selectable (MINILLAMA_EXACT_ATTENTION=1) and are the reference for tests.
+// kernels stay selectable (--backend kernels-exact) and are the reference for tests.
 
 #include "rows.h"
 
