@@ -237,7 +237,7 @@ def test_save_failing_mid_write_leaves_no_partial_file(talked, tmp_path, monkeyp
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("minillama.app.chat.os.replace", full_disk)
+    monkeypatch.setattr("minillama.kv.file.os.replace", full_disk)
     said = []
     handle_command(talked, "/save chat.json", said.append)
     assert said == ["error: cannot save to chat.json: No space left on device"]

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
-from minillama.kv.cache import KVCache
 from minillama.app.chat_template import encode_chat
+from minillama.kv.cache import KVCache
+from minillama.kv.file import CacheFileError, read_header
 from minillama.kv.spec import KVSpec, parse_kv
 from minillama.errors import UserError
 from minillama.model.generate import GenerationStats, generate, prefill
 from minillama.model.loader import LoadedModel
+from minillama.model.prompt_cache import load_prompt_cache, save_prompt_cache
 from minillama.model.sampling import SamplingParams
 from minillama.model.tokenizer import StreamDecoder
 from minillama.native import backend
@@ -99,6 +101,7 @@ class ChatSession:
         self.cache = self._new_cache(spec)
         self.cached_ids: list[int] = []  # every token fed to the cache, in order (evicted ones too)
         self.last = TurnStats()
+        self.autosave: str | None = None  # chat --prompt-cache: save the session here after every reply
 
     def _new_cache(self, spec: KVSpec) -> KVCache:
         return KVCache.for_model(self.lm.config, spec, self.ctx, device=self.lm.model.device, on_full=self.on_full)
@@ -147,6 +150,8 @@ class ChatSession:
         tail = stream.flush()
         if tail:
             yield tail
+        if self.autosave:
+            self.save(self.autosave)
 
     def reset(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]
@@ -166,48 +171,64 @@ class ChatSession:
             prefill(self.lm.model, self.cached_ids, cache, self.prefill_chunk)
         self.cache = cache
 
-    def save(self, path: str) -> None:
-        """Write the conversation as JSON, atomically: the old file or the new one, never half of it."""
+    def save(self, path: str) -> int:
+        """Write the conversation and its cache to one file (kv/file.py), atomically: the old file or
+        the new one, never half of it. Returns the bytes written."""
         target = Path(path)
         try:
             is_dir = path.endswith(("/", os.sep)) or target.is_dir() or not target.name
         except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte
             raise UserError(f"cannot save to {path}: {e}") from None
         if is_dir:
-            raise UserError(f"cannot save to {path}: it is a directory; name a file, e.g. {target / 'chat.json'}")
-        data = {"model": self.lm.name, "kv": str(self.cache.spec), "messages": self.messages}
-        tmp = target.with_name(f".{target.name}.tmp")
+            raise UserError(f"cannot save to {path}: it is a directory; name a file, e.g. {target / 'chat.kv'}")
         try:
-            tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
-            os.replace(tmp, target)
-        except OSError as e:
-            try:
-                tmp.unlink(missing_ok=True)  # leave nothing half-written behind
-            except OSError:
-                pass
-            raise UserError(f"cannot save to {path}: {e.strerror or e}") from None
+            return save_prompt_cache(self.lm, self.cache, self.cached_ids, path,
+                                     extra={"messages": self.messages, "kv": str(self.cache.spec)})
+        except ValueError as e:  # a path with a NUL byte
+            raise UserError(f"cannot save to {path}: {e}") from None
 
-    def load(self, path: str) -> None:
-        """Replace the conversation with one saved by ``save``; the cache is rebuilt at the next turn."""
-        not_ours = UserError(f"{path} is not a minillama conversation (JSON with a messages list)")
+    def load(self, path: str) -> str:
+        """Replace the conversation with one saved by ``save``, and the cache with its cache when it
+        was made by this model with this session's --kv (no prefill); otherwise the cache is rebuilt
+        by a prefill at the next turn. A JSON conversation (older /save files) loads the messages.
+        Returns one line saying which."""
+        not_ours = UserError(f"{path} is not a minillama conversation (a /save file, or JSON with a messages list)")
         try:
-            text = Path(path).read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise not_ours from None
+            with open(path, "rb") as f:
+                head = f.read(1)
         except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte
             raise UserError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        if head == b"{":  # a JSON conversation: messages only
+            try:
+                data = json.loads(Path(path).read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                raise not_ours from None
+            self._set_messages(data.get("messages") if isinstance(data, dict) else None, not_ours)
+            self.cache.reset()
+            self.cached_ids = []
+            return f"loaded {len(self.messages)} messages from {path}; the cache is rebuilt at the next turn"
         try:
-            data = json.loads(text)
-        except ValueError:
+            header = read_header(path)
+        except CacheFileError:
             raise not_ours from None
-        messages = data.get("messages") if isinstance(data, dict) else None
+        messages = (header.get("extra") or {}).get("messages")
+        try:
+            saved = load_prompt_cache(self.lm, path, str(self.cache.spec), self.ctx)
+        except CacheFileError as e:
+            self._set_messages(messages, not_ours)
+            self.cache.reset()
+            self.cached_ids = []
+            return f"loaded {len(self.messages)} messages from {path}; its cache is not used ({e}): prefill at the next turn"
+        self._set_messages(messages, not_ours)
+        self.cache, self.cached_ids = saved.cache, saved.tokens
+        return f"loaded {len(self.messages)} messages and their cache of {self.cache.held} tokens from {path} (no prefill)"
+
+    def _set_messages(self, messages, error: UserError) -> None:
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
-            raise not_ours
+            raise error
         self.messages = messages
-        self.cache.reset()
-        self.cached_ids = []
 
     def stats(self) -> str:
         c = self.cache
@@ -234,8 +255,8 @@ HELP = """Commands:
   /kv SPEC         switch the KV scheme (rebuilds the cache), e.g. /kv hadv2
   /system TEXT     set the system prompt
   /reset           forget the conversation (keeps the system prompt)
-  /save FILE       save the conversation as JSON
-  /load FILE       load a conversation saved with /save
+  /save FILE       save the conversation and its KV cache (one file)
+  /load FILE       load a /save file: the conversation, and its cache when model and --kv match
   /exit            quit (Ctrl-D works too)
 End a line with \\ to continue your message on the next line. Ctrl-C stops a reply."""
 
@@ -262,11 +283,11 @@ def handle_command(session: ChatSession, line: str, out) -> bool:
             session.reset()
             out("conversation and cache cleared")
         elif cmd == "/save" and arg:
-            session.save(arg)
-            out(f"saved {len(session.messages)} messages to {arg}")
+            size = session.save(arg)
+            out(f"saved {len(session.messages)} messages and the cache of {session.cache.held} tokens to {arg} "
+                f"({size:,} bytes)")
         elif cmd == "/load" and arg:
-            session.load(arg)
-            out(f"loaded {len(session.messages)} messages from {arg}")
+            out(session.load(arg))
         else:
             out(f"unknown or incomplete command {line.strip()!r}: type /help")
     except UserError as e:

@@ -72,8 +72,11 @@ class KVSpec:
             raise UserError(f"head_dim {head_dim} is odd: RoPE pairs channels")
 
     def __str__(self) -> str:
-        if self.name:
-            return self.name
+        return self.name or self.canonical()
+
+    def canonical(self) -> str:
+        """The spec in the grammar with every field spelled out: equal for equal specs, whatever
+        name or order they were written with (a saved cache is matched by it)."""
         group = f"group={self.kgroup}" if self.kgroup == self.vgroup else f"kgroup={self.kgroup},vgroup={self.vgroup}"
         text = f"k={self.k.name},v={self.v.name},{group},residual={self.residual},sinks={self.sinks}"
         extras = [("center=1", self.center), ("rope=pre", self.rope == "pre"),

@@ -67,15 +67,21 @@ def decode_step(model: Llama, token: int, cache: Cache) -> torch.Tensor:
 
 def generate(model: Llama, prompt: list[int], cache: Cache, max_new_tokens: int, params: SamplingParams,
              stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
-             prefill_chunk: int = PREFILL_CHUNK, history: list[int] | None = None) -> Iterator[tuple[int, GenerationStats]]:
+             prefill_chunk: int = PREFILL_CHUNK, history: list[int] | None = None,
+             logits: torch.Tensor | None = None) -> Iterator[tuple[int, GenerationStats]]:
     """Prefill ``prompt`` (the tokens not yet in the cache) and yield sampled tokens with running stats.
 
     Stops after a stop token (which is yielded but not fed back) or max_new_tokens.
-    ``history`` (tokens already in the cache) only feeds the repeat penalty.
+    ``history`` (tokens already in the cache) only feeds the repeat penalty. ``logits`` (V,): the
+    cache already holds the whole prompt (``prompt`` is empty) and these are its last token's
+    logits, as a resumed prompt cache gives them.
     """
     stats = GenerationStats(prompt_tokens=len(prompt))
     t0 = time.perf_counter()
-    logits = prefill(model, prompt, cache, prefill_chunk)[0]  # (V,)
+    if logits is None:
+        logits = prefill(model, prompt, cache, prefill_chunk)[0]  # (V,)
+    elif prompt:
+        raise ValueError("give either prompt tokens to prefill or the logits of a prompt already cached")
     stats.prefill_s = time.perf_counter() - t0
     seen = list(history or []) + list(prompt)
     for i in range(max_new_tokens):

@@ -21,8 +21,11 @@ from minillama.app.options import DTYPES, load, model_options
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(1), help="Longest reply.")
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
+@click.option("--prompt-cache", default=None,
+              help="Resume the session saved in this file (conversation and cache, no prefill when model and --kv "
+                   "match) and save it there after every reply.")
 def chat(model_name, device, backend, kv, ctx, on_full, system, temperature, top_k, top_p, min_p, repeat_penalty, seed,
-         max_tokens, dtype):
+         max_tokens, dtype, prompt_cache):
     """Chat with a model; the KV cache is kept across turns and shown by /stats.
 
     \b
@@ -30,6 +33,7 @@ def chat(model_name, device, backend, kv, ctx, on_full, system, temperature, top
       minillama chat                         # default model, fp16 cache
       minillama chat --kv hadv2 --ctx 4096   # 4-bit keys, Hadamard 2-bit values
       echo "What is the capital of France?" | minillama chat --temperature 0
+      minillama chat --kv hadv2 --prompt-cache session.kv   # resumes session.kv, saves it after each reply
     Type /help inside for commands. End a line with \\ to continue on the next line.
     """
     import dataclasses
@@ -44,4 +48,15 @@ def chat(model_name, device, backend, kv, ctx, on_full, system, temperature, top
     overrides = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repeat_penalty": repeat_penalty}
     params = dataclasses.replace(params, **{k: v for k, v in overrides.items() if v is not None})
     session = ChatSession(lm, spec, ctx, system, params, seed, max_tokens, on_full)
+    if prompt_cache:
+        from pathlib import Path
+
+        from minillama.errors import UserError
+
+        if Path(prompt_cache).exists():
+            try:
+                click.echo(session.load(prompt_cache), err=True)
+            except UserError as e:
+                click.echo(f"error: {e}; starting a new session (saved there after the first reply)", err=True)
+        session.autosave = prompt_cache
     repl(session, sys.stdin.isatty(), click.echo, lambda m: click.echo(m, err=True))

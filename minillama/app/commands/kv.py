@@ -29,18 +29,37 @@ def describe_codecs() -> str:
 
 @click.command("kv")
 @click.argument("spec", required=False)
+@click.argument("path", required=False)
 @click.option("--list", "list_", is_flag=True, help="Print presets and codecs with their bits/element formula.")
 @model_options(device=False)
 @click.option("--tokens", default=2048, show_default=True, type=click.IntRange(1), help="Tokens held.")
-def kv(spec, list_, model_name, tokens):
-    """Explain KV cache specs: `--list`, or the exact byte budget of SPEC.
+@click.option("--json", "as_json", is_flag=True, help="With inspect: print JSON.")
+def kv(spec, path, list_, model_name, tokens, as_json):
+    """Explain KV cache specs: `--list`, the exact byte budget of SPEC, or `inspect FILE`: what a
+    saved cache file (generate/chat --prompt-cache, chat /save) holds.
 
     \b
     Examples:
       minillama kv --list
       minillama kv hadv2 --tokens 8192
       minillama kv k=int4h,v=int2h,group=64,sinks=4 --tokens 896
+      minillama kv inspect doc.kv --json
     """
+    if spec == "inspect":
+        import json
+
+        from minillama.errors import UserError
+        from minillama.eval.budget import format_inspect, inspect_file
+
+        if not path:
+            raise UserError("kv inspect needs a cache file: minillama kv inspect FILE")
+        info = inspect_file(path)
+        click.echo(json.dumps(info, indent=2) if as_json else format_inspect(info))
+        return
+    if path:
+        from minillama.errors import UserError
+
+        raise UserError(f"unexpected argument {path!r}: give one SPEC (or inspect FILE)")
     if list_ or not spec:
         click.echo(describe_codecs())
         return

@@ -1,0 +1,257 @@
+"""The cache as a file: exactly the bytes the rings hold, in safetensors, checked before it is trusted.
+
+A saved cache is a safetensors file (no pickle; memory-mappable; mlx-lm's prompt caches use
+the same container) holding, for every layer and tensor (K, V), each ring's *held* rows in
+age order -- packed codes, fp16 scales and zeros, the exact residual and sinks -- plus the
+per-sequence parameters (key center, fitted ranges and grids), the token ids the cache was
+filled with, the held tokens' positions and the logits of the last token fed. Nothing is
+dequantized: the file is the cache's live bytes, those few extra tensors and a JSON header.
+
+The header (safetensors metadata, key ``minillama``) carries the format version, the ``--kv``
+spec spelled out, the model's identity (its config, a fingerprint of its weights and their
+dtype: model/prompt_cache.py computes it), the ring state (position, evictions, rows per
+ring, the slot each ring started at) and a SHA-256 of every tensor's bytes. ``read`` checks
+all of it before anything is used; ``restore`` checks the file against the model and spec
+asked for and rebuilds a ``KVCache`` whose rings hold the same rows (starting at slot 0).
+Every problem is a ``CacheFileError``: one line saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minillama.errors import UserError
+from minillama.kv.cache import KVCache
+from minillama.kv.quantize import uniform_levels
+from minillama.kv.spec import parse_kv
+
+FORMAT = "minillama-kv-cache/1"
+
+
+class CacheFileError(UserError):
+    """A cache file that cannot be used: damaged, another format, another model or spec."""
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _rings(store) -> dict:
+    return {"sinks": store.sinks, "residual": store.residual, **store.body}
+
+
+def save(cache: KVCache, path: str | Path, tokens: list[int], identity: dict,
+         logits: torch.Tensor | None = None, extra: dict | None = None) -> int:
+    """Write `cache` (every token it was fed: `tokens`; the last one's `logits`) to `path` through a
+    temporary file and a rename, so `path` holds the old file or the new one, never half of one.
+    `extra` is JSON data kept beside (chat: the messages). Returns the bytes written."""
+    from safetensors.torch import save as serialize
+
+    if len(tokens) != cache.position:
+        raise ValueError(f"{len(tokens)} tokens given for a cache that was fed {cache.position}")
+    tensors: dict[str, torch.Tensor] = {}
+    stores = []
+    for i, pair in enumerate(cache.layers):
+        for tensor, store in zip("kv", pair):
+            rings = {}
+            for part, ring in _rings(store).items():
+                if ring.count:
+                    tensors[f"layers.{i}.{tensor}.{part}"] = ring.read().contiguous()  # (B, H, rows, width)
+                rings[part] = {"rows": ring.count, "start": ring.start}
+            params = dict(store.codec.stored_params(store.params)) if store.params else {}
+            if store.center is not None:
+                params["center"] = store.center
+            for name, t in params.items():
+                tensors[f"layers.{i}.{tensor}.{name}"] = t.contiguous()
+            stores.append({"layer": i, "tensor": tensor, "n_body": store.n_body, "rings": rings,
+                           "params": sorted(params)})
+    tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)  # (position,)
+    tensors["positions"] = cache.layer(0).positions().to(torch.int64)  # (held,)
+    if logits is not None:
+        tensors["logits"] = logits.detach().float().reshape(-1).contiguous()  # (V,)
+    tensors = {name: t.cpu() for name, t in tensors.items()}
+    header = {"format": FORMAT, "kv": cache.spec.canonical(), "kv_name": str(cache.spec), "model": identity,
+              "n_layers": cache.n_layers, "n_kv_heads": cache.n_kv_heads, "head_dim": cache.head_dim,
+              "batch": cache.batch, "capacity": cache.capacity, "position": cache.position, "held": cache.held,
+              "evicted": cache.evicted, "stores": stores, "extra": extra or {},
+              "checksums": {name: _digest(t) for name, t in tensors.items()}}
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    data = serialize(tensors, metadata={"minillama": json.dumps(header)})
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)  # leave nothing half-written behind
+        except OSError:
+            pass
+        raise CacheFileError(f"cannot save to {path}: {e.strerror or e}") from None
+    return target.stat().st_size
+
+
+def read_header(path: str | Path) -> dict:
+    """Only the JSON header of a cache file (safetensors: an 8-byte length, then JSON), without
+    reading or checking its tensors: what chat needs to recover a conversation from a file whose
+    cache it will not use. CacheFileError when it is not a minillama cache file."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100_000_000:
+                raise ValueError("no safetensors header")
+            header = json.loads(f.read(size))
+        fields = json.loads(header["__metadata__"]["minillama"])
+        if not isinstance(fields, dict):
+            raise ValueError("not an object")
+        return fields
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise CacheFileError(f"{path} is not a minillama cache file") from None
+
+
+@dataclass
+class SavedCache:
+    """A cache file read and checked for integrity (not yet against a model or spec)."""
+
+    path: Path
+    header: dict
+    tensors: dict[str, torch.Tensor]
+    file_bytes: int
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.tensors["tokens"].tolist()
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        return self.tensors.get("logits")
+
+    @property
+    def extra(self) -> dict:
+        return self.header.get("extra") or {}
+
+
+def read(path: str | Path) -> SavedCache:
+    """Read a cache file and check that it is whole: safetensors, this format, every checksum."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if p.is_dir():
+        raise CacheFileError(f"{path} is a directory, not a cache file")
+    try:
+        size = p.stat().st_size
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except FileNotFoundError:
+        raise CacheFileError(f"{path} does not exist") from None
+    except PermissionError:
+        raise CacheFileError(f"{path} cannot be read (permission denied)") from None
+    except Exception as e:  # safetensors' own errors: truncated, not safetensors, bad header
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise CacheFileError(f"{path} is not a readable safetensors file ({reason})") from None
+    try:
+        header = json.loads(meta["minillama"])
+        fmt = header["format"]
+    except (KeyError, TypeError, ValueError):
+        raise CacheFileError(f"{path} is a safetensors file but not a minillama cache (no minillama header)") from None
+    if fmt != FORMAT:
+        raise CacheFileError(f"{path} is a {fmt!r} file; this minillama reads {FORMAT!r}: save the cache again")
+    checksums = header.get("checksums") or {}
+    if set(checksums) != set(tensors):
+        raise CacheFileError(f"{path} is damaged: its tensors do not match its header")
+    for name, t in tensors.items():
+        if _digest(t) != checksums[name]:
+            raise CacheFileError(f"{path} is damaged: tensor {name} does not match its checksum")
+    return SavedCache(p, header, tensors, size)
+
+
+def restore(saved: SavedCache, identity: dict | None, spec_text: str | None = None,
+            capacity: int | None = None, device="cpu") -> KVCache:
+    """A KVCache holding exactly the saved rows, after checking the file against the model
+    (`identity`; None skips it, for inspection) and the spec asked for (`spec_text`)."""
+    h, where = saved.header, saved.path
+    if identity is not None:
+        for key, what in (("config", "another model (its config differs)"),
+                          ("fingerprint", "another model (its weights differ)"), ("dtype", "another weight dtype")):
+            if h["model"].get(key) != identity.get(key):
+                mine = identity.get(key) if key == "dtype" else "this model"
+                raise CacheFileError(f"{where} was made with {what}: {h['model'].get('dtype')} weights of "
+                                     f"{h['model'].get('name')!r}, this run uses {mine}")
+    if spec_text is not None and parse_kv(spec_text).canonical() != h["kv"]:
+        raise CacheFileError(f"{where} holds a --kv {h['kv_name']} cache, not {spec_text}")
+    try:
+        spec = parse_kv(h["kv_name"])  # as the user named it (a preset keeps its name)
+        if spec.canonical() != h["kv"]:
+            raise CacheFileError(f"{where} is inconsistent: its spec {h['kv_name']!r} is not {h['kv']!r}")
+        cache = KVCache(spec, h["n_layers"], h["n_kv_heads"], h["head_dim"], max(capacity or 0, h["capacity"]),
+                        h["batch"], device)
+        _fill(cache, saved)
+    except CacheFileError:
+        raise
+    except UserError as e:  # a spec or capacity the cache itself refuses
+        raise CacheFileError(f"{where}: {e}") from None
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
+        raise CacheFileError(f"{where} has an inconsistent header or tensors ({type(e).__name__}: {str(e)[:100]})") from None
+    return cache
+
+
+def _fill(cache: KVCache, saved: SavedCache) -> None:
+    """Push the saved rows into the fresh cache's rings, checking every shape, dtype and count."""
+    h, t = saved.header, saved.tensors
+    bad = lambda what: CacheFileError(f"{saved.path} is inconsistent: {what}")  # noqa: E731
+    position, held, evicted = int(h["position"]), int(h["held"]), int(h["evicted"])
+    if not (0 <= held <= position and evicted >= 0 and held + evicted == position):
+        raise bad(f"held {held}, evicted {evicted} and position {position} do not add up")
+    if t["tokens"].shape != (position,) or t["positions"].shape != (held,):
+        raise bad("the token ids or positions do not match the position and held counts")
+    stores = {(s["layer"], s["tensor"]): s for s in h["stores"]}
+    if set(stores) != {(i, x) for i in range(cache.n_layers) for x in "kv"}:
+        raise bad("the header does not describe every layer's keys and values")
+    for i, pair in enumerate(cache.layers):
+        for tensor, store in zip("kv", pair):
+            entry, prefix = stores[(i, tensor)], f"layers.{i}.{tensor}."
+            for part, ring in _rings(store).items():
+                rows = int(entry["rings"].get(part, {}).get("rows", 0))
+                if not 0 <= rows <= ring.slots:
+                    raise bad(f"{prefix}{part} holds {rows} rows, more than its ring's {ring.slots}")
+                if rows:
+                    x = t.get(prefix + part)
+                    want = (cache.batch, cache.n_kv_heads, rows, ring.buf.shape[-1])
+                    if x is None or tuple(x.shape) != want or x.dtype != ring.buf.dtype:
+                        raise bad(f"{prefix}{part} is not a {ring.buf.dtype} tensor of shape {want}")
+                    ring.push(x.to(ring.buf.device))
+            store.n_body = int(entry["n_body"])
+            per_row = {name: store.tokens_per_row[name] for name in store.body}
+            if any(store.body[name].count * n != store.n_body for name, n in per_row.items()):
+                raise bad(f"{prefix}body rows do not cover its {store.n_body} tokens")
+            if store.held != held:
+                raise bad(f"{prefix}rings hold {store.held} tokens, the header says {held}")
+            names = set(entry["params"])
+            lead = (cache.batch, cache.n_kv_heads)
+            shapes = {"center": (*lead, 1, cache.head_dim), "lo": (*lead, 1, cache.head_dim),
+                      "span": (*lead, 1, cache.head_dim), "levels": (*lead, 2**store.codec.bits)}
+            for name in names:
+                x = t.get(prefix + name)
+                if name not in shapes or x is None or tuple(x.shape) != shapes[name] or x.dtype != torch.float16:
+                    raise bad(f"{prefix}{name} is not a float16 tensor of shape {shapes.get(name)}")
+            device = store.residual.buf.device
+            store.center = t[prefix + "center"].to(device) if "center" in names else None
+            if (store.center is not None) != (store.centered and position > 0):
+                raise bad(f"{prefix}center does not match the spec's center setting")
+            params = {n: t[prefix + n].to(device) for n in names - {"center"}}
+            if params:
+                if not store.codec.per_sequence or not {"lo", "span"} <= set(params):
+                    raise bad(f"{prefix} has per-sequence parameters its codec {store.codec.name} does not use")
+                if "levels" not in params:  # a uniform grid is implied, not stored
+                    params["levels"] = uniform_levels(store.codec.bits, lead, device)
+                store.params = params
+            elif store.codec.per_sequence and store.n_body:
+                raise bad(f"{prefix} lacks the ranges its codec {store.codec.name} was fitted with")
+    cache.position, cache.evicted = position, evicted

@@ -1,0 +1,91 @@
+"""Prompt caches: save a prompt's KV cache to a file and reuse it in another process.
+
+As llama.cpp's ``--prompt-cache`` and mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache``,
+but the file (kv/file.py) is the packed cache itself, checked before it is trusted:
+
+    save_prompt_cache(lm, cache, tokens, "doc.kv", logits)    # after prefilling `tokens`
+    saved = load_prompt_cache(lm, "doc.kv", "hadv2")          # the cache, its tokens, the last logits
+    cache, reused, logits = reuse_prefix(saved, prompt_ids)   # keep the longest common prefix
+
+A file matches when it was made by the same model (config, a fingerprint of the weights,
+their dtype) with the same ``--kv`` spec; anything else is refused with one line, and the
+caller prefills from scratch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minillama.kv.cache import KVCache
+from minillama.kv.file import CacheFileError, SavedCache, read, restore, save
+from minillama.model.loader import LoadedModel
+
+
+def model_identity(lm: LoadedModel) -> dict:
+    """What a cache file must match: the config, a fingerprint of the weights (the first and last
+    values of every tensor, as float32, with names and shapes: cheap, and different for any two
+    checkpoints that differ anywhere near those), and the weights' dtype."""
+    h = hashlib.sha256()
+    for name, p in sorted(lm.model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        sample = torch.cat([flat[:64], flat[-64:]]).float().cpu()
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(sample.numpy().tobytes())
+    config = json.dumps(lm.config.__dict__, sort_keys=True, default=str)
+    return {"name": lm.name, "config": config, "fingerprint": h.hexdigest()[:32], "dtype": str(lm.model.dtype)}
+
+
+def save_prompt_cache(lm: LoadedModel, cache: KVCache, tokens: list[int], path: str | Path,
+                      logits: torch.Tensor | None = None, extra: dict | None = None) -> int:
+    """Write the cache (fed `tokens`; `logits` of the last one) atomically; returns the file's bytes."""
+    return save(cache, path, tokens, model_identity(lm), logits, extra)
+
+
+@dataclass
+class PromptCache:
+    cache: KVCache
+    tokens: list[int]  # every token the cache was fed, in order
+    logits: torch.Tensor | None  # (V,) the last token's logits, when saved
+    extra: dict
+    file_bytes: int
+
+
+def load_prompt_cache(lm: LoadedModel, path: str | Path, kv: str | None = None,
+                      capacity: int | None = None) -> PromptCache:
+    """The saved cache, checked against this model and (when given) the ``--kv`` spec asked for;
+    CacheFileError with the reason when it cannot be used."""
+    saved: SavedCache = read(path)
+    cache = restore(saved, model_identity(lm), kv, capacity, lm.model.device)
+    tokens = saved.tokens
+    if tokens and max(tokens) >= lm.config.vocab_size or min(tokens, default=0) < 0:
+        raise CacheFileError(f"{path} holds token ids outside this model's vocabulary")
+    logits = saved.logits
+    if logits is not None and logits.shape != (lm.config.vocab_size,):
+        raise CacheFileError(f"{path} holds logits of another vocabulary size")
+    return PromptCache(cache, tokens, logits, saved.extra, saved.file_bytes)
+
+
+def reuse_prefix(saved: PromptCache, prompt: list[int]) -> tuple[KVCache, int, torch.Tensor | None]:
+    """Keep the longest common prefix of the saved tokens and `prompt`: returns the cache (cut to it),
+    how many prompt tokens it already holds, and the logits to sample from when it holds them all
+    (an exact match of a saved prompt resumes bit for bit: its last logits were saved with it).
+
+    A prefix that ends inside a quantized per-channel key group (KIVI) is cut back to the group's
+    start, since a group's scales cover all its tokens; a prefix that reaches into tokens the ring
+    evicted cannot be kept at all (the cache restarts empty). The caller prefills the rest."""
+    cache, tokens = saved.cache, saved.tokens
+    if prompt == tokens and saved.logits is not None and cache.batch == 1:
+        return cache, len(prompt), saved.logits
+    common = 0
+    for a, b in zip(tokens, prompt):
+        if a != b:
+            break
+        common += 1
+    common = min(common, len(prompt) - 1)  # feed at least one token: its logits start the generation
+    kept = cache.truncate(common) if common < cache.position else common
+    return cache, kept, None
