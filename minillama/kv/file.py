@@ -42,6 +42,18 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def _header_digest(header: dict) -> str:
+    """SHA-256 of the header's fields (all but this one), so a changed count or name is caught too."""
+    fields = {k: v for k, v in header.items() if k != "header_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+# The header fields every reader relies on, with their JSON types.
+_FIELDS = {"kv": str, "kv_name": str, "model": dict, "n_layers": int, "n_kv_heads": int, "head_dim": int,
+           "batch": int, "capacity": int, "position": int, "held": int, "evicted": int, "stores": list,
+           "checksums": dict}
+
+
 def _rings(store) -> dict:
     return {"sinks": store.sinks, "residual": store.residual, **store.body}
 
@@ -81,6 +93,7 @@ def save(cache: KVCache, path: str | Path, tokens: list[int], identity: dict,
               "batch": cache.batch, "capacity": cache.capacity, "position": cache.position, "held": cache.held,
               "evicted": cache.evicted, "stores": stores, "extra": extra or {},
               "checksums": {name: _digest(t) for name, t in tensors.items()}}
+    header["header_sha256"] = _header_digest(header)
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     data = serialize(tensors, metadata={"minillama": json.dumps(header)})
@@ -163,7 +176,12 @@ def read(path: str | Path) -> SavedCache:
         raise CacheFileError(f"{path} is a safetensors file but not a minillama cache (no minillama header)") from None
     if fmt != FORMAT:
         raise CacheFileError(f"{path} is a {fmt!r} file; this minillama reads {FORMAT!r}: save the cache again")
-    checksums = header.get("checksums") or {}
+    if not isinstance(header, dict) or header.get("header_sha256") != _header_digest(header):
+        raise CacheFileError(f"{path} is damaged: its header does not match its checksum")
+    for key, kind in _FIELDS.items():
+        if not isinstance(header.get(key), kind):
+            raise CacheFileError(f"{path} is damaged: its header lacks {key!r}")
+    checksums = header["checksums"]
     if set(checksums) != set(tensors):
         raise CacheFileError(f"{path} is damaged: its tensors do not match its header")
     for name, t in tensors.items():
