@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from minillama.eval.bench import measure_bandwidth
 from minillama.model.linear import project
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down_proj": (576, 1536),
@@ -37,7 +38,8 @@ def per_call_us(f, weights) -> float:
 def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     dtype = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.bfloat16
-    print(f"{rows} row(s), {dtype} weights")
+    bandwidth = measure_bandwidth()
+    print(f"{rows} row(s), {dtype} weights; measured read bandwidth {bandwidth / 1e9:.1f} GB/s (x.sum() over 512 MiB)")
     with torch.no_grad():
         for name, (n_out, n_in) in SHAPES.items():
             size = n_out * n_in * dtype.itemsize
@@ -47,7 +49,8 @@ def main() -> None:
             ours = per_call_us(lambda w: project(x, w, None), weights)
             theirs = per_call_us(lambda w: F.linear(x, w), weights)
             gbs = size / 1e3
-            print(f"{name:10s} {n_out}x{n_in}: kernel {ours:7.1f} us ({gbs / ours:5.1f} GB/s), "
+            print(f"{name:10s} {n_out}x{n_in}: kernel {ours:7.1f} us ({gbs / ours:5.1f} GB/s, "
+                  f"{100 * size / (ours * 1e-6) / bandwidth:3.0f}% of measured), "
                   f"F.linear {theirs:7.1f} us ({gbs / theirs:5.1f} GB/s), {theirs / ours:.2f}x")
 
 

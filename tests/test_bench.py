@@ -11,7 +11,7 @@ from minillama.eval.bench import weight_bytes_per_token
 from minillama.app.cli import cli
 
 KEYS = {"kv": str, "context": int, "decode_ms_per_token": float, "decode_tokens_per_s": float,
-        "attention_ms_per_layer": float, "cache_bytes": int,
+        "attention_ms_per_layer": float, "projection_ms": float, "other_ms": float, "cache_bytes": int,
         "bytes_read_per_token": int, "roofline_pct": float, "peak_rss_mb": float, "model": str, "dtype": str, "fill": str,
         "backend": str, "fallbacks": list}
 
@@ -29,6 +29,10 @@ def test_bench_json_schema(tiny_dir):
         assert row["prefill_tokens_per_s"] is None  # synthetic fill: nothing was prefilled
         assert row["bytes_read_per_token"] > row["cache_bytes"]  # weights + the whole cache
         assert 0 < row["attention_ms_per_layer"] < row["decode_ms_per_token"]
+        assert 0 < row["projection_ms"] < row["decode_ms_per_token"]
+        # the breakdown adds up: projections + 2 layers' attention + the rest is the step
+        parts = row["projection_ms"] + 2 * row["attention_ms_per_layer"] + row["other_ms"]
+        assert parts == pytest.approx(row["decode_ms_per_token"])
 
 
 @pytest.mark.parametrize("tied", [False, True])

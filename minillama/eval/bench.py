@@ -25,7 +25,7 @@ from minillama.kv.spec import KVSpec
 from minillama.model.attention import attend_cache
 from minillama.model.generate import decode_step, prefill
 from minillama.model.loader import LoadedModel
-from minillama.native import backend
+from minillama.native import backend, ops
 
 WARMUP = 3
 
@@ -37,6 +37,8 @@ class BenchRow:
     decode_ms_per_token: float
     decode_tokens_per_s: float
     attention_ms_per_layer: float  # one layer's decode attention alone (median), the kernels the step calls
+    projection_ms: float  # every projection of one step alone (median): all layers' matrices and the LM head
+    other_ms: float  # the rest of the step: decode_ms - projection_ms - layers x attention_ms_per_layer
     prefill_tokens_per_s: float | None
     cache_bytes: int
     bytes_read_per_token: int
@@ -130,10 +132,12 @@ def bench_row(lm: LoadedModel, spec: KVSpec, context: int, decode_tokens: int, f
         token = int(logits.argmax())
     step = statistics.median(times)
     read = weight_bytes_per_token(lm.model) + cache.bytes.last_read
-    attention = attention_ms(lm, cache)
+    attention, projections = attention_ms(lm, cache), projection_ms(lm.model)
+    layers = lm.config.num_hidden_layers
     return BenchRow(
         kv=str(spec), context=context, decode_ms_per_token=1000 * step, decode_tokens_per_s=1 / step,
-        attention_ms_per_layer=attention,
+        attention_ms_per_layer=attention, projection_ms=projections,
+        other_ms=1000 * step - projections - layers * attention,
         prefill_tokens_per_s=prefill_tps, cache_bytes=sum(cache.live_bytes().values()), bytes_read_per_token=read,
         roofline_pct=100 * read / step / bandwidth, peak_rss_mb=peak_rss_mb(), model=lm.name, dtype=dtype, fill=fill,
         backend=backend.describe(), fallbacks=backend.fallbacks()[seen:])
@@ -157,17 +161,49 @@ def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 20) -> float:
     return 1000 * statistics.median(times)
 
 
+@torch.inference_mode()
+def projection_ms(model, repeats: int = 10) -> float:
+    """Median ms of one step's projections alone: every layer's fused q/k/v, o, fused gate/up and
+    down, then the LM head, in that order, on one row (the kernel a decode step calls when the
+    backend has one, else F.linear). With ``attention_ms`` this splits a step into its parts."""
+    lib = backend.library()
+    mats = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        mats += [a.qkv[0]] if a.qkv is not None else [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+        mats.append(a.o_proj.weight)
+        mats += [m.gate_up[0]] if m.gate_up is not None else [m.gate_proj.weight, m.up_proj.weight]
+        mats.append(m.down_proj.weight)
+    mats.append(model.lm_head.weight)
+    xs = {n: torch.randn(1, n).to(model.dtype) for n in {w.shape[1] for w in mats}}  # (1, in) per input size
+
+    def one_pass():
+        for w in mats:
+            x = xs[w.shape[1]]
+            ops.gemm_rows(lib, x, w) if lib is not None else torch.nn.functional.linear(x, w)
+
+    times = []
+    for i in range(2 + repeats):
+        t0 = time.perf_counter()
+        one_pass()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
 def format_table(rows: list[BenchRow], bandwidth: float) -> str:
     lines = [f"decode benchmark: {rows[0].model}, weights {rows[0].dtype}, fill {rows[0].fill}; "
              f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; backend {rows[0].backend}",
              f"{'kv':<14}{'context':>8}{'ms/tok':>9}{'tok/s':>8}{'attn ms/layer':>14}{'prefill/s':>10}{'cache MB':>10}"
-             f"{'read MB/tok':>12}{'roofline':>9}{'peak RSS':>10}"]
+             f"{'read MB/tok':>12}{'roofline':>9}{'peak RSS':>10}{'proj ms':>9}{'attn ms':>9}{'other ms':>9}"]
     for r in rows:
         pre = f"{r.prefill_tokens_per_s:.0f}" if r.prefill_tokens_per_s else "-"
         lines.append(f"{r.kv:<14}{r.context:>8}{r.decode_ms_per_token:>9.2f}{r.decode_tokens_per_s:>8.1f}"
                      f"{r.attention_ms_per_layer:>14.3f}{pre:>10}"
                      f"{r.cache_bytes / 1e6:>10.1f}{r.bytes_read_per_token / 1e6:>12.1f}{r.roofline_pct:>8.0f}%"
-                     f"{r.peak_rss_mb:>9.0f}M")
+                     f"{r.peak_rss_mb:>9.0f}M{r.projection_ms:>9.2f}"
+                     f"{r.decode_ms_per_token - r.projection_ms - r.other_ms:>9.2f}"
+                     f"{r.other_ms:>9.2f}")
     lines += [f"  {r.kv} at {r.context}: {reason}" for r in rows for reason in r.fallbacks]
     return "\n".join(lines)
 

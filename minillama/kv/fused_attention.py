@@ -40,6 +40,7 @@ def row_source(part: PartView, rope: tuple[torch.Tensor, torch.Tensor] | None, c
     if codec.row_kind is None:
         raise NotSupported(f"codec {codec.name} declares no kernel row kind")
     src = RowSource(pos0=part.first_position, kind=int(codec.row_kind))
+    keep.append(part.rings)  # a cache may hand out buffers made for this read (tests/fakes.py does)
     if codec.row_kind == RowKind.FLOAT:
         ring = part.rings["values"]
         src.bits, src.data, src.slots, src.start = DTYPE_CODE[ring.buf.dtype], ring.buf.data_ptr(), ring.buf.shape[2], ring.start
@@ -84,6 +85,27 @@ def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> 
     return chosen
 
 
+def layer_plan(lib, view: LayerView, r: int, d: int, rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
+               keep: list) -> LayerPlan:
+    """The parts of one layer as the attention kernel reads them (q, k, v and out left for the
+    caller), for r query heads per KV head of size d; NotSupported (nothing read) when a part has
+    no kernel that can read it. `keep` holds the tensors the plan points into alive."""
+    pre = rope is not None
+    plan = LayerPlan(R=r, D=d, rotate_k=int(view.k_codec.rotate and not pre), rotate_v=int(view.v_codec.rotate))
+    if view.key_center is not None and not pre:  # stored keys are centered: shift the new one alike
+        center = view.key_center.float().contiguous()  # (B, H, 1, D)
+        keep.append(center)
+        plan.k_center = center.data_ptr()
+    k_parts, v_parts = view.parts()
+    angles = rope(max(p.first_position + p.n for p in k_parts)) if pre and k_parts else None
+    for values, parts, slots, count in ((False, k_parts, plan.kparts, "nk"), (True, v_parts, plan.vparts, "nv")):
+        setattr(plan, count, len(parts))
+        for i, part in enumerate(parts):
+            src = row_source(part, None if values else angles, None if values else view.key_center, keep)
+            slots[i].route, slots[i].n, slots[i].src = route(lib, values, part, src, r, d), part.n, src
+    return plan
+
+
 def fused_decode_attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView,
                            rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """q (B, Hq, 1, D) and the new k (after RoPE), v (B, Hkv, 1, D) -> (B, Hq, 1, D); the same result
@@ -95,21 +117,9 @@ def fused_decode_attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     q, k, v = (x.to(dtype).contiguous() for x in (q, k, v))
     out = torch.empty(b, hq, 1, d, dtype=dtype)  # (B, Hq, 1, D)
     keep: list = []
-    pre = rope is not None
-    plan = LayerPlan(B=b, H=hkv, R=hq // hkv, D=d, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
-                     dtype=DTYPE_CODE[dtype], rotate_k=int(view.k_codec.rotate and not pre),
-                     rotate_v=int(view.v_codec.rotate), out=out.data_ptr())
-    if view.key_center is not None and not pre:  # stored keys are centered: shift the new one alike
-        center = view.key_center.float().contiguous()  # (B, H, 1, D)
-        keep.append(center)
-        plan.k_center = center.data_ptr()
-    k_parts, v_parts = view.parts()
-    angles = rope(max(p.first_position + p.n for p in k_parts)) if pre and k_parts else None
-    for values, parts, slots, count in ((False, k_parts, plan.kparts, "nk"), (True, v_parts, plan.vparts, "nv")):
-        setattr(plan, count, len(parts))
-        for i, part in enumerate(parts):
-            src = row_source(part, None if values else angles, None if values else view.key_center, keep)
-            slots[i].route, slots[i].n, slots[i].src = route(lib, values, part, src, hq // hkv, d), part.n, src
+    plan = layer_plan(lib, view, hq // hkv, d, rope, keep)
+    plan.B, plan.H, plan.dtype = b, hkv, DTYPE_CODE[dtype]
+    plan.q, plan.k, plan.v, plan.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     ops.attend_layer(lib, plan)
     view.count_kernel_read()
     return out

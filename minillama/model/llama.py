@@ -17,7 +17,9 @@ from minillama.model.attention import attend, attend_cache
 from minillama.model.config import LlamaConfig
 from minillama.model.linear import MAX_ROWS, DecodeLinear, concat_rows, project
 from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
+from minillama.model.step import NativeStep
 from minillama.native import backend, ops
+from minillama.native.abi import NotSupported
 
 
 class RMSNorm(nn.Module):
@@ -130,6 +132,7 @@ class Llama(nn.Module):
         self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)  # (D/2,)
         self.rotary: RotaryTable | None = None  # angles of every position, for keys stored before RoPE
+        self._native_steps: dict = {}  # (library, batch, dtype) -> NativeStep (model/step.py)
 
     def fuse_projections(self) -> "Llama":
         """Concatenate q/k/v and gate/up weights so each group is one matrix product.
@@ -162,6 +165,14 @@ class Llama(nn.Module):
         """
         return self.lm_head(self.hidden(tokens, cache, last_only))  # (B, T, vocab)
 
+    def native_step(self, lib, batch: int) -> NativeStep:
+        """The layers described to the native decode step for this batch size, built on first use
+        (pointers to the weights, which inference never changes; derived data, not state)."""
+        key = (id(lib), batch, self.dtype)
+        if key not in self._native_steps:
+            self._native_steps[key] = NativeStep(self, lib, batch)
+        return self._native_steps[key]
+
     def step_kernels(self, x: torch.Tensor):
         """The compiled library for a decode step of x (B, 1, hidden) -- one token per sequence, at
         most MAX_ROWS sequences, float32 or bfloat16, fused q/k/v -- on the kernels backend; else None."""
@@ -184,12 +195,20 @@ class Llama(nn.Module):
                 self.rotary = RotaryTable(self.inv_freq)
             rotary = self.rotary
             rotary.get(int(positions[-1]) + 1)  # every position a key of this step can have
-        new_kv = []
-        for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, cache, i, rotary, lib)
-            new_kv.append(kv)
-        if cache is not None:
-            cache.append(new_kv)  # the one place the cache grows
+        stepped = False
+        if lib is not None:
+            try:  # the same layers, one native call each (model/step.py); it appends to the cache
+                x = self.native_step(lib, x.shape[0]).run(x, cos, sin, cache, rotary)
+                stepped = True
+            except NotSupported as e:
+                backend.fallback(f"decode step: {e}")
+        if not stepped:
+            new_kv = []
+            for i, layer in enumerate(self.model.layers):
+                x, kv = layer(x, cos, sin, cache, i, rotary, lib)
+                new_kv.append(kv)
+            if cache is not None:
+                cache.append(new_kv)  # the one place the cache grows
         if last_only:
             x = x[:, -1:]
         return self.model.norm(x)  # (B, T, hidden)

@@ -31,6 +31,7 @@ extern "C" int minillama_abi_size(int which) {
         case 0: return (int)sizeof(RowSource);
         case 1: return (int)sizeof(Part);
         case 2: return (int)sizeof(LayerPlan);
+        case 3: return (int)sizeof(LayerStep);
         default: return -1;
     }
 }

@@ -65,19 +65,30 @@ class LayerPlan(ctypes.Structure):
                 ("out", ctypes.c_void_p)]
 
 
-STRUCTS = [RowSource, Part, LayerPlan]  # minillama_abi_size(i) is the size of STRUCTS[i]
+class LayerStep(ctypes.Structure):
+    _fields_ = [("B", ctypes.c_int), ("hidden", ctypes.c_int), ("Hq", ctypes.c_int), ("Hkv", ctypes.c_int),
+                ("D", ctypes.c_int), ("I", ctypes.c_int), ("dtype", ctypes.c_int), ("eps", ctypes.c_float),
+                *[(name, ctypes.c_void_p) for name in ("w_in", "w_post", "w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu",
+                                                        "w_down", "b_down", "cos", "sin")],
+                ("pre_rope", ctypes.c_int), ("x", ctypes.c_void_p), ("k_new", ctypes.c_void_p),
+                ("v_new", ctypes.c_void_p), ("attn", ctypes.POINTER(LayerPlan)), ("scratch", ctypes.c_void_p)]
+
+
+STRUCTS = [RowSource, Part, LayerPlan, LayerStep]  # minillama_abi_size(i) is the size of STRUCTS[i]
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name: (argument types, return type)
     "attend_layer": ([ctypes.POINTER(LayerPlan)], _I),
     "attend_part": ([_I, _I, _P, ctypes.POINTER(RowSource), _I, _I, _I, _I, _I, _I, _P], _I),
     "route_supported": ([_I, _I, ctypes.POINTER(RowSource), _I, _I], _I),
-    "gemm_rows": ([_P, _P, _I, _I, _I, _I, _P], _I),
+    "gemm_rows": ([_P, _I, _P, _I, _I, _I, _I, _P], _I),
     "add_rms_norm": ([_P, _P, _P, _I, _I, _I, _F, _P, _P], _I),
     "rope_rows": ([_P, _I, _I, _I, _I, _I64, _P, _P], _I),
     "silu_mul": ([_P, _I, _I, _I, _P], _I),
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
+    "decode_layer": ([ctypes.POINTER(LayerStep)], _I),
+    "step_scratch_bytes": ([_I, _I, _I, _I, _I, _I, _I], ctypes.c_int64),
     "minillama_features": ([], _I),
     "minillama_abi_size": ([_I], _I),
 }

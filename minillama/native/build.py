@@ -95,7 +95,8 @@ def build(target: str = "native") -> tuple[ctypes.CDLL | None, str]:
         done = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True)
         if done.returncode:
             tmp.unlink(missing_ok=True)
-            first = (done.stderr.strip().splitlines() or ["unknown error"])[0]
+            lines = done.stderr.strip().splitlines() or ["unknown error"]
+            first = next((line for line in lines if "error" in line), lines[0])
             return None, f"the kernel build failed ({first[:120]})"
         os.replace(tmp, lib_path)
     try:

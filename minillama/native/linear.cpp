@@ -1,26 +1,44 @@
 // Skinny matrix products for decode steps: a few rows of activations against float32 or
 // bfloat16 weights (CPU, OpenMP).
 //
-//   y[m, n] = sum_k x[m, k] * W[n, k]      x float32 (M, K), W (N, K) row-major, y float32 (M, N)
+//   y[m, n] = sum_k x[m, k] * W[n, k]      x (M, K) float32 or bfloat16, W (N, K) row-major, y float32 (M, N)
 //
 // Decoding reads every weight once per step and does 2*M flops per weight, so for small M
-// (one token, or the W windows of a perplexity run) speed is set by how fast the weights
-// stream from memory. BLAS libraries tune for large M; for M <= 16 they reach a fraction of
-// the read bandwidth (on some CPUs a small one: MKL's float32 product of 4 rows reads about
-// 3 GB/s on an AMD EPYC with 19 GB/s of bandwidth). This loop streams each weight row once
-// for all M rows: the row is widened to float32 in registers and meets every row of x while
-// it sits in L1, accumulation is in float32, bfloat16 widens with one shift (it is the top
-// half of a float32). The model uses torch's F.linear (the reference) for
-// anything else: larger M, float16, CUDA.
+// (one token, or the W windows of a perplexity run) the product is bound by how fast the
+// weights stream from memory; BLAS libraries tune for large M and reach a fraction of that.
+// Here each thread streams a contiguous share of W's rows, TILE rows at a time (adjacent in
+// memory: one sequential stream), and every weight is read once for all M rows of x, with one
+// accumulator per (row of W, row of x) so no FMA waits on another. How a weight becomes a
+// float costs less than loading it:
+//   * AVX-512 BF16 (vdpbf16ps): bf16 weights meet bf16 activations directly, 32 products per
+//     instruction, accumulated in float32 -- no conversion at all;
+//   * otherwise bf16 is the top half of a float32, so a 32-bit lane holding weights (w0, w1)
+//     gives w1 as a float with one AND (0xFFFF0000) and w0 with one shift left by 16. The
+//     activations are split once per call into even and odd channels (XNNPACK's "shland"), so
+//     two FMAs use both halves: 2 instructions decode 2 vectors of weights (llama.cpp widens
+//     with vpmovzxwd + vpslld, 2 instructions per vector);
+//   * float32 weights are loaded and multiplied as they are.
+// Accumulation is float32 throughout; the result equals torch's F.linear up to summation order.
 
 #include "minillama.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define MINILLAMA_AVX2 1
+#define LIN_W 16  // floats per vector
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LIN_W 8
+#else
+#define LIN_W 0
 #endif
 
 static inline float bf16_to_float(uint16_t h) {
@@ -30,87 +48,211 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-// Weight element k of row w as float32; dtype 0 = float32, 2 = bfloat16.
-template <int DT>
-static inline float weight(const void* w, int64_t k) {
-    if (DT == 0) return ((const float*)w)[k];
-    return bf16_to_float(((const uint16_t*)w)[k]);
+// Element k of a row in dtype 0 (float32) or 2 (bfloat16), as float32.
+static inline float element(const void* row, int64_t k, int dtype) {
+    return dtype == 0 ? ((const float*)row)[k] : bf16_to_float(((const uint16_t*)row)[k]);
 }
 
-#ifdef MINILLAMA_AVX2
-// 8 weights from position k of a row, widened to float32.
-template <int DT>
-static inline __m256 load8(const void* w, int64_t k) {
-    if (DT == 0) return _mm256_loadu_ps((const float*)w + k);
-    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)w + k));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// The plain loop: reference for the vector paths and the whole product on CPUs without them.
+static void rows_scalar(const void* x, int xdt, const void* W, int wdt, int M, int n0, int n1, int N, int K, float* y) {
+    const int64_t wrow = (int64_t)K * (wdt == 0 ? 4 : 2), xrow = (int64_t)K * (xdt == 0 ? 4 : 2);
+    for (int n = n0; n < n1; n++) {
+        const char* w = (const char*)W + n * wrow;
+        for (int m = 0; m < M; m++) {
+            const char* xm = (const char*)x + m * xrow;
+            float acc = 0.f;
+            for (int k = 0; k < K; k++) acc += element(xm, k, xdt) * element(w, k, wdt);
+            y[(int64_t)m * N + n] = acc;
+        }
+    }
 }
 
-static inline float hsum(__m256 v) {
+#if LIN_W == 16
+typedef __m512 vf;
+static inline vf vzero() { return _mm512_setzero_ps(); }
+static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+// 32 bf16 weights (64 bytes) -> (even channels, odd channels) as floats
+static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
+    const __m512i v = _mm512_loadu_si512(w);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000)));
+}
+#elif LIN_W == 8
+typedef __m256 vf;
+static inline vf vzero() { return _mm256_setzero_ps(); }
+static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)w);
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000)));
 }
 #endif
 
-// One row of W against up to 4 rows of x (MB of them, known at compile time). Rows of W are
-// walked one at a time: on the machines measured here a single sequential stream per
-// thread reads memory faster than several interleaved ones (a 4-row tile streamed bf16
-// weights at 7 GB/s, one row at a time at 13 GB/s, of 18 GB/s a plain read reaches).
-// With a single x row two accumulators break the FMA dependency chain.
-template <int DT, int MB>
-static inline void row_dot(const float* x, int K, const void* w, float* out) {
-    float acc[MB > 1 ? MB : 2] = {0.f};
-    int k = 0;
-#ifdef MINILLAMA_AVX2
-    if (MB == 1) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-        for (; k + 16 <= K; k += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8<DT>(w, k), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8<DT>(w, k + 8), a1);
+#if LIN_W
+// TILE rows of W against M rows of x, K a multiple of 2 * LIN_W. FLOAT32 weights: x (M, K) floats.
+// bf16 weights: xe, xo (M, K/2) the even and odd channels of x.
+template <int TILE, int M, bool BF16>
+static inline void tile_rows(const float* xa, const float* xb, const void* W, int n, int N, int K, float* y) {
+    vf acc[TILE][M];
+    for (int t = 0; t < TILE; t++)
+        for (int m = 0; m < M; m++) acc[t][m] = vzero();
+    if (BF16) {
+        const int H = K / 2;  // pairs per row
+        for (int k = 0; k < H; k += LIN_W) {
+            vf xe[M], xo[M];
+            for (int m = 0; m < M; m++) xe[m] = vload(xa + (int64_t)m * H + k), xo[m] = vload(xb + (int64_t)m * H + k);
+            for (int t = 0; t < TILE; t++) {
+                vf we, wo;
+                split_bf16((const uint16_t*)W + (int64_t)(n + t) * K + 2 * k, we, wo);
+                for (int m = 0; m < M; m++) acc[t][m] = vfma(wo, xo[m], vfma(we, xe[m], acc[t][m]));
+            }
         }
-        acc[0] = hsum(_mm256_add_ps(a0, a1));
     } else {
-        __m256 a[MB];
-        for (int m = 0; m < MB; m++) a[m] = _mm256_setzero_ps();
-        for (; k + 8 <= K; k += 8) {
-            const __m256 wk = load8<DT>(w, k);
-            for (int m = 0; m < MB; m++) a[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (int64_t)m * K + k), wk, a[m]);
+        for (int k = 0; k < K; k += LIN_W) {
+            vf xv[M];
+            for (int m = 0; m < M; m++) xv[m] = vload(xa + (int64_t)m * K + k);
+            for (int t = 0; t < TILE; t++) {
+                const vf w = vload((const float*)W + (int64_t)(n + t) * K + k);
+                for (int m = 0; m < M; m++) acc[t][m] = vfma(w, xv[m], acc[t][m]);
+            }
         }
-        for (int m = 0; m < MB; m++) acc[m] = hsum(a[m]);
+    }
+    for (int t = 0; t < TILE; t++)
+        for (int m = 0; m < M; m++) y[(int64_t)m * N + n + t] = vsum(acc[t][m]);
+}
+
+template <int M, bool BF16>
+static void rows_vector(const float* xa, const float* xb, const void* W, int n0, int n1, int N, int K, float* y) {
+    constexpr int TILE = M <= 2 ? 4 : 2;  // accumulators: TILE * M vectors, within the register file
+    int n = n0;
+    for (; n + TILE <= n1; n += TILE) tile_rows<TILE, M, BF16>(xa, xb, W, n, N, K, y);
+    for (; n < n1; n++) tile_rows<1, M, BF16>(xa, xb, W, n, N, K, y);
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define LIN_DPBF16 1
+// bf16 weights x bf16 activations with vdpbf16ps: 32 products per instruction, float32 sums.
+template <int TILE, int M>
+static inline void tile_dpbf16(const uint16_t* x, const uint16_t* W, int n, int N, int K, float* y) {
+    __m512 acc[TILE][M];
+    for (int t = 0; t < TILE; t++)
+        for (int m = 0; m < M; m++) acc[t][m] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        __m512bh xv[M];
+        for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + k);
+        for (int t = 0; t < TILE; t++) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(W + (int64_t)(n + t) * K + k);
+            for (int m = 0; m < M; m++) acc[t][m] = _mm512_dpbf16_ps(acc[t][m], w, xv[m]);
+        }
+    }
+    for (int t = 0; t < TILE; t++)
+        for (int m = 0; m < M; m++) y[(int64_t)m * N + n + t] = _mm512_reduce_add_ps(acc[t][m]);
+}
+
+template <int M>
+static void rows_dpbf16(const uint16_t* x, const uint16_t* W, int n0, int n1, int N, int K, float* y) {
+    constexpr int TILE = M <= 2 ? 4 : 2;
+    int n = n0;
+    for (; n + TILE <= n1; n += TILE) tile_dpbf16<TILE, M>(x, W, n, N, K, y);
+    for (; n < n1; n++) tile_dpbf16<1, M>(x, W, n, N, K, y);
+}
+#else
+#define LIN_DPBF16 0
+#endif
+
+// The activations as the paths read them, prepared once per call (prepare_x).
+struct PreparedX {
+    int M, K, xdt, wdt;
+    const void* x;            // as given, (M, K)
+    std::vector<float> a, b;  // float32 copies: x, or its even / odd channels (M, K/2) for bf16 weights
+    bool vector;              // a vector path applies (K a multiple of the vector width)
+    bool dpbf16;              // bf16 x bf16 on vdpbf16ps
+};
+
+static void prepare_x(PreparedX& p) {
+    const int M = p.M, K = p.K;
+    p.dpbf16 = false;
+#if LIN_DPBF16
+    p.dpbf16 = p.xdt == 2 && p.wdt == 2 && K % 32 == 0;
+    if (p.dpbf16) {
+        p.vector = true;
+        return;
     }
 #endif
-    for (; k < K; k++) {  // the tail (and the whole row on CPUs without AVX2)
-        const float wk = weight<DT>(w, k);
-        for (int m = 0; m < MB; m++) acc[m] += x[(int64_t)m * K + k] * wk;
+#if LIN_W
+    p.vector = p.wdt == 2 ? K % (2 * LIN_W) == 0 : K % LIN_W == 0;
+    if (!p.vector) return;
+    if (p.wdt == 2) {  // even and odd channels of x, as floats
+        p.a.resize((size_t)M * K / 2), p.b.resize((size_t)M * K / 2);
+        for (int m = 0; m < M; m++)
+            for (int k = 0; k < K / 2; k++) {
+                p.a[(size_t)m * K / 2 + k] = element(p.x, (int64_t)m * K + 2 * k, p.xdt);
+                p.b[(size_t)m * K / 2 + k] = element(p.x, (int64_t)m * K + 2 * k + 1, p.xdt);
+            }
+    } else if (p.xdt != 0) {
+        p.a.resize((size_t)M * K);
+        for (int64_t i = 0; i < (int64_t)M * K; i++) p.a[i] = element(p.x, i, p.xdt);
     }
-    for (int m = 0; m < MB; m++) out[m] = acc[m];
+#else
+    p.vector = false;
+#endif
 }
 
-template <int DT>
-static void gemm_impl(const float* x, const void* W, int M, int N, int K, float* y) {
-    const int64_t row_bytes = (int64_t)K * (DT == 0 ? 4 : 2);
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const void* w = (const char*)W + n * row_bytes;
-        float out[4];
-        for (int m = 0; m < M; m += 4) {  // groups of 4 rows of x; the row of W is in L1 after the first
-            const float* xm = x + (int64_t)m * K;
-            const int mb = M - m < 4 ? M - m : 4;
-            if (mb == 4) row_dot<DT, 4>(xm, K, w, out);
-            else if (mb == 3) row_dot<DT, 3>(xm, K, w, out);
-            else if (mb == 2) row_dot<DT, 2>(xm, K, w, out);
-            else row_dot<DT, 1>(xm, K, w, out);
-            for (int j = 0; j < mb; j++) y[(int64_t)(m + j) * N + n] = out[j];
+// Rows m0 .. m0 + MB of x against rows [n0, n1) of W.
+template <int MB>
+static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1, int N, float* y) {
+    y += (int64_t)m0 * N;
+#if LIN_DPBF16
+    if (p.dpbf16) return rows_dpbf16<MB>((const uint16_t*)p.x + (int64_t)m0 * p.K, (const uint16_t*)W, n0, n1, N, p.K, y);
+#endif
+#if LIN_W
+    if (p.wdt == 2) {
+        const int64_t h = (int64_t)m0 * (p.K / 2);
+        return rows_vector<MB, true>(p.a.data() + h, p.b.data() + h, W, n0, n1, N, p.K, y);
+    }
+    const float* xa = p.a.empty() ? (const float*)p.x : p.a.data();
+    return rows_vector<MB, false>(xa + (int64_t)m0 * p.K, nullptr, W, n0, n1, N, p.K, y);
+#endif
+}
+
+// Rows [n0, n1) of y: M rows of x in blocks of 4, so a tile of weights meets each block while in L1.
+static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float* y) {
+    if (!p.vector) return rows_scalar(p.x, p.xdt, W, p.wdt, p.M, n0, n1, N, p.K, y);
+    for (int m0 = 0; m0 < p.M; m0 += 4) {
+        switch (std::min(4, p.M - m0)) {
+            case 1: rows_block<1>(p, m0, W, n0, n1, N, y); break;
+            case 2: rows_block<2>(p, m0, W, n0, n1, N, y); break;
+            case 3: rows_block<3>(p, m0, W, n0, n1, N, y); break;
+            default: rows_block<4>(p, m0, W, n0, n1, N, y);
         }
     }
 }
 
-extern "C" int gemm_rows(const float* x, const void* W, int dtype, int M, int N, int K, float* y) {
-    if (dtype != 0 && dtype != 2) return MINILLAMA_E_DTYPE;
-    if (M < 1 || N < 1 || K < 1) return MINILLAMA_E_SHAPE;
-    if (dtype == 0) gemm_impl<0>(x, W, M, N, K, y);
-    else gemm_impl<2>(x, W, M, N, K, y);
+// Each thread takes a contiguous share of W's rows (a multiple of 4), so each streams one region.
+extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
+    if ((dtype != 0 && dtype != 2) || (xdtype != 0 && xdtype != 2)) return MINILLAMA_E_DTYPE;
+    if (M < 1 || M > 16 || N < 1 || K < 1) return MINILLAMA_E_SHAPE;
+    PreparedX p{M, K, xdtype, dtype, x, {}, {}, false, false};
+    prepare_x(p);
+#pragma omp parallel
+    {
+#ifdef _OPENMP
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int tid = 0, nt = 1;
+#endif
+        const int share = ((N + nt - 1) / nt + 3) / 4 * 4;
+        const int n0 = std::min(N, tid * share), n1 = std::min(N, n0 + share);
+        if (n0 < n1) rows(p, W, n0, n1, N, y);
+    }
     return MINILLAMA_OK;
 }

@@ -81,6 +81,31 @@ struct LayerPlan {
     void* out;
 };
 
+// One decode step of one layer (step.cpp): RMSNorm, q/k/v, RoPE, attention, o_proj, residual,
+// RMSNorm, gate/up, SiLU x up, down, residual. Weights, norms, biases and x in `dtype`.
+struct LayerStep {
+    int B, hidden, Hq, Hkv, D, I, dtype;
+    float eps;
+    const void* w_in;    // (hidden) input_layernorm
+    const void* w_post;  // (hidden) post_attention_layernorm
+    const void* w_qkv;   // ((Hq + 2 Hkv) D, hidden), q | k | v rows
+    const void* b_qkv;   // ((Hq + 2 Hkv) D) or null
+    const void* w_o;     // (hidden, Hq D)
+    const void* b_o;
+    const void* w_gu;    // (2 I, hidden), gate | up rows
+    const void* b_gu;
+    const void* w_down;  // (hidden, I)
+    const void* b_down;
+    const float* cos;    // (D) float32: this token's RoPE angles (every sequence is at the same position)
+    const float* sin;
+    int pre_rope;        // the cache keeps keys before RoPE: k_new gets the unrotated key
+    void* x;             // (B, hidden): the residual stream, updated in place
+    void* k_new;         // (B, Hkv, D): the new key as the cache stores it
+    void* v_new;         // (B, Hkv, D): the new value
+    const LayerPlan* attn;  // the cache's parts of this layer (q, k, v, out are the step's own)
+    void* scratch;       // step_scratch_bytes(...) bytes
+};
+
 // -- entry points -------------------------------------------------------------------------
 
 // Attention (layer_attention.cpp). attend_part: one part alone; values = 0: x = q (B*H, R, D) and
@@ -91,8 +116,9 @@ int attend_part(int values, int route, const float* x, const RowSource* src, int
 // Whether `route` reads `src` (as values, or as keys) for R query heads per KV head of size D: 0 or a status.
 int route_supported(int route, int values, const RowSource* src, int R, int D);
 
-// Projections (linear.cpp): y (M, N) float32 = x (M, K) float32 @ W (N, K)^T, W float32 or bfloat16.
-int gemm_rows(const float* x, const void* W, int dtype, int M, int N, int K, float* y);
+// Projections (linear.cpp): y (M, N) float32 = x (M, K) @ W (N, K)^T; x and W float32 or bfloat16
+// (dtype codes), M <= 16.
+int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y);
 
 // Small decode-step ops (decode_ops.cpp), float32 or bfloat16, rounded as PyTorch rounds.
 int add_rms_norm(const void* x, const void* h, const void* weight, int dtype, int M, int N, float eps, void* sum,
@@ -106,6 +132,10 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
 int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
                   uint16_t* scale, uint16_t* zero);
 
+// One layer's decode step (step.cpp), and the scratch it needs.
+int decode_layer(const LayerStep* step);
+int64_t step_scratch_bytes(int B, int hidden, int Hq, int Hkv, int D, int I, int dtype);
+
 // What this build was compiled for (a bitmask of MINILLAMA_FEATURE_*), and struct sizes.
 enum MinillamaFeature {
     MINILLAMA_FEATURE_AVX2 = 1,      // AVX2 + FMA + F16C
@@ -116,7 +146,7 @@ enum MinillamaFeature {
     MINILLAMA_FEATURE_AVX512_VBMI = 32,
 };
 int minillama_features(void);
-int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan
+int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 LayerStep
 }
 
 // The layouts ctypes mirrors (x86-64 and aarch64 LP64: 8-byte pointers, 4-byte ints).
@@ -125,3 +155,4 @@ static_assert(sizeof(RowSource) == 128, "RowSource layout changed: update native
 static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56, "RowSource layout");
 static_assert(sizeof(Part) == 136, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
+static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 5 * 8, "LayerStep layout changed: update native/abi.py");

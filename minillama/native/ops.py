@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from minillama.native.abi import DTYPE_CODE, LayerPlan, NotSupported, RowSource, check
+from minillama.native.abi import DTYPE_CODE, LayerPlan, LayerStep, NotSupported, RowSource, check
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -26,14 +26,15 @@ def _code(t: torch.Tensor, what: str, allowed=(torch.float32, torch.bfloat16)) -
 
 
 def gemm_rows(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 @ weight (N, K)^T -> (M, N) float32 (``F.linear`` without bias), weight
-    float32 or bfloat16: the weights stream once for all M rows (kernels: linear.cpp)."""
+    """x (M, K) @ weight (N, K)^T -> (M, N) float32 (``F.linear`` without bias, before rounding), x and
+    weight float32 or bfloat16, M <= 16: the weights stream once for all M rows (native/linear.cpp)."""
     code = _code(weight, "gemm_rows")
     if not weight.is_contiguous():
         raise NotSupported("gemm_rows: weights must be contiguous")
-    x = x.float().contiguous()
+    x = x.contiguous() if x.dtype in (torch.float32, torch.bfloat16) else x.float().contiguous()
     y = torch.empty(x.shape[0], weight.shape[0])  # (M, N)
-    check(lib.gemm_rows(_p(x), _p(weight), code, x.shape[0], weight.shape[0], weight.shape[1], _p(y)), "gemm_rows")
+    check(lib.gemm_rows(_p(x), DTYPE_CODE[x.dtype], _p(weight), code, x.shape[0], weight.shape[0], weight.shape[1],
+                        _p(y)), "gemm_rows")
     return y
 
 
@@ -120,3 +121,8 @@ def attend_part(lib, values: bool, route: int, x: torch.Tensor, column: int, src
     out_ptr = out.data_ptr() + (0 if values else 4 * column)
     check(lib.attend_part(int(values), route, ctypes.c_void_p(x_ptr), ctypes.byref(src), b, h, r, d, n, ld,
                           ctypes.c_void_p(out_ptr)), "attend_part")
+
+
+def decode_layer(lib, step: LayerStep) -> None:
+    """One layer of a decode step as described by `step` (model/step.py builds it)."""
+    check(lib.decode_layer(ctypes.byref(step)), "decode_layer")

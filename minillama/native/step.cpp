@@ -1,0 +1,109 @@
+// One decode step of one Llama layer in a single call: the same operations, in the same order
+// and with the same roundings, as model/llama.py's DecoderLayer for one token per sequence:
+//
+//   normed = RMSNorm(x) * w_in
+//   q, k, v = normed @ W_qkv^T (+ b)            one skinny product for the three (linear.cpp)
+//   q, k = RoPE(q), RoPE(k)                      the new token's position
+//   a = attention(q, k, v, cache)                every held part of the layer (layer_attention.cpp)
+//   x = x + a @ W_o^T (+ b);  normed = RMSNorm(x) * w_post
+//   g, u = normed @ W_gu^T (+ b);  x = x + (silu(g) * u) @ W_down^T (+ b)
+//
+// Each product accumulates in float32 and is rounded to the model's dtype once, with its bias
+// added before the rounding, as torch's F.linear does; norms, RoPE and SiLU round where the
+// PyTorch reference rounds (decode_ops.cpp). On a small CPU each PyTorch call costs tens of
+// microseconds and a layer made ~20 of them besides its kernels: here it is one call. The new
+// key (before RoPE when the cache keeps pre-RoPE keys) and value are written out for the
+// cache's append, which Python makes once for all layers after the step.
+
+#include "dtypes.h"
+#include "minillama.h"
+
+#include <algorithm>
+#include <cstring>
+
+static inline void put_rounded(float v, int dtype, void* out, int64_t i) {
+    if (dtype == 0) {
+        ((float*)out)[i] = v;
+    } else {
+        const float r = round_to_dtype(v, dtype);
+        uint32_t u;
+        std::memcpy(&u, &r, 4);
+        ((uint16_t*)out)[i] = (uint16_t)(u >> 16);
+    }
+}
+
+// out (M, N) in dtype = round(y + bias), y float32 (M, N), bias (N) in dtype or null.
+static void round_product(const float* y, const void* bias, int dtype, int M, int N, void* out) {
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            float v = y[(int64_t)m * N + n];
+            if (bias) v += load_value(bias, n, dtype);
+            put_rounded(v, dtype, out, (int64_t)m * N + n);
+        }
+}
+
+// rows x (M, N) of dtype elements: out = round(x + h)
+static void add_rounded(const void* x, const void* h, int dtype, int64_t n, void* out) {
+    for (int64_t i = 0; i < n; i++) put_rounded(load_value(x, i, dtype) + load_value(h, i, dtype), dtype, out, i);
+}
+
+static inline size_t esize(int dtype) { return dtype == 0 ? 4 : 2; }
+
+extern "C" int decode_layer(const LayerStep* step) {
+    const LayerStep& s = *step;
+    const int B = s.B, E = s.hidden, D = s.D, Hq = s.Hq, Hkv = s.Hkv, dt = s.dtype;
+    if (dt != 0 && dt != 2) return MINILLAMA_E_DTYPE;
+    if (B < 1 || B > 16 || Hq % Hkv || D % 2) return MINILLAMA_E_SHAPE;
+    const int QKV = (Hq + 2 * Hkv) * D, es = (int)esize(dt);
+    char* b = (char*)s.scratch;  // the scratch layout, in order (step_scratch_bytes says how much)
+    auto take = [&](size_t bytes) { char* p = b; b += (bytes + 63) / 64 * 64; return (void*)p; };
+    void* normed = take((size_t)B * E * es);
+    void* qkv = take((size_t)B * QKV * es);
+    void* q = take((size_t)B * Hq * D * es);
+    void* k = take((size_t)B * Hkv * D * es);
+    void* a = take((size_t)B * Hq * D * es);
+    void* h = take((size_t)B * E * es);
+    void* gu = take((size_t)B * 2 * s.I * es);
+    void* act = take((size_t)B * s.I * es);
+    float* y = (float*)take((size_t)B * std::max(std::max(QKV, 2 * s.I), E) * 4);
+
+    if (int st = add_rms_norm(s.x, nullptr, s.w_in, dt, B, E, s.eps, nullptr, normed)) return st;
+    if (int st = gemm_rows(normed, dt, s.w_qkv, dt, B, QKV, E, y)) return st;
+    round_product(y, s.b_qkv, dt, B, QKV, qkv);
+    for (int bb = 0; bb < B; bb++) {  // q, k, v out of the fused row; the stored key (and v) for the cache
+        const char* row = (const char*)qkv + (size_t)bb * QKV * es;
+        std::memcpy((char*)q + (size_t)bb * Hq * D * es, row, (size_t)Hq * D * es);
+        std::memcpy((char*)k + (size_t)bb * Hkv * D * es, row + (size_t)Hq * D * es, (size_t)Hkv * D * es);
+        std::memcpy((char*)s.v_new + (size_t)bb * Hkv * D * es, row + (size_t)(Hq + Hkv) * D * es, (size_t)Hkv * D * es);
+    }
+    if (s.pre_rope) std::memcpy(s.k_new, k, (size_t)B * Hkv * D * es);  // stored before RoPE
+    rope_rows(q, dt, B, Hq, D, (int64_t)Hq * D, s.cos, s.sin);
+    rope_rows(k, dt, B, Hkv, D, (int64_t)Hkv * D, s.cos, s.sin);
+    if (!s.pre_rope) std::memcpy(s.k_new, k, (size_t)B * Hkv * D * es);
+
+    LayerPlan plan = *s.attn;  // the cache's parts; the step's own q, k, v and output
+    plan.B = B, plan.H = Hkv, plan.R = Hq / Hkv, plan.D = D, plan.dtype = dt;
+    plan.q = q, plan.k = k, plan.v = s.v_new, plan.out = a;
+    if (int st = attend_layer(&plan)) return st;
+
+    if (int st = gemm_rows(a, dt, s.w_o, dt, B, E, Hq * D, y)) return st;
+    round_product(y, s.b_o, dt, B, E, h);
+    add_rms_norm(s.x, h, s.w_post, dt, B, E, s.eps, s.x, normed);  // x <- round(x + h), normed
+    if (int st = gemm_rows(normed, dt, s.w_gu, dt, B, 2 * s.I, E, y)) return st;
+    round_product(y, s.b_gu, dt, B, 2 * s.I, gu);
+    silu_mul(gu, dt, B, s.I, act);
+    if (int st = gemm_rows(act, dt, s.w_down, dt, B, E, s.I, y)) return st;
+    round_product(y, s.b_down, dt, B, E, h);
+    add_rounded(s.x, h, dt, (int64_t)B * E, s.x);
+    return MINILLAMA_OK;
+}
+
+extern "C" int64_t step_scratch_bytes(int B, int hidden, int Hq, int Hkv, int D, int I, int dtype) {
+    const int64_t es = esize(dtype), QKV = (int64_t)(Hq + 2 * Hkv) * D;
+    const int64_t sizes[] = {B * hidden * es, B * QKV * es, (int64_t)B * Hq * D * es, (int64_t)B * Hkv * D * es,
+                             (int64_t)B * Hq * D * es, B * hidden * es, (int64_t)B * 2 * I * es, (int64_t)B * I * es,
+                             B * std::max(std::max(QKV, (int64_t)2 * I), (int64_t)hidden) * 4};
+    int64_t total = 0;
+    for (int64_t n : sizes) total += (n + 63) / 64 * 64;
+    return total;
+}
