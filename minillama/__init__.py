@@ -9,6 +9,13 @@ The public API, each piece a plain function or class you can call from Python:
     for token, stats in generate(lm.model, ids, cache, 20, SamplingParams(temperature=0)):
         print(lm.tokenizer.decode([token]), end="")
 
+A prompt's cache as a file, reused by another process (model/prompt_cache.py):
+
+    logits = prefill(lm.model, ids, cache)[0]                    # (V,)
+    save_prompt_cache(lm, cache, ids, "doc.kv", logits)          # atomic; checked when loaded
+    saved = load_prompt_cache(lm, "doc.kv", "hadv2")             # CacheFileError (one line) if it cannot be used
+    cache, reused, logits = reuse_prefix(saved, ids)             # reused == len(ids): nothing to prefill
+
 ``set_backend("reference")`` runs everything as plain PyTorch (native/backend.py).
 """
 
@@ -21,9 +28,10 @@ from minillama.kv.interface import Cache
 from minillama.kv.spec import PRESETS, KVSpec, parse_kv
 from minillama.model.generate import decode_step, generate, prefill
 from minillama.model.loader import load_model
+from minillama.model.prompt_cache import load_prompt_cache, reuse_prefix, save_prompt_cache
 from minillama.model.sampling import SamplingParams
 from minillama.native.backend import set_backend, using
 
 __all__ = ["CODECS", "PRESETS", "Cache", "ChatSession", "Codec", "KVCache", "KVSpec", "SamplingParams", "decode_step",
-           "fetch_default", "generate", "load_model", "parse_kv", "perplexity", "prefill", "register", "set_backend",
-           "using"]
+           "fetch_default", "generate", "load_model", "load_prompt_cache", "parse_kv", "perplexity", "prefill",
+           "register", "reuse_prefix", "save_prompt_cache", "set_backend", "using"]

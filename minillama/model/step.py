@@ -50,6 +50,14 @@ class NativeStep:
                 w_down=_ptr(mlp.down_proj.weight), b_down=_ptr(mlp.down_proj.bias), k_new=_ptr(self.new_k[i]),
                 v_new=_ptr(self.new_v[i]), scratch=_ptr(self.scratch)))
 
+    def time_phases(self, timing: torch.Tensor | None) -> None:
+        """Profiling: every layer call adds the wall seconds of its projections, attention and the
+        rest to timing (3,) float64 (bench/step_profile.py); None stops it."""
+        ptr = ctypes.cast(timing.data_ptr(), ctypes.POINTER(ctypes.c_double)) if timing is not None else None
+        self._timing = timing  # kept alive while the kernels write to it
+        for step in self.steps:
+            step.timing = ptr
+
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None, rotary=None
             ) -> torch.Tensor:
         """x (B, 1, hidden) after the embedding -> the last layer's output (B, 1, hidden); the cache

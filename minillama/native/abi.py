@@ -71,7 +71,8 @@ class LayerStep(ctypes.Structure):
                 *[(name, ctypes.c_void_p) for name in ("w_in", "w_post", "w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu",
                                                         "w_down", "b_down", "cos", "sin")],
                 ("pre_rope", ctypes.c_int), ("x", ctypes.c_void_p), ("k_new", ctypes.c_void_p),
-                ("v_new", ctypes.c_void_p), ("attn", ctypes.POINTER(LayerPlan)), ("scratch", ctypes.c_void_p)]
+                ("v_new", ctypes.c_void_p), ("attn", ctypes.POINTER(LayerPlan)), ("scratch", ctypes.c_void_p),
+                ("timing", ctypes.POINTER(ctypes.c_double))]
 
 
 STRUCTS = [RowSource, Part, LayerPlan, LayerStep]  # minillama_abi_size(i) is the size of STRUCTS[i]

@@ -104,7 +104,11 @@ struct LayerStep {
     void* v_new;         // (B, Hkv, D): the new value
     const LayerPlan* attn;  // the cache's parts of this layer (q, k, v, out are the step's own)
     void* scratch;       // step_scratch_bytes(...) bytes
+    double* timing;      // null, or STEP_PHASES seconds the call adds its phases' wall time to (profiling)
 };
+// The phases decode_layer times when asked: projections (the four products), attention, the rest
+// (norms, rounding, RoPE, SiLU, copies).
+enum { STEP_PROJECTIONS = 0, STEP_ATTENTION = 1, STEP_REST = 2, STEP_PHASES = 3 };
 
 // -- entry points -------------------------------------------------------------------------
 
@@ -155,4 +159,4 @@ static_assert(sizeof(RowSource) == 128, "RowSource layout changed: update native
 static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56, "RowSource layout");
 static_assert(sizeof(Part) == 136, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
-static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 5 * 8, "LayerStep layout changed: update native/abi.py");
+static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8, "LayerStep layout changed: update native/abi.py");

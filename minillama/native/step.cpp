@@ -19,7 +19,20 @@
 #include "minillama.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+
+// Adds the wall time since the last lap to one phase of s.timing (when profiling; else nothing).
+struct Laps {
+    double* timing;
+    std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+    void lap(int phase) {
+        if (!timing) return;
+        const auto now = std::chrono::steady_clock::now();
+        timing[phase] += std::chrono::duration<double>(now - last).count();
+        last = now;
+    }
+};
 
 static inline void put_rounded(float v, int dtype, void* out, int64_t i) {
     if (dtype == 0) {
@@ -67,8 +80,11 @@ extern "C" int decode_layer(const LayerStep* step) {
     void* act = take((size_t)B * s.I * es);
     float* y = (float*)take((size_t)B * std::max(std::max(QKV, 2 * s.I), E) * 4);
 
+    Laps t{s.timing};
     if (int st = add_rms_norm(s.x, nullptr, s.w_in, dt, B, E, s.eps, nullptr, normed)) return st;
+    t.lap(STEP_REST);
     if (int st = gemm_rows(normed, dt, s.w_qkv, dt, B, QKV, E, y)) return st;
+    t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_qkv, dt, B, QKV, qkv);
     for (int bb = 0; bb < B; bb++) {  // q, k, v out of the fused row; the stored key (and v) for the cache
         const char* row = (const char*)qkv + (size_t)bb * QKV * es;
@@ -84,17 +100,25 @@ extern "C" int decode_layer(const LayerStep* step) {
     LayerPlan plan = *s.attn;  // the cache's parts; the step's own q, k, v and output
     plan.B = B, plan.H = Hkv, plan.R = Hq / Hkv, plan.D = D, plan.dtype = dt;
     plan.q = q, plan.k = k, plan.v = s.v_new, plan.out = a;
+    t.lap(STEP_REST);
     if (int st = attend_layer(&plan)) return st;
+    t.lap(STEP_ATTENTION);
 
     if (int st = gemm_rows(a, dt, s.w_o, dt, B, E, Hq * D, y)) return st;
+    t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_o, dt, B, E, h);
     add_rms_norm(s.x, h, s.w_post, dt, B, E, s.eps, s.x, normed);  // x <- round(x + h), normed
+    t.lap(STEP_REST);
     if (int st = gemm_rows(normed, dt, s.w_gu, dt, B, 2 * s.I, E, y)) return st;
+    t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_gu, dt, B, 2 * s.I, gu);
     silu_mul(gu, dt, B, s.I, act);
+    t.lap(STEP_REST);
     if (int st = gemm_rows(act, dt, s.w_down, dt, B, E, s.I, y)) return st;
+    t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_down, dt, B, E, h);
     add_rounded(s.x, h, dt, (int64_t)B * E, s.x);
+    t.lap(STEP_REST);
     return MINILLAMA_OK;
 }
 

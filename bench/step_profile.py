@@ -1,0 +1,132 @@
+"""Where the milliseconds of one decode step go (default model unless --model; bf16 weights).
+
+    python bench/step_profile.py --context 512 --kv fp16
+    python bench/step_profile.py --context 8192 --kv hadv2 --fill synthetic
+
+One step on the kernels backend is: Python builds the positions, embedding and RoPE angles
+(model/llama.py: hidden), describes each layer's cache parts to the kernels (kv/fused_attention.py:
+layer_plan), makes one native call per layer (native/step.cpp: norm, q/k/v, RoPE, attention,
+o, norm, gate/up, SiLU, down), appends every layer's new keys and values to the cache (encoding
+them: kv/write.py), then the final norm and the LM head. The script times each of those
+wrappers over real steps; the native layer call itself adds the wall time of its projections,
+attention and the rest to counters when asked (native/step.cpp: LayerStep.timing). Timing wrappers add a few microseconds per call: the total with them is
+printed beside the total without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import time
+
+import torch
+
+from minillama.app.default_model import resolve_model
+from minillama.eval.bench import measure_bandwidth, projection_ms, weight_bytes_per_token
+from minillama.eval.datasets import load as load_text
+from minillama.eval.synthetic import fill_synthetic
+from minillama.kv.cache import KVCache
+from minillama.kv.spec import parse_kv
+from minillama.model import step as step_module
+from minillama.model.generate import decode_step, prefill
+from minillama.model.loader import load_model
+from minillama.native import backend, ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--kv", default="fp16")
+    ap.add_argument("--fill", choices=["prefill", "synthetic"], default="prefill")
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+
+    lm = load_model(resolve_model(args.model), "bfloat16")
+    cfg = lm.config
+    cache = KVCache.for_model(cfg, parse_kv(args.kv), args.context + 2 * args.steps + 16)
+    ids = lm.tokenizer.encode(load_text("hamlet"))[: args.context]
+    if args.fill == "prefill":
+        prefill(lm.model, ids, cache)
+    else:
+        fill_synthetic(cache, args.context)
+    token = ids[-1]
+
+    def steps(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            decode_step(lm.model, token, cache)
+        return (time.perf_counter() - t0) / n * 1000
+
+    steps(5)
+    plain = statistics.median(steps(args.steps // 4) for _ in range(4))
+
+    acc: dict[str, float] = collections.defaultdict(float)
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            acc[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    ops.decode_layer = timed("native layer calls", ops.decode_layer)
+    step_module.layer_plan = timed("layer plans (Python)", step_module.layer_plan)
+    KVCache.append = timed("cache append (encode + write)", KVCache.append)
+    lm.model.lm_head.forward = timed("final LM head", lm.model.lm_head.forward)
+    lm.model.model.norm.forward = timed("final norm", lm.model.model.norm.forward)
+    steps(3)
+    acc.clear()
+    timed_total = steps(args.steps)
+    parts = {k: v / args.steps * 1000 for k, v in acc.items()}
+
+    layers = cfg.num_hidden_layers
+    phases = torch.zeros(3, dtype=torch.float64)  # projections, attention, rest: seconds, inside the layer calls
+    native = lm.model.native_step(backend.library(), 1)
+    native.time_phases(phases)
+    steps(args.steps)
+    native.time_phases(None)
+    proj_in, attn_in, rest_in = (float(v) / args.steps * 1000 for v in phases)
+    proj = projection_ms(lm.model)
+    lm_head = projection_ms_of(lm.model.lm_head.weight)
+    bandwidth = measure_bandwidth()
+    weights = weight_bytes_per_token(lm.model)
+    read = weights + cache.bytes.last_read
+    print(f"{lm.name}, bf16 weights, kv {args.kv} at {args.context} tokens ({args.fill}); backend {backend.describe()}")
+    print(f"step {plain:.2f} ms without timers ({timed_total:.2f} ms with); {read / 1e6:.1f} MB read per token "
+          f"({weights / 1e6:.1f} MB weights): floor {read / bandwidth * 1000:.2f} ms at the measured "
+          f"{bandwidth / 1e9:.1f} GB/s, roofline {100 * read / bandwidth * 1000 / plain:.0f}%")
+    native = parts.get("native layer calls", 0.0)
+    rows = [("native layer calls", native),
+            ("  projections (q/k/v, o, gate/up, down)", proj_in),
+            ("  attention over the cache", attn_in),
+            ("  rest: norms, rounding, RoPE, SiLU, copies", rest_in),
+            ("  call overhead (ctypes, timers)", native - proj_in - attn_in - rest_in)]
+    rows += [(k, v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if k != "native layer calls"]
+    rows.append(("  of which the LM head's projection (alone)", lm_head))
+    rows.append(("(projections alone, outside the step: every layer + LM head)", proj))
+    rows.append(("Python between (embedding, angles, glue)", timed_total - sum(parts.values())))
+    for name, ms in rows:
+        print(f"  {name:48s} {ms:7.2f} ms")
+
+
+def projection_ms_of(weight: torch.Tensor, repeats: int = 20) -> float:
+    """Median ms of one product of one row with `weight` (the kernel a step uses)."""
+    lib = backend.library()
+    x = torch.randn(1, weight.shape[1]).to(weight.dtype)  # (1, in)
+    times = []
+    for i in range(3 + repeats):
+        t0 = time.perf_counter()
+        ops.gemm_rows(lib, x, weight) if lib is not None else torch.nn.functional.linear(x, weight)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
