@@ -22,9 +22,10 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from minillama.app.default_model import resolve_model
-from minillama.eval.bench import measure_bandwidth, projection_ms, weight_bytes_per_token
+from minillama.eval.bench import measure_bandwidth, median_ms, projection_ms, weight_bytes_per_token
 from minillama.eval.datasets import load as load_text
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
@@ -114,17 +115,11 @@ def main() -> None:
         print(f"  {name:48s} {ms:7.2f} ms")
 
 
-def projection_ms_of(weight: torch.Tensor, repeats: int = 20) -> float:
+def projection_ms_of(weight: torch.Tensor) -> float:
     """Median ms of one product of one row with `weight` (the kernel a step uses)."""
     lib = backend.library()
     x = torch.randn(1, weight.shape[1]).to(weight.dtype)  # (1, in)
-    times = []
-    for i in range(3 + repeats):
-        t0 = time.perf_counter()
-        ops.gemm_rows(lib, x, weight) if lib is not None else torch.nn.functional.linear(x, weight)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return median_ms(lambda: ops.gemm_rows(lib, x, weight) if lib is not None else F.linear(x, weight), 20)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -152,13 +153,7 @@ def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 20) -> float:
     q = torch.randn(1, cfg.num_attention_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype)
     k, v = (torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype) for _ in range(2))
     rotary = lm.model.rotary if cache.pre_rope else None
-    times = []
-    for i in range(3 + repeats):
-        t0 = time.perf_counter()
-        attend_cache(q, k, v, cache.layer(0), rotary)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return median_ms(lambda: attend_cache(q, k, v, cache.layer(0), rotary), repeats)
 
 
 @torch.inference_mode()
@@ -182,12 +177,18 @@ def projection_ms(model, repeats: int = 10) -> float:
             x = xs[w.shape[1]]
             ops.gemm_rows(lib, x, w) if lib is not None else torch.nn.functional.linear(x, w)
 
+    return median_ms(one_pass, repeats, warmup=2)
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """Median wall milliseconds of `repeats` calls of fn, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
     times = []
-    for i in range(2 + repeats):
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        one_pass()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
+        fn()
+        times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)
 
 
