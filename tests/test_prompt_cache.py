@@ -254,7 +254,7 @@ def test_generate_reuses_the_file_and_refuses_bad_ones_in_one_line(tiny_dir, tmp
     assert cache_file.exists() and "reused" not in first.stderr
     second = run_generate(tiny_dir, text, cache_file)
     assert second.stdout == first.stdout
-    assert "prompt cache: reused" in second.stderr and "prefilled 0" in second.stderr
+    assert "prompt cache: reused" in second.stderr and "nothing to prefill (all from the cache)" in second.stderr
     good = cache_file.read_bytes()
     for how in ("truncated", "flipped"):
         damaged(cache_file, how)

@@ -10,7 +10,6 @@ the chat goes on (or stops clearly with on_full="stop").
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -23,12 +22,12 @@ import torch
 
 from minillama.app.chat_template import encode_chat
 from minillama.kv.cache import KVCache
-from minillama.kv.file import CacheFileError, read_header
+from minillama.kv.file import CacheFileError, check_replaceable, read, read_header, write_atomic
 from minillama.kv.spec import KVSpec, parse_kv
 from minillama.errors import UserError
 from minillama.model.generate import GenerationStats, generate, prefill
 from minillama.model.loader import LoadedModel
-from minillama.model.prompt_cache import load_prompt_cache, save_prompt_cache
+from minillama.model.prompt_cache import encode_prompt_cache, keep_common_prefix, load_prompt_cache
 from minillama.model.sampling import SamplingParams
 from minillama.model.tokenizer import StreamDecoder
 from minillama.native import backend
@@ -36,26 +35,39 @@ from minillama.native import backend
 DEFAULT_SAMPLING = SamplingParams(temperature=0.7, top_k=0, top_p=0.9, min_p=0.05, repeat_penalty=1.1)
 
 
-def sampling_from_generation_config(gen: dict, base: SamplingParams = DEFAULT_SAMPLING) -> SamplingParams:
-    """The model's generation_config.json sampling settings over our documented defaults."""
-    if gen.get("do_sample") is False:
-        return SamplingParams(temperature=0.0)
-    return SamplingParams(
-        temperature=gen.get("temperature", base.temperature), top_k=gen.get("top_k", base.top_k),
-        top_p=gen.get("top_p", base.top_p), min_p=gen.get("min_p", base.min_p),
-        repeat_penalty=gen.get("repetition_penalty", base.repeat_penalty))
+def json_conversation(path: str) -> dict | None:
+    """An older /save file: a JSON object with a messages list; None when `path` is not one."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("messages"), list) else None
 
 
-def stop_ids(lm: LoadedModel) -> set[int]:
-    """End-of-turn and end-of-sequence ids: generation_config, tokenizer eos, known turn ends."""
-    ids: set[int] = set()
-    for source in (lm.generation_config.get("eos_token_id"), lm.config.eos_token_id):
-        ids |= set(source if isinstance(source, list) else [source] if source is not None else [])
-    tok = lm.tokenizer
-    for name in (tok.eos_token, "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
-        if name in tok.specials:
-            ids.add(tok.specials[name])
-    return ids
+def check_save_target(path: str) -> None:
+    """/save and --prompt-cache replace only a missing file, a minillama cache file or a JSON
+    conversation; anything else (notes, a prompt, a model's weights) is refused untouched."""
+    try:
+        check_replaceable(path)
+    except CacheFileError:
+        if json_conversation(path) is None:
+            raise
+
+
+def sampling_from_generation_config(gen: dict, overrides: dict | None = None, base: SamplingParams = DEFAULT_SAMPLING,
+                                    where: str = "generation_config.json") -> SamplingParams:
+    """The sampling settings: `overrides` (the command line's, None = not given) over the model's
+    generation_config.json over our documented defaults."""
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if gen.get("do_sample") is False:  # greedy, nothing else applied
+        gen, base = {}, SamplingParams(temperature=0.0)
+    names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+             "repeat_penalty": "repetition_penalty"}
+    values = {ours: given.get(ours, gen.get(theirs, getattr(base, ours))) for ours, theirs in names.items()}
+    try:
+        return SamplingParams(**values)
+    except UserError as e:
+        raise UserError(f"{where}: {e} (override it with the matching option)") from None
 
 
 @contextmanager
@@ -97,7 +109,7 @@ class ChatSession:
         self.ctx = ctx or lm.config.max_position_embeddings
         self.generator = torch.Generator(lm.model.device).manual_seed(seed)
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.stops = stop_ids(lm)
+        self.stops = lm.stop_ids()
         self.cache = self._new_cache(spec)
         self.cached_ids: list[int] = []  # every token fed to the cache, in order (evicted ones too)
         self.last = TurnStats()
@@ -112,13 +124,7 @@ class ChatSession:
 
     def _sync(self, ids: list[int]) -> list[int]:
         """Keep the cached prefix that `ids` shares; return the tokens still to prefill."""
-        common = 0
-        for a, b in zip(self.cached_ids, ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)  # feed at least one token, so there are logits to sample
-        kept = self.cache.truncate(common) if common < len(self.cached_ids) else common
+        kept = keep_common_prefix(self.cache, self.cached_ids, ids)
         self.cached_ids = self.cached_ids[:kept]
         return ids[kept:]
 
@@ -173,25 +179,19 @@ class ChatSession:
 
     def save(self, path: str) -> int:
         """Write the conversation and its cache to one file (kv/file.py), atomically: the old file or
-        the new one, never half of it. Returns the bytes written."""
-        target = Path(path)
-        try:
-            is_dir = path.endswith(("/", os.sep)) or target.is_dir() or not target.name
-        except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte
-            raise UserError(f"cannot save to {path}: {e}") from None
-        if is_dir:
-            raise UserError(f"cannot save to {path}: it is a directory; name a file, e.g. {target / 'chat.kv'}")
-        try:
-            return save_prompt_cache(self.lm, self.cache, self.cached_ids, path,
-                                     extra={"messages": self.messages, "kv": str(self.cache.spec)})
-        except ValueError as e:  # a path with a NUL byte
-            raise UserError(f"cannot save to {path}: {e}") from None
+        the new one, never half of it. Only a missing file, a minillama cache file or a JSON
+        conversation is replaced (``check_save_target``). Returns the bytes written."""
+        check_save_target(path)
+        data = encode_prompt_cache(self.lm, self.cache, self.cached_ids,
+                                   extra={"messages": self.messages, "kv": str(self.cache.spec)})
+        return write_atomic(path, data)
 
     def load(self, path: str) -> str:
         """Replace the conversation with one saved by ``save``, and the cache with its cache when it
         was made by this model with this session's --kv (no prefill); otherwise the cache is rebuilt
         by a prefill at the next turn. A JSON conversation (older /save files) loads the messages.
-        Returns one line saying which."""
+        A damaged file is refused whole: nothing from it is used, the session stays as it was.
+        Returns one line saying what was loaded."""
         not_ours = UserError(f"{path} is not a minillama conversation (a /save file, or JSON with a messages list)")
         try:
             with open(path, "rb") as f:
@@ -199,21 +199,25 @@ class ChatSession:
         except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte
             raise UserError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
         if head == b"{":  # a JSON conversation: messages only
-            try:
-                data = json.loads(Path(path).read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError):
-                raise not_ours from None
-            self._set_messages(data.get("messages") if isinstance(data, dict) else None, not_ours)
+            data = json_conversation(path)
+            if data is None:
+                raise not_ours
+            self._set_messages(data.get("messages"), not_ours)
             self.cache.reset()
             self.cached_ids = []
             return f"loaded {len(self.messages)} messages from {path}; the cache is rebuilt at the next turn"
         try:
-            header = read_header(path)
+            read_header(path)  # is it ours at all?
         except CacheFileError:
             raise not_ours from None
-        messages = (header.get("extra") or {}).get("messages")
         try:
-            saved = load_prompt_cache(self.lm, path, str(self.cache.spec), self.ctx)
+            whole = read(path)  # every checksum, the header's included, before anything is used
+        except CacheFileError as e:
+            raise UserError(f"{e}; nothing was loaded") from None
+        extra = whole.extra
+        messages = extra.get("messages") if isinstance(extra, dict) else None
+        try:
+            saved = load_prompt_cache(self.lm, whole, str(self.cache.spec), self.ctx, self.on_full)
         except CacheFileError as e:
             self._set_messages(messages, not_ours)
             self.cache.reset()
@@ -257,7 +261,7 @@ HELP = """Commands:
   /reset           forget the conversation (keeps the system prompt)
   /save FILE       save the conversation and its KV cache (one file)
   /load FILE       load a /save file: the conversation, and its cache when model and --kv match
-  /exit            quit (Ctrl-D works too)
+  /exit, /quit     quit (Ctrl-D works too)
 End a line with \\ to continue your message on the next line. Ctrl-C stops a reply."""
 
 

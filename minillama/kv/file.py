@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,11 +59,11 @@ def _rings(store) -> dict:
     return {"sinks": store.sinks, "residual": store.residual, **store.body}
 
 
-def save(cache: KVCache, path: str | Path, tokens: list[int], identity: dict,
-         logits: torch.Tensor | None = None, extra: dict | None = None) -> int:
-    """Write `cache` (every token it was fed: `tokens`; the last one's `logits`) to `path` through a
-    temporary file and a rename, so `path` holds the old file or the new one, never half of one.
-    `extra` is JSON data kept beside (chat: the messages). Returns the bytes written."""
+def encode(cache: KVCache, tokens: list[int], identity: dict, logits: torch.Tensor | None = None,
+           extra: dict | None = None) -> bytes:
+    """The file's bytes for `cache` (every token it was fed: `tokens`; the last one's `logits`);
+    `extra` is JSON data kept beside (chat: the messages). Nothing is written yet: a caller can
+    encode a prompt's cache now and write it only when its run completes (``write_atomic``)."""
     from safetensors.torch import save as serialize
 
     if len(tokens) != cache.position:
@@ -94,26 +95,79 @@ def save(cache: KVCache, path: str | Path, tokens: list[int], identity: dict,
               "evicted": cache.evicted, "stores": stores, "extra": extra or {},
               "checksums": {name: _digest(t) for name, t in tensors.items()}}
     header["header_sha256"] = _header_digest(header)
+    return serialize(tensors, metadata={"minillama": json.dumps(header)})
+
+
+def write_atomic(path: str | Path, data: bytes) -> int:
+    """Write `data` to `path` so that `path` always holds the old file or the new one, whole.
+
+    The bytes go to a temporary file of this process's own (a unique name beside the target, so
+    two writers never share one) and are renamed over the target; on any way out before the
+    rename -- an OSError, Ctrl-C, SIGTERM (the CLI turns it into SystemExit) -- the temporary
+    file is removed. Two processes writing one path: the last rename wins, and both succeed."""
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    data = serialize(tensors, metadata={"minillama": json.dumps(header)})
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as e:
+        raise CacheFileError(f"cannot save to {path}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp makes 0600; a cache file is an ordinary file
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException as e:
         try:
-            tmp.unlink(missing_ok=True)  # leave nothing half-written behind
+            os.unlink(tmp)  # leave nothing half-written behind, however we leave
         except OSError:
             pass
-        raise CacheFileError(f"cannot save to {path}: {e.strerror or e}") from None
+        if isinstance(e, OSError):
+            raise CacheFileError(f"cannot save to {path}: {e.strerror or e}") from None
+        raise
     return target.stat().st_size
+
+
+def save(cache: KVCache, path: str | Path, tokens: list[int], identity: dict,
+         logits: torch.Tensor | None = None, extra: dict | None = None) -> int:
+    """Write `cache` to `path` (``encode`` + ``write_atomic``); returns the bytes written. Replaces
+    only a missing file or a minillama cache file (``check_replaceable``)."""
+    check_replaceable(path)
+    return write_atomic(path, encode(cache, tokens, identity, logits, extra))
+
+
+def check_replaceable(path: str | Path) -> bool:
+    """May a cache be written to `path`? True when a file is there to be replaced, False when none
+    is; a CacheFileError, before any work is done, for a path that must not be touched: anything
+    that is not a minillama cache file (a prompt, a model's weights, notes), a directory, a folder
+    that does not exist or cannot be written."""
+    p = Path(path)
+    try:
+        if p.is_dir() or str(path).endswith(("/", os.sep)):
+            raise CacheFileError(f"cannot save to {path}: it is a directory; name a file in it, e.g. {p / 'cache.kv'}")
+        if not p.exists():
+            if not p.parent.is_dir():
+                raise CacheFileError(f"cannot save to {path}: the folder {p.parent} does not exist")
+            if not os.access(p.parent, os.W_OK):
+                raise CacheFileError(f"cannot save to {path}: the folder {p.parent} is not writable")
+            return False
+        if not p.is_file():
+            raise CacheFileError(f"cannot save to {path}: it is not a regular file")
+    except (OSError, ValueError) as e:  # ValueError: a path with a NUL byte
+        raise CacheFileError(f"cannot save to {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        read_header(p)
+    except CacheFileError:
+        raise CacheFileError(f"{path} exists and is not a minillama cache file: refusing to overwrite it "
+                             "(name a new file, or delete this one yourself)") from None
+    return True
 
 
 def read_header(path: str | Path) -> dict:
     """Only the JSON header of a cache file (safetensors: an 8-byte length, then JSON), without
-    reading or checking its tensors: what chat needs to recover a conversation from a file whose
-    cache it will not use. CacheFileError when it is not a minillama cache file."""
+    reading or checking its tensors: enough to tell a minillama cache file from any other file
+    (``check_replaceable``), never enough to trust what it says (``read`` checks it all).
+    CacheFileError when it is not a minillama cache file."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -124,7 +178,7 @@ def read_header(path: str | Path) -> dict:
         if not isinstance(fields, dict):
             raise ValueError("not an object")
         return fields
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise CacheFileError(f"{path} is not a minillama cache file") from None
 
 
@@ -191,17 +245,20 @@ def read(path: str | Path) -> SavedCache:
 
 
 def restore(saved: SavedCache, identity: dict | None, spec_text: str | None = None,
-            capacity: int | None = None, device="cpu") -> KVCache:
+            capacity: int | None = None, device="cpu", on_full: str = "evict") -> KVCache:
     """A KVCache holding exactly the saved rows, after checking the file against the model
     (`identity`; None skips it, for inspection) and the spec asked for (`spec_text`)."""
     h, where = saved.header, saved.path
     if identity is not None:
-        for key, what in (("config", "another model (its config differs)"),
-                          ("fingerprint", "another model (its weights differ)"), ("dtype", "another weight dtype")):
-            if h["model"].get(key) != identity.get(key):
-                mine = identity.get(key) if key == "dtype" else "this model"
-                raise CacheFileError(f"{where} was made with {what}: {h['model'].get('dtype')} weights of "
-                                     f"{h['model'].get('name')!r}, this run uses {mine}")
+        made, name = h["model"], h["model"].get("name")
+        if made.get("config") != identity.get("config"):
+            raise CacheFileError(f"{where} was made with another model ({name!r}: its config differs from this one's)")
+        if made.get("dtype") != identity.get("dtype"):  # before the fingerprint, which the dtype changes too
+            dtype = str(made.get("dtype")).removeprefix("torch.")
+            raise CacheFileError(f"{where} was made with {dtype} weights, this run uses "
+                                 f"{str(identity.get('dtype')).removeprefix('torch.')} (pass --dtype {dtype} to use it)")
+        if made.get("fingerprint") != identity.get("fingerprint"):
+            raise CacheFileError(f"{where} was made with another model ({name!r}: its weights differ from this one's)")
     if spec_text is not None and parse_kv(spec_text).canonical() != h["kv"]:
         raise CacheFileError(f"{where} holds a --kv {h['kv_name']} cache, not {spec_text}")
     try:
@@ -209,7 +266,7 @@ def restore(saved: SavedCache, identity: dict | None, spec_text: str | None = No
         if spec.canonical() != h["kv"]:
             raise CacheFileError(f"{where} is inconsistent: its spec {h['kv_name']!r} is not {h['kv']!r}")
         cache = KVCache(spec, h["n_layers"], h["n_kv_heads"], h["head_dim"], max(capacity or 0, h["capacity"]),
-                        h["batch"], device)
+                        h["batch"], device, on_full)
         _fill(cache, saved)
     except CacheFileError:
         raise

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from minillama.kv.cache import KVCache
-from minillama.kv.file import CacheFileError, SavedCache, read, restore, save
+from minillama.kv.file import CacheFileError, SavedCache, encode, read, restore, save
+from minillama.kv.spec import KVSpec
 from minillama.model.loader import LoadedModel
 
 
@@ -42,8 +44,16 @@ def model_identity(lm: LoadedModel) -> dict:
 
 def save_prompt_cache(lm: LoadedModel, cache: KVCache, tokens: list[int], path: str | Path,
                       logits: torch.Tensor | None = None, extra: dict | None = None) -> int:
-    """Write the cache (fed `tokens`; `logits` of the last one) atomically; returns the file's bytes."""
+    """Write the cache (fed `tokens`; `logits` of the last one) atomically; returns the file's bytes.
+    Only a missing file or a minillama cache file is replaced (kv/file.py: check_replaceable)."""
     return save(cache, path, tokens, model_identity(lm), logits, extra)
+
+
+def encode_prompt_cache(lm: LoadedModel, cache: KVCache, tokens: list[int], logits: torch.Tensor | None = None,
+                        extra: dict | None = None) -> bytes:
+    """The file's bytes, to be written later with kv/file.py's ``write_atomic`` (generate encodes
+    the prompt's cache after the prefill and writes it only when the run completes)."""
+    return encode(cache, tokens, model_identity(lm), logits, extra)
 
 
 @dataclass
@@ -55,37 +65,76 @@ class PromptCache:
     file_bytes: int
 
 
-def load_prompt_cache(lm: LoadedModel, path: str | Path, kv: str | None = None,
-                      capacity: int | None = None) -> PromptCache:
-    """The saved cache, checked against this model and (when given) the ``--kv`` spec asked for;
-    CacheFileError with the reason when it cannot be used."""
-    saved: SavedCache = read(path)
-    cache = restore(saved, model_identity(lm), kv, capacity, lm.model.device)
+def load_prompt_cache(lm: LoadedModel, path: str | Path | SavedCache, kv: str | None = None,
+                      capacity: int | None = None, on_full: str = "evict") -> PromptCache:
+    """The saved cache, checked whole (kv/file.py: read) and against this model and (when given)
+    the ``--kv`` spec asked for; CacheFileError with the reason when it cannot be used. `path` may
+    be a file already read."""
+    saved: SavedCache = path if isinstance(path, SavedCache) else read(path)
+    cache = restore(saved, model_identity(lm), kv, capacity, lm.model.device, on_full)
     tokens = saved.tokens
     if tokens and max(tokens) >= lm.config.vocab_size or min(tokens, default=0) < 0:
-        raise CacheFileError(f"{path} holds token ids outside this model's vocabulary")
+        raise CacheFileError(f"{saved.path} holds token ids outside this model's vocabulary")
     logits = saved.logits
     if logits is not None and logits.shape != (lm.config.vocab_size,):
-        raise CacheFileError(f"{path} holds logits of another vocabulary size")
+        raise CacheFileError(f"{saved.path} holds logits of another vocabulary size")
     return PromptCache(cache, tokens, logits, saved.extra, saved.file_bytes)
+
+
+def keep_common_prefix(cache: KVCache, cached: list[int], prompt: list[int]) -> int:
+    """Cut `cache` (fed the tokens `cached`) back to the longest prefix it shares with `prompt`, leaving
+    at least one prompt token to feed (its logits start the generation); returns how many tokens it
+    keeps. A prefix that ends inside a quantized per-channel key group (KIVI) is cut back to the
+    group's start, since a group's scales cover all its tokens; a prefix that reaches into tokens
+    the ring evicted cannot be kept at all (the cache restarts empty). Used by generate's prompt
+    cache and by every chat turn."""
+    common = 0
+    for a, b in zip(cached, prompt):
+        if a != b:
+            break
+        common += 1
+    common = min(common, len(prompt) - 1)
+    return cache.truncate(common) if common < len(cached) else common
 
 
 def reuse_prefix(saved: PromptCache, prompt: list[int]) -> tuple[KVCache, int, torch.Tensor | None]:
     """Keep the longest common prefix of the saved tokens and `prompt`: returns the cache (cut to it),
     how many prompt tokens it already holds, and the logits to sample from when it holds them all
     (an exact match of a saved prompt resumes bit for bit: its last logits were saved with it).
-
-    A prefix that ends inside a quantized per-channel key group (KIVI) is cut back to the group's
-    start, since a group's scales cover all its tokens; a prefix that reaches into tokens the ring
-    evicted cannot be kept at all (the cache restarts empty). The caller prefills the rest."""
+    The caller prefills the rest."""
     cache, tokens = saved.cache, saved.tokens
     if prompt == tokens and saved.logits is not None and cache.batch == 1:
         return cache, len(prompt), saved.logits
-    common = 0
-    for a, b in zip(tokens, prompt):
-        if a != b:
-            break
-        common += 1
-    common = min(common, len(prompt) - 1)  # feed at least one token: its logits start the generation
-    kept = cache.truncate(common) if common < cache.position else common
-    return cache, kept, None
+    return cache, keep_common_prefix(cache, tokens, prompt), None
+
+
+@dataclass
+class Resumed:
+    """Where a run over `prompt` starts: its cache, how many prompt tokens it already holds, the
+    logits to sample from when it holds them all, and one line for the user saying what happened."""
+
+    cache: KVCache
+    reused: int
+    logits: torch.Tensor | None
+    note: str | None
+
+
+def resume(lm: LoadedModel, path: str | Path | None, spec: KVSpec, prompt: list[int], capacity: int | None = None,
+           on_full: str = "evict") -> Resumed:
+    """Start a run over `prompt` from the prompt cache at `path` (None: no file) when it was made by
+    this model with this spec -- the longest common prefix is kept -- and from an empty cache
+    otherwise, with a note saying why the file was not used (damaged, another model, dtype or spec).
+    The file itself is never written here."""
+    def fresh(note: str | None) -> Resumed:
+        return Resumed(KVCache.for_model(lm.config, spec, capacity, device=lm.model.device, on_full=on_full), 0, None, note)
+
+    if path is None or not Path(path).exists():
+        return fresh(None)
+    t0 = time.perf_counter()
+    try:
+        saved = load_prompt_cache(lm, path, str(spec), capacity, on_full)
+    except CacheFileError as e:
+        return fresh(f"prompt cache not used: {e}")
+    cache, reused, logits = reuse_prefix(saved, prompt)
+    note = f"prompt cache: reused {reused} of {len(prompt)} prompt tokens, loaded in {time.perf_counter() - t0:.2f} s"
+    return Resumed(cache, reused, logits, note)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from minillama.app.options import DTYPES, load, model_options
+from minillama.app.options import DEFAULT_DTYPE, DTYPES, SEED, Finite, load, model_options
 
 @click.command()
 @model_options()
@@ -13,14 +13,14 @@ from minillama.app.options import DTYPES, load, model_options
 @click.option("--on-full", type=click.Choice(["evict", "stop"]), default="evict", show_default=True,
               help="When the cache is full: evict the oldest tokens, or stop with a clear message.")
 @click.option("--system", default=None, help="System prompt.")
-@click.option("--temperature", type=click.FloatRange(0), default=None, help="Default: generation_config, else 0.7.")
+@click.option("--temperature", type=Finite(0), default=None, help="Default: generation_config, else 0.7.")
 @click.option("--top-k", type=click.IntRange(0), default=None, help="Default: generation_config, else 0 (off).")
-@click.option("--top-p", type=click.FloatRange(0, 1), default=None, help="Default: generation_config, else 0.9.")
-@click.option("--min-p", type=click.FloatRange(0, 1), default=None, help="Default: 0.05.")
-@click.option("--repeat-penalty", type=click.FloatRange(0.01), default=None, help="Default: generation_config, else 1.1.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--top-p", type=Finite(0, 1), default=None, help="Default: generation_config, else 0.9.")
+@click.option("--min-p", type=Finite(0, 1), default=None, help="Default: 0.05.")
+@click.option("--repeat-penalty", type=Finite(0.01), default=None, help="Default: generation_config, else 1.1.")
+@click.option("--seed", default=0, show_default=True, type=SEED)
 @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(1), help="Longest reply.")
-@click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
+@click.option("--dtype", default=DEFAULT_DTYPE, show_default=True, type=DTYPES)
 @click.option("--prompt-cache", default=None,
               help="Resume the session saved in this file (conversation and cache, no prefill when model and --kv "
                    "match) and save it there after every reply.")
@@ -36,17 +36,17 @@ def chat(model_name, device, backend, kv, ctx, on_full, system, temperature, top
       minillama chat --kv hadv2 --prompt-cache session.kv   # resumes session.kv, saves it after each reply
     Type /help inside for commands. End a line with \\ to continue on the next line.
     """
-    import dataclasses
     import sys
 
-    from minillama.app.chat import ChatSession, repl, sampling_from_generation_config
+    from minillama.app.chat import ChatSession, check_save_target, repl, sampling_from_generation_config
     from minillama.kv.spec import parse_kv
 
     spec = parse_kv(kv)
+    if prompt_cache:
+        check_save_target(prompt_cache)  # before the model loads: a file that is not ours is never touched
     lm = load(model_name, dtype, device, backend)
-    params = sampling_from_generation_config(lm.generation_config)
     overrides = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repeat_penalty": repeat_penalty}
-    params = dataclasses.replace(params, **{k: v for k, v in overrides.items() if v is not None})
+    params = sampling_from_generation_config(lm.generation_config, overrides, where=str(lm.path / "generation_config.json"))
     session = ChatSession(lm, spec, ctx, system, params, seed, max_tokens, on_full)
     if prompt_cache:
         from pathlib import Path
@@ -55,8 +55,8 @@ def chat(model_name, device, backend, kv, ctx, on_full, system, temperature, top
 
         if Path(prompt_cache).exists():
             try:
-                click.echo(session.load(prompt_cache), err=True)
+                click.echo(f"{session.load(prompt_cache)}; saved there again after every reply", err=True)
             except UserError as e:
-                click.echo(f"error: {e}; starting a new session (saved there after the first reply)", err=True)
+                click.echo(f"note: {e}; starting a new session, saved over it after the first reply", err=True)
         session.autosave = prompt_cache
     repl(session, sys.stdin.isatty(), click.echo, lambda m: click.echo(m, err=True))
