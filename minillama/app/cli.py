@@ -6,7 +6,9 @@ prints, and turns errors into one clear line (a traceback only with --debug).
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import click
 
@@ -14,8 +16,31 @@ from minillama.app.commands import bench, chat, fetch, generate, kv, needle, ppl
 from minillama.errors import UserError
 
 
+def _terminated(signum, frame):
+    """SIGTERM unwinds like Ctrl-C does, so every ``finally`` runs and no temp file is left behind."""
+    raise SystemExit(128 + signum)
+
+
 class Main(click.Group):
-    """Turns any error into one line on stderr and exit 1, unless --debug is given."""
+    """Turns any error into one line on stderr and exit 1 (usage errors: exit 2), unless --debug is given."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """click prints a usage error as three lines (Usage:, Try, Error:); here it is one ``error:``
+        line that names the command's --help, with click's exit code (2)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _terminated)
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            command = " ".join(filter(None, [e.ctx.command_path if getattr(e, "ctx", None) else prog_name or "minillama"]))
+            click.echo(f"error: {e.format_message()} (see {command} --help)", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        if not standalone_mode:
+            return result
+        sys.exit(result if isinstance(result, int) else 0)
 
     def invoke(self, ctx):
         try:

@@ -7,6 +7,9 @@ import click
 from minillama.errors import UserError
 
 DTYPES = click.Choice(["float32", "bfloat16", "float16"])
+# generate and chat run bfloat16 weights (the fast dtype on CPU, and one cache file serves both);
+# ppl evaluates in float32, where the question is the cache's error, not the weights'.
+DEFAULT_DTYPE = "bfloat16"
 BACKENDS = ("reference", "kernels", "kernels-exact")  # native/backend.py: NAMES
 
 
@@ -18,7 +21,7 @@ def model_options(device: bool = True):
             f = click.option("--backend", default=None, type=click.Choice(BACKENDS),
                              help="reference: plain PyTorch; kernels: the compiled kernels (default; "
                                   "MINILLAMA_BACKEND sets it too); kernels-exact: exact float attention.")(f)
-            f = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")(f)
+            f = click.option("--device", default="cpu", show_default=True, callback=check_device, help="cpu or cuda.")(f)
         return click.option("--model", "model_name", default=None,
                             help="Model folder or Hugging Face repo id (default: SmolLM2-135M-Instruct, offline).")(f)
 
@@ -69,3 +72,30 @@ def read_text(text_file: str | None, dataset: str | None) -> str:
     if dataset:
         return datasets.load(dataset)
     raise UserError("nothing to read: pass --text FILE or --dataset NAME")
+
+
+class Finite(click.FloatRange):
+    """A float option in a range that also refuses nan and inf (FloatRange lets nan through:
+    every comparison with it is false)."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number", param, ctx)
+        return number
+
+
+SEED = click.IntRange(0, 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+def check_device(ctx, param, value: str) -> str:
+    """--device, checked when parsed, before any model loads (model/loader.py: check_device)."""
+    from minillama.model.loader import check_device as check
+
+    try:
+        check(value)
+    except UserError as e:
+        raise click.BadParameter(str(e)) from None
+    return value

@@ -47,7 +47,7 @@ class KVCache:
 
     def __init__(self, spec: KVSpec, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  batch: int = 1, device: torch.device | str = "cpu", on_full: str = "evict"):
-        spec.validate(head_dim)
+        spec.validate(head_dim, n_layers)
         if capacity - spec.sinks - spec.residual < spec.unit:
             raise UserError(
                 f"cache capacity {capacity} is too small for sinks={spec.sinks} + residual={spec.residual} "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from minillama.errors import UserError
+from minillama.errors import UserError, shown
 from minillama.kv.codecs import CODECS, Codec
 
 
@@ -61,7 +61,10 @@ class KVSpec:
         k = self.kfirst if self.kfirst is not None and 0 <= layer < self.first else self.k
         return [(k, self.kgroup, self.center), (self.v, self.vgroup, False)]
 
-    def validate(self, head_dim: int) -> None:
+    def validate(self, head_dim: int, n_layers: int | None = None) -> None:
+        if n_layers is not None and self.kfirst is not None and self.first > n_layers:
+            raise UserError(f"--kv first={self.first} names more layers than the model's {n_layers}: "
+                            f"give first=1..{n_layers}")
         self.v.validate(head_dim, self.vgroup)
         for k in [self.k] + ([self.kfirst] if self.kfirst else []):
             k.validate(head_dim, self.kgroup)
@@ -140,20 +143,23 @@ def parse_kv(text: str) -> KVSpec:
         spec = parse_kv(PRESETS[text])
         return KVSpec(**{**spec.__dict__, "name": text})
     if "=" not in text:
-        raise UserError(f"unknown --kv preset {text!r} ({_choices()})")
+        raise UserError(f"unknown --kv preset {shown(text)} ({_choices()})")
     fields: dict[str, str] = {}
     for item in text.split(","):
         m = _FIELD.match(item.strip())
         if not m or m.group(1) not in ("k", "v", "kfirst", *NUMBERS, *WORDS):
-            raise UserError(f"malformed --kv item {item!r}: expected {GRAMMAR} ({_choices()})")
+            raise UserError(f"malformed --kv item {shown(item)}: expected {GRAMMAR} ({_choices()})")
+        if m.group(1) in fields:  # k=int4,k=int2 would silently run the last one
+            raise UserError(f"--kv names {m.group(1)}= twice ({m.group(1)}={shown(fields[m.group(1)])} and "
+                            f"{m.group(1)}={shown(m.group(2).strip())}): give each key once")
         fields[m.group(1)] = m.group(2).strip()
     if "k" not in fields or "v" not in fields:
-        raise UserError(f"--kv {text!r} must name both k= and v= codecs ({_choices()})")
+        raise UserError(f"--kv {shown(text)} must name both k= and v= codecs ({_choices()})")
     if ("kfirst" in fields) != ("first" in fields):
         raise UserError("--kv kfirst=CODEC and first=N go together: the key codec of the first N layers")
     for key in ("k", "v", "kfirst"):
         if key in fields and fields[key] not in CODECS:
-            raise UserError(f"unknown codec {fields[key]!r} for {key}= ({_choices()})")
+            raise UserError(f"unknown codec {shown(fields[key])} for {key}= ({_choices()})")
     k, v = CODECS[fields["k"]], CODECS[fields["v"]]
     nums = {}
     for key in NUMBERS:
@@ -161,16 +167,18 @@ def parse_kv(text: str) -> KVSpec:
             try:
                 nums[key] = int(fields[key])
             except ValueError:
-                raise UserError(f"--kv {key}={fields[key]!r} is not a whole number") from None
+                raise UserError(f"--kv {key}={shown(fields[key])} is not a whole number") from None
             if nums[key] < 0:
                 raise UserError(f"--kv {key}={nums[key]} must not be negative")
     for key, allowed in WORDS.items():
         if key in fields and fields[key] not in allowed:
-            raise UserError(f"--kv {key}={fields[key]!r}: choose {' or '.join(allowed)}")
+            raise UserError(f"--kv {key}={shown(fields[key])}: choose {' or '.join(allowed)}")
     group = nums.get("group", 32)
     kgroup, vgroup = nums.get("kgroup", group), nums.get("vgroup", group)
     if min(kgroup, vgroup) < 1:
         raise UserError("--kv group sizes must be at least 1")
+    if "first" in nums and nums["first"] < 1:
+        raise UserError("--kv first=0 gives no layer the kfirst codec: first=N needs N >= 1")
     if nums.get("center", 0) > 1:
         raise UserError("--kv center must be 0 or 1")
     rope, positions = fields.get("rope", "post"), fields.get("positions", "absolute")

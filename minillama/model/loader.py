@@ -8,7 +8,6 @@ left over; a mismatch names the tensor and both shapes.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -17,10 +16,10 @@ from pathlib import Path
 import torch
 
 from minillama.model.config import LlamaConfig
-from minillama.errors import UserError
+from minillama.errors import UserError, shown
 from minillama.model.llama import Llama
 from minillama.model.rope import inverse_frequencies
-from minillama.model.tokenizer import Tokenizer, load_tokenizer
+from minillama.model.tokenizer import Tokenizer, load_tokenizer, read_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
@@ -38,6 +37,19 @@ class LoadedModel:
     @property
     def name(self) -> str:
         return self.path.name
+
+    def stop_ids(self) -> set[int]:
+        """End-of-sequence and end-of-turn ids (generation_config, config, the tokenizer's eos and
+        the turn ends of the common templates): where generate and chat stop, as llama.cpp does."""
+        ids: set[int] = set()
+        for source in (self.generation_config.get("eos_token_id"), self.config.eos_token_id):
+            ids |= {i for i in (source if isinstance(source, list) else [source])
+                    if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.config.vocab_size}
+        tok = self.tokenizer
+        for name in (tok.eos_token, "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
+            if name in tok.specials:
+                ids.add(tok.specials[name])
+        return ids
 
 
 def resolve_model_path(name: str) -> Path:
@@ -65,9 +77,12 @@ def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise UserError(f"{index} is not a valid safetensors index ({e})") from None
+            weight_map = read_json(index)["weight_map"]
+            shards = sorted(set(weight_map.values()))
+            if not shards or not all(isinstance(s, str) and s and Path(s).name == s for s in shards):
+                raise ValueError("weight_map must map tensor names to shard file names in this folder")
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise UserError(f"{index} is not a valid safetensors index ({type(e).__name__}: {str(e)[:100]})") from None
         return [folder / s for s in shards]
     if (folder / "model.safetensors").exists():
         return [folder / "model.safetensors"]
@@ -114,13 +129,25 @@ def check_state_dict(model: Llama, state: dict[str, torch.Tensor]) -> None:
             raise UserError(f"shape mismatch for {key}: checkpoint has {tuple(state[key].shape)}, config expects {shape}")
 
 
+def check_device(name: str) -> torch.device:
+    """The device `name` names, when torch knows it and this machine has it; a UserError otherwise."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise UserError(f"unknown device {shown(name)}: use cpu, or cuda / cuda:N on a machine with a GPU") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"device {shown(name)} is not supported: minillama runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {shown(name)} was asked for but no CUDA GPU is available: use --device cpu")
+    return device
+
+
 def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+            raise UserError(f"unknown dtype {shown(dtype)}: choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but no CUDA GPU is available: use --device cpu")
+    check_device(str(device))
     folder = resolve_model_path(name)
     cfg = LlamaConfig.from_file(folder / "config.json")
     files = weight_files(folder)
@@ -133,6 +160,5 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     model.inv_freq = inverse_frequencies(cfg)
     model = model.to(device).eval().requires_grad_(False)
     model.fuse_projections()  # after the move: the fused weights live where the model does
-    gen_path = folder / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen = read_json(folder / "generation_config.json", {})
     return LoadedModel(model, load_tokenizer(folder), cfg, folder, gen)

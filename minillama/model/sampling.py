@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minillama.errors import UserError, finite, shown
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,6 +20,15 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     repeat_penalty: float = 1.0  # 1 = off (CTRL-style: divide positive logits, multiply negative)
+
+    def __post_init__(self):
+        # Refused here rather than met as "probability tensor contains inf, nan" mid-generation.
+        for name, low, high in (("temperature", 0, None), ("top_p", 0, 1), ("min_p", 0, 1), ("repeat_penalty", 0.01, None)):
+            value = finite(getattr(self, name), name)
+            if value < low or (high is not None and value > high):
+                raise UserError(f"{name} must be in [{low}, {high if high is not None else 'inf'}), not {value}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UserError(f"top_k must be a whole number >= 0, not {shown(self.top_k)}")
 
 
 def apply_repeat_penalty(logits: torch.Tensor, previous: list[int], penalty: float) -> torch.Tensor:

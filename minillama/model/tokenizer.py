@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minillama.errors import UserError
+from minillama.errors import UserError, shown
 
 
 def _content(tok) -> str | None:
@@ -88,20 +88,57 @@ class StreamDecoder:
         return rest
 
 
+def read_json(path: Path, default: dict | None = None) -> dict:
+    """A JSON object from a model folder's file (`default` when the file is absent); a UserError
+    naming the file when it is not a readable JSON object."""
+    if not path.exists():
+        if default is None:
+            raise UserError(f"{path} not found")
+        return default
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({str(e)[:100]})") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def _template(cfg: dict, where: Path) -> str | None:
+    """The chat template of tokenizer_config.json: a string, or HF's list of named templates."""
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # HF allows named templates; take the default one
+        named = [t for t in template if isinstance(t, dict) and isinstance(t.get("template"), str)]
+        if not named:
+            raise UserError(f"{where}: chat_template is a list without {{name, template}} entries")
+        template = next((t["template"] for t in named if t.get("name") == "default"), named[0]["template"])
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{where}: chat_template must be a string, not {shown(template)}")
+    return template
+
+
 def load_tokenizer(folder: Path) -> Tokenizer:
     folder = Path(folder)
     cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg = read_json(cfg_path, {})
     bos, eos = _content(cfg.get("bos_token")), _content(cfg.get("eos_token"))
-    template = cfg.get("chat_template")
-    if isinstance(template, list):  # HF allows named templates; take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    for name, value in (("bos_token", bos), ("eos_token", eos)):
+        if value is not None and not isinstance(value, str):
+            raise UserError(f"{cfg_path}: {name} must be a string or an object with a content string, not {shown(value)}")
+    template = _template(cfg, cfg_path)
     if (folder / "chat_template.jinja").exists():
-        template = (folder / "chat_template.jinja").read_text()
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
     if (folder / "tokenizer.json").exists():
         from tokenizers import Tokenizer as HFTokenizer
 
-        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        path = folder / "tokenizer.json"
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for any bad file
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:100]
+            raise UserError(f"{path} is not a tokenizer the tokenizers library can read ({reason})") from None
         backend.encode_special_tokens = True  # never parse special strings inside plain text
         specials = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         add_bos = bool(cfg.get("add_bos_token", False))
@@ -109,7 +146,12 @@ def load_tokenizer(folder: Path) -> Tokenizer:
     elif (folder / "tokenizer.model").exists():
         import sentencepiece as spm
 
-        backend = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+        path = folder / "tokenizer.model"
+        try:
+            backend = spm.SentencePieceProcessor(model_file=str(path))
+        except Exception as e:  # sentencepiece raises RuntimeError/OSError with a C++ message
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:100]
+            raise UserError(f"{path} is not a sentencepiece model ({reason})") from None
         specials = {}
         for i in (backend.bos_id(), backend.eos_id(), backend.unk_id()):
             if i >= 0:
