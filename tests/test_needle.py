@@ -46,7 +46,7 @@ def test_the_key_is_parsed_back_from_a_reply():
 def test_the_same_seed_gives_the_same_trials_for_every_scheme(tiny, monkeypatch):
     seen = {}
 
-    def fake_answers(lm, prompts, cache, max_new):
+    def fake_answers(lm, prompts, cache, max_new, **_):
         seen.setdefault(str(cache.spec), []).extend(map(tuple, prompts))
         return [""] * len(prompts)
 

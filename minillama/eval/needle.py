@@ -154,10 +154,11 @@ class NeedleRow:
 
 @torch.inference_mode()
 def answer_batch(lm: LoadedModel, prompts: list[list[int]], cache: KVCache, max_new: int,
-                 chunk: int = PREFILL_CHUNK) -> list[str]:
-    """Prefill equal-length prompts (B, L) in chunks through the cache, then decode greedily; the texts."""
+                 chunk: int = PREFILL_CHUNK, progress: Callable[[int], None] | None = None) -> list[str]:
+    """Prefill equal-length prompts (B, L) in chunks through the cache, then decode greedily; the texts.
+    `progress` is told the prompt tokens of each chunk prefilled."""
     model = lm.model
-    logits = prefill(model, torch.tensor(prompts), cache, chunk)  # (B, V): chunks that read the stored past
+    logits = prefill(model, torch.tensor(prompts), cache, chunk, progress)  # (B, V): chunks that read the stored past
     out = []
     for i in range(max_new):
         token = logits.argmax(-1, keepdim=True)  # (B, 1)
@@ -168,6 +169,12 @@ def answer_batch(lm: LoadedModel, prompts: list[list[int]], cache: KVCache, max_
     return [lm.tokenizer.decode(row) for row in generated]
 
 
+def prompt_tokens(specs: list[KVSpec], lengths: list[int], depths: list[float], trials: int) -> int:
+    """About how many prompt tokens ``run`` prefills (a prompt is its length give or take a sentence):
+    the size of the job, told before it starts."""
+    return len(specs) * len(depths) * trials * sum(lengths)
+
+
 def evicted_needle(trial: Trial, sinks: int, evicted: int) -> bool:
     """Whether the ring dropped the needle: evicted tokens are positions sinks .. sinks + evicted - 1."""
     return trial.needle_at >= sinks and trial.needle_at + trial.needle_len <= sinks + evicted
@@ -176,7 +183,8 @@ def evicted_needle(trial: Trial, sinks: int, evicted: int) -> bool:
 def run(lm: LoadedModel, specs: list[KVSpec], lengths: list[int], depths: list[float], trials: int = 1,
         task: str = "passkey", haystack: list[str] | None = None, ctx: int | None = None, seed: int = 0,
         progress: Callable[[int], None] | None = None) -> list[NeedleRow]:
-    """Accuracy of every scheme at every (length, depth): the same trials for every scheme."""
+    """Accuracy of every scheme at every (length, depth): the same trials for every scheme.
+    `progress` is told the prompt tokens prefilled as they go (``prompt_tokens`` is their total)."""
     if task not in TASKS:
         raise UserError(f"unknown needle task {task!r}: choose {' or '.join(TASKS)}")
     haystack = haystack or split_sentences(FILLER)
@@ -199,15 +207,13 @@ def run(lm: LoadedModel, specs: list[KVSpec], lengths: list[int], depths: list[f
             for n, members in by_len.items():
                 capacity = max(ctx or n + max_new, spec.sinks + spec.residual + spec.unit)
                 cache = KVCache.for_model(lm.config, spec, capacity, batch=len(members), device=lm.model.device)
-                texts = answer_batch(lm, [cell[i].ids for i in members], cache, max_new)
+                texts = answer_batch(lm, [cell[i].ids for i in members], cache, max_new, progress=progress)
                 for i, text in zip(members, texts):
                     answers[i] = first_integer(text)
                     correct += answers[i] == cell[i].answer
                     needle_gone += evicted_needle(cell[i], spec.sinks, cache.evicted)
                 evicted = max(evicted, cache.evicted)
                 bits, nbytes = cache.bits_per_element(), sum(cache.live_bytes().values()) // len(members)
-                if progress:
-                    progress(len(members))
             rows.append(NeedleRow(str(spec), task, length, depth, len(cell), correct, correct / len(cell), bits, nbytes,
                                   evicted, needle_gone, tuple(answers)))
     return rows

@@ -10,7 +10,7 @@ The engine knows nothing about text; callers tokenize and detokenize.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +43,12 @@ class GenerationStats:
 
 
 @torch.inference_mode()
-def prefill(model: Llama, tokens: list[int] | torch.Tensor, cache: Cache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+def prefill(model: Llama, tokens: list[int] | torch.Tensor, cache: Cache, chunk: int = PREFILL_CHUNK,
+            progress: Callable[[int], None] | None = None) -> torch.Tensor:
     """Run prompt tokens (a list for one sequence, or (B, T) ids for B) through the model in chunks,
     writing their K/V; each chunk reads the past as the cache stores it. Returns the logits of
-    each sequence's last token (B, V), float32.
+    each sequence's last token (B, V), float32. `progress` is told the tokens of each chunk done
+    (B x chunk), for the progress bars of long jobs.
 
     Every prompt goes through here: generation, chat turns, perplexity windows, needle prompts, bench."""
     ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor([tokens])  # (B, T)
@@ -54,7 +56,10 @@ def prefill(model: Llama, tokens: list[int] | torch.Tensor, cache: Cache, chunk:
         raise ValueError("prefill needs at least one token")
     ids = ids.to(model.device)
     for s in range(0, ids.shape[1], chunk):
-        logits = model(ids[:, s : s + chunk], cache, last_only=True)  # (B, 1, V)
+        piece = ids[:, s : s + chunk]  # (B, <= chunk)
+        logits = model(piece, cache, last_only=True)  # (B, 1, V)
+        if progress:
+            progress(piece.numel())
     return logits[:, -1].float()
 
 

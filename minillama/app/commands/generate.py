@@ -8,7 +8,7 @@ import time
 import click
 import torch
 
-from minillama.app.options import DTYPES, load, model_options, read_text_file
+from minillama.app.options import DEFAULT_DTYPE, DTYPES, SEED, Finite, load, model_options, read_text_file
 from minillama.errors import UserError
 
 
@@ -26,20 +26,27 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 @click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file (- for standard input).")
 @model_options()
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy.")
+@click.option("--temperature", default=0.0, show_default=True, type=Finite(0), help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1))
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--dtype", default="float32", show_default=True, type=DTYPES)
-@click.option("--kv", "kv", default="fp32", show_default=True, help="KV cache spec (see `minillama kv --list`).")
+@click.option("--top-p", default=1.0, show_default=True, type=Finite(0, 1))
+@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("--dtype", default=DEFAULT_DTYPE, show_default=True, type=DTYPES)
+@click.option("--kv", "kv", default="fp16", show_default=True, help="KV cache spec (see `minillama kv --list`).")
 @click.option("--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max).")
+@click.option("--on-full", type=click.Choice(["stop", "evict"]), default="stop", show_default=True,
+              help="A prompt or reply longer than --ctx: stop (a prompt that does not fit is refused), or evict "
+                   "the oldest tokens and go on.")
+@click.option("--ignore-eos", is_flag=True, help="Go on past the model's end-of-sequence tokens (as llama.cpp's).")
 @click.option("--prompt-cache", default=None,
               help="A cache file: reuse its longest common prefix with the prompt when it matches the model and "
-                   "--kv, and write the prompt's cache to it (atomically, when the run completes).")
+                   "--kv, and write the prompt's cache to it when the run completes. Only a missing file or a "
+                   "minillama cache file is ever replaced.")
+@click.option("--prompt-cache-ro", is_flag=True, help="Use the --prompt-cache file but never write it.")
 @click.option("--raw-special", is_flag=True, help="Parse special-token strings in PROMPT as control tokens.")
 def generate(prompt, prompt_file, model_name, device, backend, max_tokens, temperature, top_k, top_p, seed, dtype, kv,
-             ctx, prompt_cache, raw_special):
-    """Raw completion of PROMPT, streamed to stdout; stats on stderr.
+             ctx, on_full, ignore_eos, prompt_cache, prompt_cache_ro, raw_special):
+    """Raw completion of PROMPT, streamed to stdout; stats on stderr. Stops at the model's
+    end-of-sequence token (--ignore-eos goes on) or after --max-tokens.
 
     \b
     Examples:
@@ -47,17 +54,19 @@ def generate(prompt, prompt_file, model_name, device, backend, max_tokens, tempe
       minillama generate "Once upon a time" --temperature 0.8 --top-p 0.9 --kv hadv2
       minillama generate --prompt-file doc.txt --kv hadv2 --prompt-cache doc.kv   # the second run reuses doc.kv
     """
-    from pathlib import Path
-
-    from minillama.kv.cache import KVCache
-    from minillama.kv.file import CacheFileError
+    from minillama.kv.file import check_replaceable, write_atomic
     from minillama.kv.spec import parse_kv
+    from minillama.kv.cache import ContextFullError
     from minillama.model.generate import generate as run
     from minillama.model.generate import prefill
-    from minillama.model.prompt_cache import load_prompt_cache, reuse_prefix, save_prompt_cache
+    from minillama.model.prompt_cache import encode_prompt_cache, resume
     from minillama.model.sampling import SamplingParams
     from minillama.model.tokenizer import StreamDecoder
 
+    if prompt_cache_ro and not prompt_cache:
+        raise UserError("--prompt-cache-ro reads the --prompt-cache FILE: give that too")
+    if prompt_cache and not prompt_cache_ro:
+        check_replaceable(prompt_cache)  # before any work: a file that is not a cache is never touched
     text = read_prompt(prompt, prompt_file)
     spec = parse_kv(kv)
     lm = load(model_name, dtype, device, backend)
@@ -67,38 +76,41 @@ def generate(prompt, prompt_file, model_name, device, backend, max_tokens, tempe
         ids = [tok.bos_id] + ids
     if not ids:
         raise UserError("the prompt is empty: give some text to complete")
-    cache, reused, logits, note = None, 0, None, ""
-    if prompt_cache and Path(prompt_cache).exists():
-        t0 = time.perf_counter()
-        try:
-            cache, reused, logits = reuse_prefix(load_prompt_cache(lm, prompt_cache, kv, ctx), ids)
-            note = f"prompt cache: reused {reused} of {len(ids)} prompt tokens, loaded in {time.perf_counter() - t0:.2f} s"
-        except CacheFileError as e:
-            click.echo(f"prompt cache not used: {e}; prefilling the whole prompt", err=True)
-    if cache is None:
-        cache = KVCache.for_model(lm.config, spec, ctx, device=device)
+    capacity = ctx or lm.config.max_position_embeddings
+    if len(ids) > capacity:
+        if on_full == "stop":
+            raise UserError(f"the prompt is {len(ids):,} tokens, more than the cache holds (--ctx {capacity:,}): "
+                            "raise --ctx, shorten the prompt, or pass --on-full evict to drop its start")
+        click.echo(f"warning: the prompt is {len(ids):,} tokens and the cache holds {capacity:,}: its first "
+                   f"{len(ids) - capacity:,} or more are evicted (--on-full evict)", err=True)
+    start = resume(lm, prompt_cache, spec, ids, capacity, on_full)
+    if start.note and not start.reused:  # why the file was not used, before the long prefill
+        then = "" if prompt_cache_ro else "; this run's cache replaces it when the run completes"
+        click.echo(f"{start.note}; prefilling the whole prompt{then}", err=True)
+    cache, reused, logits = start.cache, start.reused, start.logits
     t0 = time.perf_counter()
     if logits is None:
         logits = prefill(lm.model, ids[reused:], cache)[0]  # (V,)
     prefill_s = time.perf_counter() - t0
-    pending = None
-    if prompt_cache and reused < len(ids):  # the prompt's cache, renamed into place when the run completes
-        pending = Path(prompt_cache).with_name(f".{Path(prompt_cache).name}.partial")
-        save_prompt_cache(lm, cache, ids, pending, logits)
+    # The prompt's cache, kept in memory and written (atomically) only once the run completes.
+    pending = encode_prompt_cache(lm, cache, ids, logits) if prompt_cache and not prompt_cache_ro and reused < len(ids) else None
+    stops = set() if ignore_eos else lm.stop_ids()
+    stream = StreamDecoder(tok)
+    stats, ended = None, ""
     try:
-        stream = StreamDecoder(tok)
-        stats = None
-        for token, stats in run(lm.model, [], cache, max_tokens, SamplingParams(temperature, top_k, top_p), set(),
+        for token, stats in run(lm.model, [], cache, max_tokens, SamplingParams(temperature, top_k, top_p), stops,
                                 torch.Generator(device).manual_seed(seed), history=ids, logits=logits):
+            if token in stops:
+                ended = " (end of sequence)"
+                break
             click.echo(stream.push(token), nl=False)
-        click.echo(stream.flush())
-        if pending:
-            pending.replace(prompt_cache)
-            pending = None
-    finally:
-        if pending:
-            pending.unlink(missing_ok=True)
+    except ContextFullError:
+        ended = f" (the cache is full at --ctx {capacity:,}; --on-full evict goes on)"
+    click.echo(stream.flush())
+    if pending:
+        write_atomic(prompt_cache, pending)
     new = len(ids) - reused
-    click.echo((note + " | " if note else "") + f"prompt {len(ids)} tokens, prefilled {new} at "
-               f"{new / prefill_s if new and prefill_s else float('nan'):.1f} tok/s | generated {stats.generated_tokens} "
-               f"tokens, {stats.decode_tokens_per_s:.1f} tok/s decode", err=True)
+    speed = f"prefilled {new} at {new / prefill_s:.1f} tok/s" if new and prefill_s else "nothing to prefill (all from the cache)"
+    generated = stats.generated_tokens if stats else 0
+    click.echo((start.note + " | " if start.note and reused else "") + f"prompt {len(ids)} tokens, {speed} | generated "
+               f"{generated} tokens{ended}, {stats.decode_tokens_per_s if stats else float('nan'):.1f} tok/s decode", err=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from minillama.app.options import DTYPES, load, model_options, read_text_file
+from minillama.app.options import DTYPES, SEED, load, model_options, read_text_file
 from minillama.errors import UserError
 
 
@@ -29,7 +29,7 @@ def numbers(kind):
 @click.option("--task", type=click.Choice(["passkey", "multikey"]), default="passkey", show_default=True)
 @click.option("--haystack", "haystack_file", default=None, help="A UTF-8 text whose sentences replace the filler.")
 @click.option("--ctx", default=None, type=click.IntRange(2), help="Cache capacity; below a length the ring evicts.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Keys and positions (the same for every scheme).")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="Keys and positions (the same for every scheme).")
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of the table.")
 @click.option("--plot", "plot_path", default=None, help="Write the depth x length heatmap as a PNG.")
@@ -58,11 +58,17 @@ def needle(model_name, device, backend, kvs, lengths, depths, trials, task, hays
     haystack = nh.split_sentences(read_text_file(haystack_file)) if haystack_file else None
     if haystack_file and not haystack:
         raise UserError(f"{haystack_file} has no sentences to use as a haystack")
+    if ctx and max(lengths_) > ctx:
+        click.echo(f"note: prompts of {', '.join(str(n) for n in lengths_ if n > ctx)} tokens do not fit --ctx {ctx}: "
+                   "the ring evicts their start, and a needle it dropped cannot be retrieved", err=True)
     lm = load(model_name, dtype, device, backend)
-    if max(lengths_) > lm.config.max_position_embeddings and not ctx:
+    if max(lengths_) > lm.config.max_position_embeddings:
         click.echo(f"note: {max(lengths_)} tokens is beyond the model's trained context "
                    f"({lm.config.max_position_embeddings})", err=True)
-    total = len(specs) * len(lengths_) * len(depths_) * trials
+    total = nh.prompt_tokens(specs, lengths_, depths_, trials)
+    prompts = len(specs) * len(lengths_) * len(depths_) * trials
+    click.echo(f"needle: {prompts} prompts, about {total:,} tokens to prefill (the bar counts tokens, "
+               "its estimate firms up after the first chunks)", err=True)
     with click.progressbar(length=total, label="needle", file=sys.stderr, show_pos=True, show_eta=True) as bar:
         rows = nh.run(lm, specs, lengths_, depths_, trials, task, haystack, ctx, seed, bar.update)
     if any(r.evicted for r in rows):

@@ -66,6 +66,9 @@ def ppl(model_name, device, backend, text_file, dataset, n, prefill, offset, win
     bars = []
 
     def progress(label, total):
+        if not bars:  # the text held the windows: say how big the job is before it starts
+            click.echo(f"ppl: {len(specs)} scheme(s) x {windows} window(s): {total} decode steps each after a "
+                       f"prefill of {prefill} (one bar per scheme, with its estimate)", err=True)
         bar = click.progressbar(length=total, label=f"{label:<24}", file=sys.stderr, show_eta=True, show_pos=True)
         bar.__enter__()
         bars.append(bar)
