@@ -109,195 +109,182 @@ static inline __m256i dot_codes(const uint8_t* codes, const int8_t* q8, int D) {
     return acc;
 }
 
-// scores[bh, r, i] = q[bh, r] . k_i for the body of a per-token (kind 1, group == D) or
-// per-channel (kind 2) affine codec; q is (B*H, R, D) float32, in the codec's space.
+// out[r * ls + j] = q_r . k_(i0 + j) for the body of a per-token (kind 1, group == D) or
+// per-channel (kind 2) affine codec; q is (R, D) float32, in the codec's space.
 template <int BITS, int DC, int RC>
-static void scores_int_impl(const float* q, const RowSource& s, int B, int H, int R_, int D_, int n, int ld, float* scores) {
+static void score_int_impl(const RowSource& s, int64_t bh, int R_, int D_, const float* q, int i0, int n, float* out,
+                           int ls) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;
     const int W = D * BITS / 8;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int bh = 0; bh < B * H; bh++)
-        for (int blk = 0; blk < n_blocks(n); blk++) {
-            alignas(32) int8_t q8[8][512];   // per query head (R <= 8)
-            alignas(32) uint8_t rows[8][512];
-            __m256 part[8][8];                 // [head][token of the chunk]: lane sums times lane scales
-            alignas(32) float qa[8][8];        // [head][lane]: the query's int8 scales
-            float qsum[8], qz[8];  // sum_d q_d (per-token zeros); sum_d q_d z_gd (per-channel zeros)
-            std::vector<float> qs(D);
-            const float* qb = q + (int64_t)bh * R * D;
-            if (s.kind == 1)
+    alignas(32) int8_t q8[8][128];   // per query head (R <= 8), D <= 128
+    alignas(32) uint8_t rows[8][128];
+    __m256 part[8][8];                 // [head][token of the chunk]: lane sums times lane scales
+    alignas(32) float qa[8][8];        // [head][lane]: the query's int8 scales
+    alignas(32) float qs[128];
+    float qsum[8], qz[8];  // sum_d q_d (per-token zeros); sum_d q_d z_gd (per-channel zeros)
+    if (s.kind == 1)
+        for (int r = 0; r < R; r++) {
+            quantize_query_lanes(q + r * D, D, q8[r], qa[r]);
+            qsum[r] = 0.f;
+            for (int d = 0; d < D; d++) qsum[r] += q[r * D + d];
+        }
+    const int end = i0 + n;
+    Cursor at(s.start, i0, s.slots);
+    int group_row = -1;
+    for (int i = i0; i < end;) {
+        int len = std::min(8, end - i);
+        if (s.kind == 2) {  // a chunk never straddles two per-channel groups
+            const int g = i / s.group;
+            len = std::min(len, (g + 1) * s.group - i);
+            if (g != group_row) {  // fold this group's scales into the query, its zeros into qz
+                group_row = g;
+                const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
                 for (int r = 0; r < R; r++) {
-                    quantize_query_lanes(qb + r * D, D, q8[r], qa[r]);
-                    qsum[r] = 0.f;
-                    for (int d = 0; d < D; d++) qsum[r] += qb[r * D + d];
-                }
-            const int end = std::min(n, (blk + 1) * BLOCK);
-            Cursor at(s.start, blk * BLOCK, s.slots);
-            int group_row = -1;
-            for (int i0 = blk * BLOCK; i0 < end;) {
-                int len = std::min(8, end - i0);
-                if (s.kind == 2) {  // a chunk never straddles two per-channel groups
-                    const int g = i0 / s.group;
-                    len = std::min(len, (g + 1) * s.group - i0);
-                    if (g != group_row) {  // fold this group's scales into the query, its zeros into qz
-                        group_row = g;
-                        const int64_t row = ((int64_t)bh * s.sslots + (s.sstart + g) % s.sslots) * D;
-                        for (int r = 0; r < R; r++) {
-                            __m256 z8 = _mm256_setzero_ps();
-                            for (int d = 0; d < D; d += 8) {
-                                const __m256 qd = _mm256_loadu_ps(qb + r * D + d);
-                                _mm256_storeu_ps(qs.data() + d, _mm256_mul_ps(qd, load_half8(s.scale + row + d)));
-                                z8 = _mm256_fmadd_ps(qd, load_half8(s.zero + row + d), z8);
-                            }
-                            alignas(32) float zz[8];
-                            _mm256_store_ps(zz, z8);
-                            qz[r] = zz[0] + zz[1] + zz[2] + zz[3] + zz[4] + zz[5] + zz[6] + zz[7];
-                            quantize_query_lanes(qs.data(), D, q8[r], qa[r]);
-                        }
+                    __m256 z8 = _mm256_setzero_ps();
+                    for (int d = 0; d < D; d += 8) {
+                        const __m256 qd = _mm256_loadu_ps(q + r * D + d);
+                        _mm256_store_ps(qs + d, _mm256_mul_ps(qd, load_half8(s.scale + row + d)));
+                        z8 = _mm256_fmadd_ps(qd, load_half8(s.zero + row + d), z8);
                     }
+                    alignas(32) float zz[8];
+                    _mm256_store_ps(zz, z8);
+                    qz[r] = zz[0] + zz[1] + zz[2] + zz[3] + zz[4] + zz[5] + zz[6] + zz[7];
+                    quantize_query_lanes(qs, D, q8[r], qa[r]);
                 }
-                alignas(32) float sc[8] = {0.f}, zt[8] = {0.f};
-                for (int t = 0; t < 8; t++) {
-                    if (t < len) {
-                        const int64_t slot = (int64_t)bh * s.slots + at.slot;
-                        unpack_bytes<BITS>((const uint8_t*)s.data + slot * W, D, rows[t]);
-                        if (s.kind == 1) sc[t] = half_to_float(s.scale[slot]), zt[t] = half_to_float(s.zero[slot]);
-                        at.next();
-                    }
-                    for (int r = 0; r < R; r++)
-                        part[r][t] = t < len ? _mm256_mul_ps(_mm256_cvtepi32_ps(dot_codes(rows[t], q8[r], D)),
-                                                             _mm256_load_ps(qa[r]))
-                                             : _mm256_setzero_ps();
-                }
-                for (int r = 0; r < R; r++) {
-                    alignas(32) float dots[8];
-                    _mm256_store_ps(dots, hsum8_ps(part[r]));
-                    float* out = scores + ((int64_t)bh * R + r) * ld + i0;
-                    for (int t = 0; t < len; t++) out[t] = s.kind == 1 ? sc[t] * dots[t] + zt[t] * qsum[r] : dots[t] + qz[r];
-                }
-                i0 += len;
             }
         }
+        alignas(32) float sc[8] = {0.f}, zt[8] = {0.f};
+        for (int t = 0; t < 8; t++) {
+            if (t < len) {
+                const int64_t slot = bh * s.slots + at.slot;
+                unpack_bytes<BITS>((const uint8_t*)s.data + slot * W, D, rows[t]);
+                if (s.kind == 1) sc[t] = half_to_float(s.scale[slot]), zt[t] = half_to_float(s.zero[slot]);
+                at.next();
+            }
+            for (int r = 0; r < R; r++)
+                part[r][t] = t < len ? _mm256_mul_ps(_mm256_cvtepi32_ps(dot_codes(rows[t], q8[r], D)), _mm256_load_ps(qa[r]))
+                                     : _mm256_setzero_ps();
+        }
+        for (int r = 0; r < R; r++) {
+            alignas(32) float dots[8];
+            _mm256_store_ps(dots, hsum8_ps(part[r]));
+            float* o = out + (int64_t)r * ls + (i - i0);
+            for (int t = 0; t < len; t++) o[t] = s.kind == 1 ? sc[t] * dots[t] + zt[t] * qsum[r] : dots[t] + qz[r];
+        }
+        i += len;
+    }
 }
 
-// out[bh, r] += sum_i p[bh, r, i] v_i for the body of a per-token affine codec with groups of
-// G channels, G == D or G == 32 (every 32 consecutive channels share a scale).
+// acc_r += sum_j p[r * lp + j] v_(i0 + j) for the body of a per-token affine codec with groups
+// of G channels, G == D or G == 32 (every 32 consecutive channels share a scale).
 template <int BITS, int DC, int RC>
-static void values_int_impl(const float* p, const RowSource& s, int B, int H, int R_, int D_, int n, int ld, float* out) {
+static void value_int_impl(const RowSource& s, int64_t bh, int R_, int D_, const float* p, int lp, int i0, int n,
+                           float* acc) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;
     const int W = D * BITS / 8, G = s.group, NG = D / G, NV = D / 8;
     constexpr int SB = 32;  // tokens per block of byte weights
     // Pairs of tokens that fit in 16 bits before widening: 2 * 255 * (2^BITS - 1) per pair.
     constexpr int WIDEN = 32767 / (2 * 255 * ((1 << BITS) - 1));
-    const int nb = n_blocks(n);
-    std::vector<float> part_out((size_t)B * H * nb * R * D, 0.f);
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int bh = 0; bh < B * H; bh++)
-        for (int blk = 0; blk < nb; blk++) {
-            FlushDenormals guard;
-            alignas(32) uint8_t rows[SB][128];
-            alignas(32) uint16_t wpairs[8][SB / 2][4];  // [head][pair][group]: (w8_t | w8_t+1 << 8)
-            __m256 accf[8][16];                          // [head][block of 8 channels], natural order
-            __m256i acc32[16], acc16[8];
-            float zsum[8][4] = {{0.f}}, bscale[8][4];
+    alignas(32) uint8_t rows[SB][128];
+    alignas(32) uint16_t wpairs[8][SB / 2][4];  // [head][pair][group]: (w8_t | w8_t+1 << 8)
+    __m256 accf[8][16];                          // [head][block of 8 channels], natural order
+    __m256i acc32[16], acc16[8];
+    float zsum[8][4] = {{0.f}}, bscale[8][4];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NV; v++) accf[r][v] = _mm256_setzero_ps();
+    const int end = i0 + n;
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < end; i += SB) {
+        const int len = std::min(SB, end - i);
+        int64_t slots[SB];
+        for (int t = 0; t < len; t++) {
+            slots[t] = bh * s.slots + at.slot, at.next();
+            unpack_bytes<BITS>((const uint8_t*)s.data + slots[t] * W, D, rows[t]);
+        }
+        if (len % 2) std::memset(rows[len], 0, D);  // an odd last token pairs with zeros
+        // w = p s per head and group, as bytes: w ~= b * w8, b = max w / 255 over the block.
+        alignas(32) float wq[8][4][SB];  // [head][group][token]: w / b, in byte steps
+        for (int g = 0; g < NG; g++) {
+            float sc[SB], zc[SB];
+            for (int t = 0; t < SB; t++)
+                sc[t] = t < len ? half_to_float(s.scale[slots[t] * NG + g]) : 0.f,
+                zc[t] = t < len ? half_to_float(s.zero[slots[t] * NG + g]) : 0.f;
+            for (int r = 0; r < R; r++) {
+                const float* pr = p + (int64_t)r * lp + (i - i0);
+                float w[SB], m = 0.f, z = 0.f;
+                for (int t = 0; t < SB; t++) {
+                    const float pt = t < len ? pr[t] : 0.f;
+                    w[t] = pt * sc[t];
+                    m = std::max(m, w[t]);
+                    z += pt * zc[t];
+                }
+                zsum[r][g] += z;
+                const float b = m > 0.f ? m / 255.f : 1.f, inv = 1.f / b;
+                bscale[r][g] = b;
+                for (int t = 0; t < SB; t++) wq[r][g][t] = w[t] * inv;
+            }
+        }
+        // Error diffusion: each token's rounding remainder is carried into the next
+        // token's weight, so the block's byte weights sum to its float weights within
+        // b/2. Plain rounding sent every weight below b/2 to zero, a mass the long tail
+        // of a softmax loses systematically (seen as a ppl shift). The carry is a serial
+        // chain per head and group; the chains are stepped together, token by token, so
+        // the CPU overlaps them instead of waiting on one.
+        {
+            float carry[8][4] = {{0.f}};
+            alignas(32) uint8_t w8[8][4][SB];
+            for (int t = 0; t < SB; t++)
+                for (int r = 0; r < R; r++)
+                    for (int g = 0; g < NG; g++) {
+                        const float x = wq[r][g][t] + carry[r][g];
+                        const int qv = std::min(255, std::max(0, (int)std::nearbyint(x)));
+                        carry[r][g] = x - (float)qv;
+                        w8[r][g][t] = (uint8_t)qv;
+                    }
             for (int r = 0; r < R; r++)
-                for (int v = 0; v < NV; v++) accf[r][v] = _mm256_setzero_ps();
-            const int end = std::min(n, (blk + 1) * BLOCK);
-            Cursor at(s.start, blk * BLOCK, s.slots);
-            for (int i0 = blk * BLOCK; i0 < end; i0 += SB) {
-                const int len = std::min(SB, end - i0);
-                int64_t slots[SB];
-                for (int t = 0; t < len; t++) {
-                    slots[t] = (int64_t)bh * s.slots + at.slot, at.next();
-                    unpack_bytes<BITS>((const uint8_t*)s.data + slots[t] * W, D, rows[t]);
+                for (int g = 0; g < NG; g++)
+                    for (int t = 0; t < SB; t += 2) wpairs[r][t / 2][g] = (uint16_t)(w8[r][g][t] | (w8[r][g][t + 1] << 8));
+        }
+        for (int r = 0; r < R; r++) {
+            for (int v = 0; v < NV; v++) acc32[v] = _mm256_setzero_si256();
+            for (int v = 0; v < NV / 2; v++) acc16[v] = _mm256_setzero_si256();
+            for (int t = 0, pairs = 0; t < len; t += 2) {
+                for (int c = 0; c < D / 32; c++) {  // 32 channels: (token t, token t+1) byte pairs
+                    const __m256i x = _mm256_load_si256((const __m256i*)(rows[t] + 32 * c));
+                    const __m256i y = _mm256_load_si256((const __m256i*)(rows[t + 1] + 32 * c));
+                    const __m256i wv = _mm256_set1_epi16((int16_t)wpairs[r][t / 2][32 * c / G]);
+                    acc16[2 * c] = _mm256_add_epi16(acc16[2 * c], _mm256_maddubs_epi16(wv, _mm256_unpacklo_epi8(x, y)));
+                    acc16[2 * c + 1] = _mm256_add_epi16(acc16[2 * c + 1], _mm256_maddubs_epi16(wv, _mm256_unpackhi_epi8(x, y)));
                 }
-                if (len % 2) std::memset(rows[len], 0, D);  // an odd last token pairs with zeros
-                // w = p s per head and group, as bytes: w ~= b * w8, b = max w / 255 over the block.
-                alignas(32) float wq[8][4][SB];  // [head][group][token]: w / b, in byte steps
-                for (int g = 0; g < NG; g++) {
-                    float sc[SB], zc[SB];
-                    for (int t = 0; t < SB; t++)
-                        sc[t] = t < len ? half_to_float(s.scale[slots[t] * NG + g]) : 0.f,
-                        zc[t] = t < len ? half_to_float(s.zero[slots[t] * NG + g]) : 0.f;
-                    for (int r = 0; r < R; r++) {
-                        const float* pr = p + ((int64_t)bh * R + r) * ld + i0;
-                        float w[SB], m = 0.f, z = 0.f;
-                        for (int t = 0; t < SB; t++) {
-                            const float pt = t < len ? pr[t] : 0.f;
-                            w[t] = pt * sc[t];
-                            m = std::max(m, w[t]);
-                            z += pt * zc[t];
-                        }
-                        zsum[r][g] += z;
-                        const float b = m > 0.f ? m / 255.f : 1.f, inv = 1.f / b;
-                        bscale[r][g] = b;
-                        for (int t = 0; t < SB; t++) wq[r][g][t] = w[t] * inv;
-                    }
-                }
-                // Error diffusion: each token's rounding remainder is carried into the next
-                // token's weight, so the block's byte weights sum to its float weights within
-                // b/2. Plain rounding sent every weight below b/2 to zero, a mass the long tail
-                // of a softmax loses systematically (seen as a ppl shift). The carry is a serial
-                // chain per head and group; the chains are stepped together, token by token, so
-                // the CPU overlaps them instead of waiting on one.
-                {
-                    float carry[8][4] = {{0.f}};
-                    alignas(32) uint8_t w8[8][4][SB];
-                    for (int t = 0; t < SB; t++)
-                        for (int r = 0; r < R; r++)
-                            for (int g = 0; g < NG; g++) {
-                                const float x = wq[r][g][t] + carry[r][g];
-                                const int q = std::min(255, std::max(0, (int)std::nearbyint(x)));
-                                carry[r][g] = x - (float)q;
-                                w8[r][g][t] = (uint8_t)q;
-                            }
-                    for (int r = 0; r < R; r++)
-                        for (int g = 0; g < NG; g++)
-                            for (int t = 0; t < SB; t += 2)
-                                wpairs[r][t / 2][g] = (uint16_t)(w8[r][g][t] | (w8[r][g][t + 1] << 8));
-                }
-                for (int r = 0; r < R; r++) {
-                    for (int v = 0; v < NV; v++) acc32[v] = _mm256_setzero_si256();
-                    for (int v = 0; v < NV / 2; v++) acc16[v] = _mm256_setzero_si256();
-                    for (int t = 0, pairs = 0; t < len; t += 2) {
-                        for (int c = 0; c < D / 32; c++) {  // 32 channels: (token t, token t+1) byte pairs
-                            const __m256i x = _mm256_load_si256((const __m256i*)(rows[t] + 32 * c));
-                            const __m256i y = _mm256_load_si256((const __m256i*)(rows[t + 1] + 32 * c));
-                            const __m256i wv = _mm256_set1_epi16((int16_t)wpairs[r][t / 2][32 * c / G]);
-                            acc16[2 * c] = _mm256_add_epi16(acc16[2 * c], _mm256_maddubs_epi16(wv, _mm256_unpacklo_epi8(x, y)));
-                            acc16[2 * c + 1] = _mm256_add_epi16(acc16[2 * c + 1], _mm256_maddubs_epi16(wv, _mm256_unpackhi_epi8(x, y)));
-                        }
-                        if (++pairs == WIDEN || t + 2 >= len) {  // widen before 16 bits can overflow
-                            pairs = 0;
-                            for (int v = 0; v < NV / 2; v++) {
-                                acc32[2 * v] = _mm256_add_epi32(acc32[2 * v], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[v])));
-                                acc32[2 * v + 1] = _mm256_add_epi32(acc32[2 * v + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[v], 1)));
-                                acc16[v] = _mm256_setzero_si256();
-                            }
-                        }
-                    }
-                    // acc32[4c + k] holds channels 32c + {0, 16, 8, 24}[k] .. +7 (unpacklo/hi work per 128-bit lane).
-                    for (int c = 0; c < D / 32; c++) {
-                        const __m256 b = _mm256_set1_ps(bscale[r][32 * c / G]);
-                        const int block[4] = {4 * c, 4 * c + 2, 4 * c + 1, 4 * c + 3};
-                        for (int k = 0; k < 4; k++)
-                            accf[r][block[k]] = _mm256_fmadd_ps(b, _mm256_cvtepi32_ps(acc32[4 * c + k]), accf[r][block[k]]);
+                if (++pairs == WIDEN || t + 2 >= len) {  // widen before 16 bits can overflow
+                    pairs = 0;
+                    for (int v = 0; v < NV / 2; v++) {
+                        acc32[2 * v] = _mm256_add_epi32(acc32[2 * v], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[v])));
+                        acc32[2 * v + 1] = _mm256_add_epi32(acc32[2 * v + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[v], 1)));
+                        acc16[v] = _mm256_setzero_si256();
                     }
                 }
             }
-            float* acc_f = &part_out[((size_t)bh * nb + blk) * R * D];  // (R, D)
-            for (int r = 0; r < R; r++)
-                for (int v = 0; v < NV; v++)
-                    _mm256_storeu_ps(acc_f + (size_t)r * D + 8 * v,
-                                     _mm256_add_ps(accf[r][v], _mm256_set1_ps(zsum[r][8 * v / G])));
+            // acc32[4c + k] holds channels 32c + {0, 16, 8, 24}[k] .. +7 (unpacklo/hi work per 128-bit lane).
+            for (int c = 0; c < D / 32; c++) {
+                const __m256 b = _mm256_set1_ps(bscale[r][32 * c / G]);
+                const int block[4] = {4 * c, 4 * c + 2, 4 * c + 1, 4 * c + 3};
+                for (int k = 0; k < 4; k++)
+                    accf[r][block[k]] = _mm256_fmadd_ps(b, _mm256_cvtepi32_ps(acc32[4 * c + k]), accf[r][block[k]]);
+            }
         }
-    reduce_blocks(part_out, B * H, nb, R * D, out);
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NV; v++) {
+            float* a = acc + (size_t)r * D + 8 * v;
+            _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_add_ps(accf[r][v], _mm256_set1_ps(zsum[r][8 * v / G]))));
+        }
 }
 
 // Code width and the default model's shapes (D 64, 3 query heads per KV head) known at compile time.
 #define INT_DISPATCH(fn, ...)                                                         \
     do {                                                                              \
-        const int bits = src->bits;                                                   \
+        const int bits = s.bits;                                                      \
         if (D == 64 && R == 3) {                                                      \
             if (bits == 4) fn<4, 64, 3>(__VA_ARGS__);                                 \
             else if (bits == 3) fn<3, 64, 3>(__VA_ARGS__);                            \
@@ -309,25 +296,14 @@ static void values_int_impl(const float* p, const RowSource& s, int B, int H, in
         }                                                                             \
     } while (0)
 
-extern "C" {
-
-void scores_int(const float* q, const RowSource* src, int B, int H, int R, int D, int n, int ld, float* scores) {
-    INT_DISPATCH(scores_int_impl, q, *src, B, H, R, D, n, ld, scores);
-}
-
-void values_int(const float* p, const RowSource* src, int B, int H, int R, int D, int n, int ld, float* out) {
-    INT_DISPATCH(values_int_impl, p, *src, B, H, R, D, n, ld, out);
-}
-
-}  // extern "C"
+void score_int(SCORE_ARGS) { INT_DISPATCH(score_int_impl, s, bh, R, D, q, i0, n, out, ls); }
+void value_int(VALUE_ARGS) { INT_DISPATCH(value_int_impl, s, bh, R, D, p, lp, i0, n, acc); }
 
 #else
 
 // Without AVX2 and BMI2 nothing routes here (int_attention_available() is 0); the symbols
 // exist so that the library links the same way on every CPU.
-extern "C" {
-void scores_int(const float*, const RowSource*, int, int, int, int, int, int, float*) {}
-void values_int(const float*, const RowSource*, int, int, int, int, int, int, float*) {}
-}
+void score_int(SCORE_ARGS) {}
+void value_int(VALUE_ARGS) {}
 
 #endif

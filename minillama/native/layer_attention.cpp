@@ -2,19 +2,30 @@
 // the new token itself, the softmax and the Hadamard rotations.
 //
 // kv/fused_attention.py describes each part of the cache (sinks, body, residual of K and of
-// V) as a RowSource plus a route (which kernel reads it); this file runs them in order:
-//   1. q (and the new key) into the key codec's space: Hadamard-rotated for *h key codecs
-//      (a fast Walsh-Hadamard transform, normalized, the same H as kv/quantize.py);
-//   2. scores: each K part fills its columns of one (B*H, R, held+1) matrix, the new token
-//      its own last column; then a softmax of scores / sqrt(D);
-//   3. values: each V part adds p . V_part, the new token adds p_own * v; the output is
-//      rotated back once for *h value codecs.
-// Doing this in C++ instead of ~20 PyTorch calls per layer matters on small CPUs, where each
-// call costs 10-60 us: about 0.4 ms per layer, 13 ms per decode step on the 2-core machine.
+// V) as a RowSource plus a route (which block kernel reads it). The held tokens, in age
+// order, are one sequence whatever part holds them; the driver here splits that sequence,
+// not the heads, across the threads (flash-decoding / split-K): with 3 KV heads on 2 cores a
+// split by head leaves a core idle for a third of the time, a split of the context never does.
+// Each thread walks its range of tokens for every head in blocks of BLOCK tokens:
+//   1. scores: the K part(s) covering the block score the head's R queries (each K row is
+//      read once for all R query heads that share it) into an R x BLOCK tile that stays in L1;
+//   2. online softmax (Milakov & Gimelshein 2018; FlashAttention): with m the running max and
+//      l the running sum of exp(s - m), a block with a new max m' rescales l and the partial
+//      output by exp(m - m') once, and p_j = exp(s_j - m') weights the block's values;
+//   3. values: the V part(s) covering the block add p . V to the partial output.
+// Then, once per head, the threads' partials (m_t, l_t, o_t) and the new token's own score
+// and value merge: o = sum_t exp(m_t - M) o_t / sum_t exp(m_t - M) l_t. One parallel region
+// per layer; the only buffers are a grow-only workspace of the calling thread and the tiles
+// on each thread's stack.
+// The queries (and the new key) are first moved into the key codec's space (Hadamard-rotated
+// for *h key codecs: a fast Walsh-Hadamard transform, normalized, the same H as
+// kv/quantize.py); the output is rotated back once per query for *h value codecs.
+// model/attention.py is the specification; tests hold every route to it.
 
 #include "rows.h"
 
 #include <cmath>
+#include <omp.h>
 
 // Whether `route` can read rows described by `src` (values = 1: as values, 0: as keys) for R
 // query heads per KV head of size D. The float and exact kernels take any R; their row buffers
@@ -23,7 +34,7 @@
 extern "C" int route_supported(int route, int values, const RowSource* src, int R, int D) {
     const RowSource& s = *src;
     if (D < 2 || D > 512 || D % 2) return MINILLAMA_E_HEAD_DIM;
-    if (R < 1) return MINILLAMA_E_GQA;
+    if (R < 1 || R > 16) return MINILLAMA_E_GQA;
     const bool float_bits = s.bits >= 0 && s.bits <= 2;
     const bool code_bits = s.bits == 2 || s.bits == 3 || s.bits == 4 || s.bits == 8 || (s.bits == 5 && s.kind == ROW_TOKEN);
     switch (route) {
@@ -51,30 +62,57 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
     }
 }
 
-// One part of the cache through its kernel. values = 0: x = q (B*H, R, D), scores go to
-// out's columns (rows ld apart); values = 1: x = p (rows ld apart), p . V is added to out.
+// The block kernel a route names (rows.h): the AVX-512 kernels where they apply (fast_attention.cpp:
+// exact float math, or on the integer route VNNI for 4-bit keys), else the generic one.
+static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
+    if (route == ROUTE_INTEGER ? score_vnni(s, bh, R, D, q, i0, n, out, ls, prep)
+                               : route != ROUTE_ROWS && score_fast(s, bh, R, D, q, i0, n, out, ls, prep))
+        return;
+    switch (route) {
+        case ROUTE_FLOAT: return score_float(s, bh, R, D, q, i0, n, out, ls);
+        case ROUTE_TOKEN: return score_token(s, bh, R, D, q, i0, n, out, ls);
+        case ROUTE_CHANNEL: return score_channel(s, bh, R, D, q, i0, n, out, ls);
+        case ROUTE_INTEGER: return score_int(s, bh, R, D, q, i0, n, out, ls);
+        default: return score_rows(s, bh, R, D, q, i0, n, out, ls);
+    }
+}
+
+static inline void value_block(int route, VALUE_ARGS) {
+    if (route != ROUTE_ROWS && value_fast(s, bh, R, D, p, lp, i0, n, acc)) return;
+    switch (route) {
+        case ROUTE_FLOAT: return value_float(s, bh, R, D, p, lp, i0, n, acc);
+        case ROUTE_TOKEN: return value_token(s, bh, R, D, p, lp, i0, n, acc);
+        case ROUTE_CHANNEL: return value_channel(s, bh, R, D, p, lp, i0, n, acc);
+        case ROUTE_INTEGER: return value_int(s, bh, R, D, p, lp, i0, n, acc);
+        default: return value_rows(s, bh, R, D, p, lp, i0, n, acc);
+    }
+}
+
+// Tokens per block of the driver: an R x BLOCK tile of scores (12 KB at R 3 ... 8 KB per 16 heads
+// at R 16) stays in L1 between the scores and the values; a multiple of 32, so a block holds
+// whole groups of the integer value kernels' byte weights and of KIVI's per-channel key scales.
+static const int BLOCK = 128;
+
+// One part of the cache through its kernel, alone (tests, bench/attention_micro.py).
+// values = 0: x = q (B*H, R, D), scores go to out's columns (rows ld apart); values = 1:
+// x = p (rows ld apart), p . V is added to out (B*H, R, D).
 extern "C" int attend_part(int values, int route, const float* x, const RowSource* src, int B, int H, int R, int D,
                            int n, int ld, float* out) {
     if (const int status = route_supported(route, values, src, R, D)) return status;
     if (B < 1 || H < 1 || n < 0 || ld < n) return MINILLAMA_E_SHAPE;
     const RowSource& s = *src;
-    switch (route) {
-        case ROUTE_FLOAT:
-            (values ? values_float : scores_float)(x, s.data, s.bits, B, H, R, D, s.slots, s.start, n, ld, out);
-            break;
-        case ROUTE_TOKEN:
-            (values ? values_token : scores_token)(x, (const uint8_t*)s.data, s.scale, s.zero, s.codebook, B, H, R, D,
-                                                   s.bits, s.group, s.slots, s.start, n, ld, out);
-            break;
-        case ROUTE_CHANNEL:
-            (values ? values_channel : scores_channel)(x, (const uint8_t*)s.data, s.scale, s.zero, B, H, R, D, s.bits,
-                                                       s.group, s.slots, s.start, s.sslots, s.sstart, n, ld, out);
-            break;
-        case ROUTE_INTEGER:
-            (values ? values_int : scores_int)(x, src, B, H, R, D, n, ld, out);
-            break;
-        default:
-            (values ? values_rows : scores_rows)(x, src, B, H, R, D, n, ld, out);
+#pragma omp parallel for schedule(static)
+    for (int bh = 0; bh < B * H; bh++) {
+        FlushDenormals guard;
+        static thread_local Prep prep;
+        prep.ready = false;
+        for (int i0 = 0; i0 < n; i0 += BLOCK) {
+            const int len = std::min(BLOCK, n - i0);
+            if (values)
+                value_block(route, s, bh, R, D, x + (int64_t)bh * R * ld + i0, ld, i0, len, out + (int64_t)bh * R * D);
+            else
+                score_block(route, s, bh, R, D, x + (int64_t)bh * R * D, i0, len, out + (int64_t)bh * R * ld + i0, ld, prep);
+        }
     }
     return MINILLAMA_OK;
 }
@@ -110,74 +148,181 @@ static inline void hadamard(float* x, int D) {
     for (int d = 0; d < D; d++) x[d] *= norm;
 }
 
+// exp(x) for n floats in place, vectorized: 2^(x log2 e) split as 2^k * 2^f, f in [-1/2, 1/2],
+// 2^f by a degree-6 polynomial (relative error ~2e-7, like expf); x below -87 gives 0.
+static inline float exp_one(float x) {
+    x = std::max(x, -87.3f);
+    const float t = x * 1.44269504f, k = std::nearbyint(t), f = t - k;
+    float p = 1.535336188e-4f;
+    p = p * f + 1.339887440e-3f;
+    p = p * f + 9.618437357e-3f;
+    p = p * f + 5.550332471e-2f;
+    p = p * f + 2.402264791e-1f;
+    p = p * f + 6.931472028e-1f;
+    p = p * f + 1.0f;
+    int32_t bits;
+    std::memcpy(&bits, &p, 4);
+    bits += (int32_t)k << 23;
+    std::memcpy(&p, &bits, 4);
+    return p;
+}
+
+static inline void exp_inplace(float* x, int n) {
+#pragma omp simd
+    for (int j = 0; j < n; j++) x[j] = exp_one(x[j]);
+}
+
+// What each thread keeps per head: the running max and sum of the softmax, and its partial output.
+struct Partial {
+    float* m;    // (R)
+    float* l;    // (R)
+    float* acc;  // (R, D)
+};
+
+// Where the held tokens of K (or V) live: its parts in age order, each starting at a token index.
+struct Segments {
+    const Part* parts;
+    int count;
+    int first[3];  // index of each part's first token in the held sequence
+};
+
+// Scores (values = 0) or values (values = 1) of the held tokens [a, b) of head bh: each part
+// covering some of them reads its own rows; `x` is q or p, `out` the scores tile or the output;
+// `preps` the score kernels' per-part state for this head.
+static inline void run_block(const Segments& seg, int values, int64_t bh, int R, int D, const float* x, int lx, int a,
+                             int b, float* out, int lo, Prep* preps) {
+    for (int i = 0; i < seg.count; i++) {
+        const Part& part = seg.parts[i];
+        const int lo_tok = std::max(a, seg.first[i]), hi_tok = std::min(b, seg.first[i] + part.n);
+        if (lo_tok >= hi_tok) continue;
+        const int i0 = lo_tok - seg.first[i], len = hi_tok - lo_tok;
+        if (values)
+            value_block(part.route, part.src, bh, R, D, x + (lo_tok - a), lx, i0, len, out);
+        else
+            score_block(part.route, part.src, bh, R, D, x, i0, len, out + (lo_tok - a), lo, preps[i]);
+    }
+}
+
+// A grow-only workspace of the calling thread: no allocation per call once it is big enough.
+static float* workspace(size_t floats) {
+    static thread_local std::vector<float> buffer;
+    if (buffer.size() < floats) buffer.resize(floats);
+    return buffer.data();
+}
+
 extern "C" int attend_layer(const LayerPlan* plan) {
     const LayerPlan& P = *plan;
     const int B = P.B, H = P.H, R = P.R, D = P.D, BH = B * H;
     // Check every part before anything is written: a plan the kernels cannot read changes nothing.
     if (P.dtype < 0 || P.dtype > 2) return MINILLAMA_E_DTYPE;
     if (B < 1 || H < 1 || P.nk < 0 || P.nk > 3 || P.nv < 0 || P.nv > 3) return MINILLAMA_E_SHAPE;
+    if (R < 1 || R > 16) return MINILLAMA_E_GQA;
     if ((P.rotate_k || P.rotate_v) && (D & (D - 1))) return MINILLAMA_E_HEAD_DIM;
+    Segments ks{P.kparts, P.nk, {0, 0, 0}}, vs{P.vparts, P.nv, {0, 0, 0}};
     int held = 0, held_v = 0;
     for (int i = 0; i < P.nk; i++) {
         if (const int status = route_supported(P.kparts[i].route, 0, &P.kparts[i].src, R, D)) return status;
-        held += P.kparts[i].n;
+        ks.first[i] = held, held += P.kparts[i].n;
     }
     for (int i = 0; i < P.nv; i++) {
         if (const int status = route_supported(P.vparts[i].route, 1, &P.vparts[i].src, R, D)) return status;
-        held_v += P.vparts[i].n;
+        vs.first[i] = held_v, held_v += P.vparts[i].n;
     }
     if (held != held_v) return MINILLAMA_E_SHAPE;
-    const int ld = held + 1;
-    std::vector<float> q((size_t)BH * R * D), kown((size_t)BH * D), vown((size_t)BH * D);
-    std::vector<float> s((size_t)BH * R * ld), o((size_t)BH * R * D, 0.f);
-    for (int bh = 0; bh < BH; bh++) {
-        for (int r = 0; r < R; r++) {
-            float* qr = &q[((size_t)bh * R + r) * D];
-            load_vec(P.q, ((int64_t)bh * R + r) * D, P.dtype, D, qr);
-            if (P.rotate_k) hadamard(qr, D);
-        }
-        float* k = &kown[(size_t)bh * D];
-        load_vec(P.k, (int64_t)bh * D, P.dtype, D, k);
-        if (P.rotate_k) hadamard(k, D);
-        if (P.k_center)
-            for (int d = 0; d < D; d++) k[d] -= P.k_center[(size_t)bh * D + d];
-        float* v = &vown[(size_t)bh * D];
-        load_vec(P.v, (int64_t)bh * D, P.dtype, D, v);
-        if (P.rotate_v) hadamard(v, D);
-    }
-    int column = 0;
-    for (int i = 0; i < P.nk; i++) {  // every held key: its columns of the score matrix
-        const Part& part = P.kparts[i];
-        attend_part(0, part.route, q.data(), &part.src, B, H, R, D, part.n, ld, s.data() + column);
-        column += part.n;
-    }
+    const int threads = std::max(1, std::min(omp_get_max_threads(), (held + BLOCK - 1) / BLOCK));
+    // The workspace: queries in key space (BH, R, D), the new key and value (BH, D) each, the
+    // own scores (BH, R), and each thread's partials (threads, BH) x (R m, R l, R x D acc).
+    const size_t per_partial = (size_t)R * (D + 2);
+    float* q = workspace((size_t)BH * R * D + 2 * (size_t)BH * D + (size_t)BH * R + threads * BH * per_partial);
+    float *kown = q + (size_t)BH * R * D, *vown = kown + (size_t)BH * D, *own = vown + (size_t)BH * D;
+    float* partials = own + (size_t)BH * R;
+    auto partial = [&](int t, int bh) {
+        float* base = partials + ((size_t)t * BH + bh) * per_partial;
+        return Partial{base, base + R, base + 2 * R};
+    };
     const float scale = 1.f / std::sqrt((float)D);
-    for (int bh = 0; bh < BH; bh++)
-        for (int r = 0; r < R; r++) {  // the new token's own score, then the softmax of the row
-            float* row = &s[((size_t)bh * R + r) * ld];
-            const float* qr = &q[((size_t)bh * R + r) * D];
-            float own = 0.f;
-            for (int d = 0; d < D; d++) own += qr[d] * kown[(size_t)bh * D + d];
-            row[held] = own;
-            float m = -INFINITY;
-            for (int j = 0; j < ld; j++) m = std::max(m, row[j] * scale);
-            float sum = 0.f;
-            for (int j = 0; j < ld; j++) sum += (row[j] = std::exp(row[j] * scale - m));
-            const float inv = 1.f / sum;
-            for (int j = 0; j < ld; j++) row[j] *= inv;
-            float* out = &o[((size_t)bh * R + r) * D];
-            for (int d = 0; d < D; d++) out[d] = row[held] * vown[(size_t)bh * D + d];
+#pragma omp parallel num_threads(threads)
+    {
+        FlushDenormals guard;  // far-away weights are tiny: no denormal microcode (rows.h)
+#pragma omp for schedule(static)
+        for (int bh = 0; bh < BH; bh++) {  // q and the new k, v into the codecs' spaces
+            for (int r = 0; r < R; r++) {
+                float* qr = &q[((size_t)bh * R + r) * D];
+                load_vec(P.q, ((int64_t)bh * R + r) * D, P.dtype, D, qr);
+                if (P.rotate_k) hadamard(qr, D);
+            }
+            float* k = &kown[(size_t)bh * D];
+            load_vec(P.k, (int64_t)bh * D, P.dtype, D, k);
+            if (P.rotate_k) hadamard(k, D);
+            if (P.k_center)
+                for (int d = 0; d < D; d++) k[d] -= P.k_center[(size_t)bh * D + d];
+            float* v = &vown[(size_t)bh * D];
+            load_vec(P.v, (int64_t)bh * D, P.dtype, D, v);
+            if (P.rotate_v) hadamard(v, D);
+            for (int r = 0; r < R; r++) {  // the new token's own (scaled) score
+                float dot = 0.f;
+                for (int d = 0; d < D; d++) dot += q[((size_t)bh * R + r) * D + d] * k[d];
+                own[(size_t)bh * R + r] = dot * scale;
+            }
+        }  // (an implicit barrier: every thread needs every query)
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        // This thread's tokens: a contiguous range of whole blocks, the same for every head.
+        const int blocks = (held + BLOCK - 1) / BLOCK;
+        const int a = std::min(held, (int)((int64_t)blocks * t / nt) * BLOCK);
+        const int b = std::min(held, (int)((int64_t)blocks * (t + 1) / nt) * BLOCK);
+        alignas(64) float tile[16 * BLOCK];  // (R, BLOCK): scores, then p
+        static thread_local Prep preps[3];   // per K part: what its kernel derived from this head's queries
+        for (int bh = 0; bh < BH; bh++) {
+            for (Prep& p : preps) p.ready = false;
+            Partial st = partial(t, bh);
+            for (int r = 0; r < R; r++) st.m[r] = -INFINITY, st.l[r] = 0.f;
+            std::fill(st.acc, st.acc + (size_t)R * D, 0.f);
+            const float* qh = &q[(size_t)bh * R * D];
+            for (int i = a; i < b; i += BLOCK) {
+                const int n = std::min(BLOCK, b - i);
+                run_block(ks, 0, bh, R, D, qh, D, i, i + n, tile, BLOCK, preps);
+                for (int r = 0; r < R; r++) {  // the online softmax step of this block
+                    float* row = tile + (size_t)r * BLOCK;
+                    float m = st.m[r];
+                    for (int j = 0; j < n; j++) m = std::max(m, row[j] *= scale);
+                    for (int j = 0; j < n; j++) row[j] -= m;
+                    exp_inplace(row, n);
+                    float sum = 0.f;
+                    for (int j = 0; j < n; j++) sum += row[j];
+                    if (m > st.m[r]) {  // a new max: rescale what was summed before it
+                        const float c = st.m[r] == -INFINITY ? 0.f : exp_one(st.m[r] - m);
+                        st.l[r] *= c;
+                        for (int d = 0; d < D; d++) st.acc[(size_t)r * D + d] *= c;
+                        st.m[r] = m;
+                    }
+                    st.l[r] += sum;
+                }
+                run_block(vs, 1, bh, R, D, tile, BLOCK, i, i + n, st.acc, 0, nullptr);
+            }
         }
-    column = 0;
-    for (int i = 0; i < P.nv; i++) {  // every held value, weighted by its columns of p
-        const Part& part = P.vparts[i];
-        attend_part(1, part.route, s.data() + column, &part.src, B, H, R, D, part.n, ld, o.data());
-        column += part.n;
-    }
-    for (int row = 0; row < BH * R; row++) {
-        float* x = &o[(size_t)row * D];
-        if (P.rotate_v) hadamard(x, D);  // back from rotated space, once per query
-        store_vec(x, D, P.dtype, P.out, (int64_t)row * D);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int row = 0; row < BH * R; row++) {  // merge the threads' partials and the new token
+            const int bh = row / R, r = row % R;
+            float M = own[row];
+            for (int u = 0; u < nt; u++) M = std::max(M, partial(u, bh).m[r]);
+            const float w_own = exp_one(own[row] - M);
+            float L = w_own;
+            float o[512];
+            const float* v = &vown[(size_t)bh * D];
+            for (int d = 0; d < D; d++) o[d] = w_own * v[d];
+            for (int u = 0; u < nt; u++) {
+                const Partial pu = partial(u, bh);
+                if (pu.m[r] == -INFINITY) continue;  // this thread held no token
+                const float c = exp_one(pu.m[r] - M);
+                L += c * pu.l[r];
+                for (int d = 0; d < D; d++) o[d] += c * pu.acc[(size_t)r * D + d];
+            }
+            const float inv = 1.f / L;
+            for (int d = 0; d < D; d++) o[d] *= inv;
+            if (P.rotate_v) hadamard(o, D);  // back from rotated space, once per query
+            store_vec(o, D, P.dtype, P.out, (int64_t)row * D);
+        }
     }
     return MINILLAMA_OK;
 }

@@ -50,51 +50,31 @@ static inline void decode(const RowSource& s, int64_t bh, int i, int slot, int D
     }
 }
 
-extern "C" {
-
-// scores[bh, r, i] = q[bh, r] . row_i  for the n rows of one part (rows ld apart).
-void scores_rows(const float* q, const RowSource* src, int B, int H, int R, int D, int n, int ld, float* scores) {
-    const RowSource s = *src;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int bh = 0; bh < B * H; bh++)
-        for (int blk = 0; blk < n_blocks(n); blk++) {
-            FlushDenormals guard;
-            float row[512];
-            Cursor at(s.start, blk * BLOCK, s.slots);
-            for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
-                decode(s, bh, i, at.slot, D, row);
-                for (int r = 0; r < R; r++) {
-                    const float* qr = q + ((int64_t)bh * R + r) * D;
-                    float acc = 0.f;
-                    for (int d = 0; d < D; d++) acc += qr[d] * row[d];
-                    scores[((int64_t)bh * R + r) * ld + i] = acc;
-                }
-            }
+// out[r * ls + j] = q_r . row (i0 + j), for the rows of one part decoded one at a time.
+void score_rows(SCORE_ARGS) {
+    float row[512];
+    Cursor at(s.start, i0, s.slots);
+    for (int j = 0; j < n; j++, at.next()) {
+        decode(s, bh, i0 + j, at.slot, D, row);
+        for (int r = 0; r < R; r++) {
+            const float* qr = q + (int64_t)r * D;
+            float a = 0.f;
+            for (int d = 0; d < D; d++) a += qr[d] * row[d];
+            out[(int64_t)r * ls + j] = a;
         }
+    }
 }
 
-// out[bh, r] += sum_i p[bh, r, i] * row_i  for the n rows of one part (p rows ld apart).
-void values_rows(const float* p, const RowSource* src, int B, int H, int R, int D, int n, int ld, float* out) {
-    const RowSource s = *src;
-    const int nb = n_blocks(n);
-    std::vector<float> part((size_t)B * H * nb * R * D, 0.f);
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int bh = 0; bh < B * H; bh++)
-        for (int blk = 0; blk < nb; blk++) {
-            FlushDenormals guard;
-            float* acc = &part[((size_t)bh * nb + blk) * R * D];
-            float row[512];
-            Cursor at(s.start, blk * BLOCK, s.slots);
-            for (int i = blk * BLOCK; i < std::min(n, (blk + 1) * BLOCK); i++, at.next()) {
-                decode(s, bh, i, at.slot, D, row);
-                for (int r = 0; r < R; r++) {
-                    const float w = p[((int64_t)bh * R + r) * ld + i];
-                    float* a = acc + (size_t)r * D;
-                    for (int d = 0; d < D; d++) a[d] += w * row[d];
-                }
-            }
+// acc_r += sum_j p[r * lp + j] * row (i0 + j).
+void value_rows(VALUE_ARGS) {
+    float row[512];
+    Cursor at(s.start, i0, s.slots);
+    for (int j = 0; j < n; j++, at.next()) {
+        decode(s, bh, i0 + j, at.slot, D, row);
+        for (int r = 0; r < R; r++) {
+            const float w = p[(int64_t)r * lp + j];
+            float* a = acc + (size_t)r * D;
+            for (int d = 0; d < D; d++) a[d] += w * row[d];
         }
-    reduce_blocks(part, B * H, nb, R * D, out);
+    }
 }
-
-}  // extern "C"

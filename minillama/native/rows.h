@@ -208,12 +208,6 @@ static inline void load_row(const void* base, int64_t offset, int dtype, int D, 
     }
 }
 
-// Work is split over (batch x head) and blocks of BLOCK tokens, so that few KV heads still
-// keep every core busy; value kernels sum per-block partial outputs at the end.
-static const int BLOCK = 512;
-
-static inline int n_blocks(int n) { return (n + BLOCK - 1) / BLOCK; }
-
 // Walks the ring slots of consecutive logical tokens without a division per token.
 struct Cursor {
     int slot, slots;
@@ -221,29 +215,20 @@ struct Cursor {
     void next() { if (++slot == slots) slot = 0; }
 };
 
-// A block's output accumulator: on the stack when its size is known at compile time (the
-// compiler can then keep it in registers across the token loop), else the caller's buffer.
-// The destructor writes it to `dst`.
+// A block's output accumulator, added to `dst` (R x D floats): on the stack when its size is
+// known at compile time (the compiler can then keep it in registers across the token loop),
+// else `dst` itself. The destructor writes the stack copy back.
 template <int N>
 struct Accumulator {
     alignas(64) float local[N > 0 ? N : 1];
     float* dst;
     float* data;
     int n;
-    Accumulator(float* dst, int n) : dst(dst), data(N > 0 ? local : dst), n(n) { std::fill(data, data + n, 0.f); }
+    Accumulator(float* dst, int n) : dst(dst), data(N > 0 ? local : dst), n(n) {
+        if (N > 0) std::memcpy(local, dst, sizeof(float) * n);
+    }
     ~Accumulator() { if (N > 0) std::memcpy(dst, local, sizeof(float) * n); }
 };
-
-// out[bh] += sum over blocks of part[bh][block]  (each R*D floats)
-static void reduce_blocks(const std::vector<float>& part, int BH, int nb, int RD, float* __restrict__ out) {
-#pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < BH; bh++)
-        for (int x = 0; x < RD; x++) {
-            float acc = 0.f;
-            for (int b = 0; b < nb; b++) acc += part[((size_t)bh * nb + b) * RD + x];
-            out[(int64_t)bh * RD + x] += acc;
-        }
-}
 
 // Per-token codecs: the row's scale and zero are applied to the decoded row once, in
 // registers (D multiply-adds), and the row then serves all R query heads that share this
@@ -256,23 +241,34 @@ static inline void scale_row(const uint16_t* scale, const uint16_t* zero, int D,
     }
 }
 
-// The per-part attention kernels behind attend_part (internal: Python calls attend_layer/attend_part).
-// Scores: q (B*H, R, D) float32 in the key codec's space, scores to columns of rows ld apart;
-// values: p (rows ld apart) weights the part's rows, added to out (B*H, R, D).
-extern "C" {
-void scores_float(const float*, const void*, int, int, int, int, int, int, int, int, int, float*);
-void values_float(const float*, const void*, int, int, int, int, int, int, int, int, int, float*);
-void scores_token(const float*, const uint8_t*, const uint16_t*, const uint16_t*, const float*, int, int, int, int, int,
-                  int, int, int, int, int, float*);
-void values_token(const float*, const uint8_t*, const uint16_t*, const uint16_t*, const float*, int, int, int, int, int,
-                  int, int, int, int, int, float*);
-void scores_channel(const float*, const uint8_t*, const uint16_t*, const uint16_t*, int, int, int, int, int, int, int,
-                    int, int, int, int, int, float*);
-void values_channel(const float*, const uint8_t*, const uint16_t*, const uint16_t*, int, int, int, int, int, int, int,
-                    int, int, int, int, int, float*);
-void scores_int(const float*, const RowSource*, int, int, int, int, int, int, float*);
-void values_int(const float*, const RowSource*, int, int, int, int, int, int, float*);
-void scores_rows(const float*, const RowSource*, int, int, int, int, int, int, float*);
-void values_rows(const float*, const RowSource*, int, int, int, int, int, int, float*);
-int int_attention_available(void);
-}
+// The block kernels (one block of rows of one part, for one KV head), one per row family;
+// layer_attention.cpp picks one by the part's route. Scores: q (R, D) float32 in the key
+// codec's space; out[r * ls + j] = q_r . row (i0 + j). Values: acc (R, D) += sum_j
+// p[r * lp + j] * row (i0 + j). Rows are logical (age order) indices of the part; R <= 16.
+#define SCORE_ARGS const RowSource &s, int64_t bh, int R, int D, const float *q, int i0, int n, float *out, int ls
+#define VALUE_ARGS const RowSource &s, int64_t bh, int R, int D, const float *p, int lp, int i0, int n, float *acc
+void score_float(SCORE_ARGS);
+void value_float(VALUE_ARGS);
+void score_token(SCORE_ARGS);
+void value_token(VALUE_ARGS);
+void score_channel(SCORE_ARGS);
+void value_channel(VALUE_ARGS);
+void score_int(SCORE_ARGS);
+void value_int(VALUE_ARGS);
+void score_rows(SCORE_ARGS);
+void value_rows(VALUE_ARGS);
+// What a fast score kernel derives from one head's queries (the queries in decode order, int8
+// queries and their scales, the query folded with a group's scales): filled by the first block
+// of a head and part (ready = false: the caller resets it per head and part), reused by the rest.
+struct Prep {
+    bool ready;
+    int group;  // per-channel keys: the group of tokens the folded query is for (-1: none yet)
+    alignas(64) unsigned char bytes[20 * 1024];
+};
+// fast_attention.cpp: the same math for the common rows with AVX-512; false when it does not apply.
+bool score_fast(SCORE_ARGS, Prep& prep);
+bool value_fast(VALUE_ARGS);
+// Integer (VNNI) scores of 4-bit keys; vnni_keys: whether score_vnni reads these rows.
+bool vnni_keys(const RowSource& s, int D);
+bool score_vnni(SCORE_ARGS, Prep& prep);
+extern "C" int int_attention_available(void);

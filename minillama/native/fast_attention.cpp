@@ -1,0 +1,548 @@
+// AVX-512 block kernels for the rows most caches hold: exact float math, every row read once
+// for all R query heads that share it, sixteen lanes at a time.
+//
+// The generic kernels (decode_attention.cpp) decode a row into a float buffer and loop over
+// it per query head; the compiler keeps neither the row nor the sums in registers, and each
+// dot product ends in its own horizontal sum. Here, for head_dim 64 or 128 (NV = D / 16
+// registers per row):
+//
+//   decode    a row becomes NV registers of floats without a trip through memory: fp16 by
+//             vcvtph2ps, bf16 by a shift, codes by a zero-extension and shifts/masks per
+//             field, then vcvtdq2ps, or a table lookup (vpermps) for codebook codes. The codes
+//             are not interleaved back into channel order: 4-bit codes come out as (even,
+//             odd) channels of each 32, 2-bit codes as channels 4j + k of each 64 (the
+//             "decode order", channel_of below). Keys do not care -- the query is permuted
+//             once into the same order (q.k is a sum) -- and values are summed in decode order
+//             and put back in channel order once per block.
+//   scores    per token and query head NV fused multiply-adds leave one register of 16 partial
+//             sums; sixteen tokens' registers are reduced together by a transposing tree
+//             (reduce16: 46 instructions for 16 dot products, instead of 16 horizontal sums).
+//             Per-token scales and zeros are applied after the sum, sixteen tokens at a time:
+//             q.k_t = s_t (q . c_t) + z_t sum(q); KIVI's per-channel scales are folded into
+//             the query once per group of tokens: q.k_t = (q s_g) . c_t + q . z_g.
+//   values    sixteen decoded rows (scaled per group when groups are narrower than a row)
+//             form a tile in L1; each query head's output registers take w_t x row_t from it,
+//             w_t = p_t s_t when one scale covers the row (its zero adds z_t sum(p)).
+//
+// Everything else -- keys before RoPE, calibrated codecs, trits, per-channel values, other
+// head sizes, CPUs without AVX-512 -- returns false and the generic kernels run. The
+// specification is model/attention.py; tests/test_fused.py holds this file to it.
+
+#include "rows.h"
+
+#include <cmath>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+
+#ifdef __AVX512VBMI__
+#define MINILLAMA_VBMI 1  // vpermb: the byte shuffle the 3-bit unpacking needs
+#else
+#define MINILLAMA_VBMI 0
+#endif
+
+namespace {
+
+constexpr int PREFETCH = 24;  // rows ahead: about 3 KB of fp16 rows at head_dim 64
+
+// The channel that decode position `pos` holds for rows of this code width (0: natural order).
+inline int channel_of(int order, int pos) {
+    const int k = pos / 16, j = pos % 16;
+    if (order == 4) return 32 * (k / 2) + 2 * j + (k % 2);
+    if (order == 2) return 64 * (k / 4) + 4 * j + (k % 4);
+    return pos;
+}
+
+// 0 for float rows and codes widened in channel order, else the code width that permutes them.
+inline int order_of(const RowSource& s) { return s.kind == ROW_FLOAT ? 0 : (s.bits == 4 || s.bits == 2 ? s.bits : 0); }
+
+// Ask for the row `ahead` slots after this one now, so that it arrives from DRAM while this one
+// is computed on (the hardware prefetcher alone left a single thread at a third of its bandwidth).
+inline void prefetch_row(const RowSource& s, int64_t bh, int slot, int ahead, int row_bytes) {
+    const int target = slot + ahead < s.slots ? slot + ahead : slot + ahead - s.slots;
+    if (target < 0 || target >= s.slots) return;
+    const char* p = (const char*)s.data + (bh * s.slots + target) * (int64_t)row_bytes;
+    for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+inline int row_bytes_of(const RowSource& s, int D) { return s.kind == ROW_FLOAT ? D * (s.bits == 0 ? 4 : 2) : D * s.bits / 8; }
+
+// Whether the fast kernels read rows of this kind: float rows, or 2/3/4/8-bit codes per token
+// (affine or codebook) or per channel (keys only, see below).
+inline bool fast_kind(const RowSource& s, int D, bool values) {
+    if ((D != 64 && D != 128) || s.cos || s.center) return false;
+    if (s.kind == ROW_FLOAT) return s.bits >= 0 && s.bits <= 2;
+    const bool bits = s.bits == 2 || s.bits == 4 || s.bits == 8 || (s.bits == 3 && MINILLAMA_VBMI);
+    if (s.kind == ROW_TOKEN)
+        return bits && s.group > 0 && D % s.group == 0 && D / s.group <= 16 && (!s.codebook || s.bits <= 4);
+    return s.kind == ROW_CHANNEL && !values && bits && s.group > 0;
+}
+
+inline __m512 widen(__m512i codes, const float* codebook, __m512 levels) {
+    return codebook ? _mm512_permutexvar_ps(codes, levels) : _mm512_cvtepi32_ps(codes);
+}
+
+// One stored row (slot) of head bh as NV registers in decode order: float values, or codes
+// (levels for codebooks), not yet scaled.
+template <int NV>
+inline void decode(const RowSource& s, int64_t slot, __m512 levels, __m512* v) {
+    constexpr int D = 16 * NV;
+    if (s.kind == ROW_FLOAT) {
+        if (s.bits == 0) {
+            const float* x = (const float*)s.data + slot * D;
+            for (int k = 0; k < NV; k++) v[k] = _mm512_loadu_ps(x + 16 * k);
+        } else if (s.bits == 1) {
+            const uint16_t* x = (const uint16_t*)s.data + slot * D;
+            for (int k = 0; k < NV; k++) v[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + 16 * k)));
+        } else {
+            const uint16_t* x = (const uint16_t*)s.data + slot * D;
+            for (int k = 0; k < NV; k++)
+                v[k] = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + 16 * k))), 16));
+        }
+        return;
+    }
+    const uint8_t* row = (const uint8_t*)s.data + slot * (D * s.bits / 8);
+    if (s.bits == 4) {  // byte j: channel 2j in the low nibble, 2j + 1 in the high one
+        for (int m = 0; m < NV / 2; m++) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + 16 * m)));
+            v[2 * m] = widen(_mm512_and_si512(b, _mm512_set1_epi32(15)), s.codebook, levels);
+            v[2 * m + 1] = widen(_mm512_srli_epi32(b, 4), s.codebook, levels);
+        }
+    } else if (s.bits == 2) {  // byte j: channels 4j .. 4j + 3, two bits each from the lowest
+        for (int m = 0; m < NV / 4; m++) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + 16 * m)));
+            for (int k = 0; k < 4; k++)
+                v[4 * m + k] = widen(_mm512_and_si512(_mm512_srli_epi32(b, 2 * k), _mm512_set1_epi32(3)), s.codebook, levels);
+        }
+    } else if (s.bits == 8) {
+        for (int k = 0; k < NV; k++)
+            v[k] = widen(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(row + 16 * k))), s.codebook, levels);
+    } else {
+#if MINILLAMA_VBMI
+        // 3-bit: 8 codes per 3 bytes, lowest bits first. Lane j of register k takes the 3-byte
+        // word of its 8 codes (bytes 3 (2k + j / 8) ..), shifted by 3 (j % 8).
+        const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (3 * D / 8)) - 1), row);
+        const __m512i shifts = _mm512_set_epi32(21, 18, 15, 12, 9, 6, 3, 0, 21, 18, 15, 12, 9, 6, 3, 0);
+        for (int k = 0; k < NV; k++) {
+            alignas(64) uint8_t idx[64];
+            for (int j = 0; j < 16; j++) {
+                const int word = 3 * (2 * k + j / 8);
+                idx[4 * j] = word, idx[4 * j + 1] = word + 1, idx[4 * j + 2] = word + 2, idx[4 * j + 3] = word + 2;
+            }
+            const __m512i words = _mm512_permutexvar_epi8(_mm512_load_si512(idx), bytes);
+            v[k] = widen(_mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(7)), s.codebook, levels);
+        }
+#endif
+    }
+}
+
+// Lane t of the result = the sum of the 16 lanes of v[t] (a transposing tree: 46 instructions).
+inline __m512 reduce16(const __m512* v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  // halves: lanes 0-7 partial sums of v[2i], lanes 8-15 of v[2i + 1]
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++)  // quarters q: 4 partial sums of v[4i + q]
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+    const __m512 d = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]))));
+    // lane 4q + l of d is the sum of v[4l + q]
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), d);
+}
+
+inline __m512 load_levels(const float* codebook, int bits) {
+    if (!codebook) return _mm512_setzero_ps();
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << (1 << bits)) - 1), codebook);
+}
+
+// A per-group scale (and zero) register for each decode register: lane j of register k takes
+// the group of channel channel_of(order, 16 k + j). `g` holds the row's groups as floats.
+template <int NV>
+struct GroupLanes {
+    __m512i idx[NV];
+    GroupLanes(int order, int group) {
+        for (int k = 0; k < NV; k++) {
+            alignas(64) int t[16];
+            for (int j = 0; j < 16; j++) t[j] = channel_of(order, 16 * k + j) / group;
+            idx[k] = _mm512_load_si512(t);
+        }
+    }
+};
+
+inline __m512 load_groups(const uint16_t* h, int NG) {  // NG <= 16 fp16 values -> floats
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << NG) - 1), h));
+}
+
+// score_fast's per-head state (Prep): the queries in decode order, folded with a group's scales
+// for per-channel keys, and what the zeros add.
+template <int NV>
+struct FastQuery {
+    alignas(64) float qd[16][16 * NV];  // [head][decode position]
+    alignas(64) float qs[16][16 * NV];  // per-channel keys: qd times this group's scales
+    float qsum[16], qz[16];             // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
+};
+
+// The decode-order gather indices of a row of this order: register k takes channels idx[k].
+template <int NV>
+struct DecodeIndex {
+    __m512i idx[NV];
+    explicit DecodeIndex(int order) {
+        for (int k = 0; k < NV; k++) {
+            alignas(64) int t[16];
+            for (int j = 0; j < 16; j++) t[j] = channel_of(order, 16 * k + j);
+            idx[k] = _mm512_load_si512(t);
+        }
+    }
+};
+
+template <int NV>
+bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
+    constexpr int D = 16 * NV;
+    static_assert(sizeof(FastQuery<NV>) <= sizeof(Prep::bytes), "Prep is too small");
+    FastQuery<NV>& st = *reinterpret_cast<FastQuery<NV>*>(prep.bytes);
+    const int order = order_of(s);
+    const DecodeIndex<NV> decode_index(order);
+    if (!prep.ready) {
+        for (int r = 0; r < R; r++) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int k = 0; k < NV; k++) {
+                _mm512_store_ps(&st.qd[r][16 * k], _mm512_i32gather_ps(decode_index.idx[k], q + r * D, 4));
+                sum = _mm512_add_ps(sum, _mm512_loadu_ps(q + r * D + 16 * k));
+            }
+            st.qsum[r] = _mm512_reduce_add_ps(sum);
+        }
+        prep.ready = true, prep.group = -1;
+    }
+    const bool channel = s.kind == ROW_CHANNEL, one_group = s.kind == ROW_TOKEN && s.group == D;
+    const int NG = s.kind == ROW_TOKEN ? D / s.group : 0, row_bytes = row_bytes_of(s, D);
+    const GroupLanes<NV> lanes(order, s.kind == ROW_TOKEN ? s.group : D);
+    const __m512 levels = load_levels(s.codebook, s.bits);
+    alignas(64) __m512 part[16][16];  // [head][token of the chunk]
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        int len = std::min(16, i0 + n - i);
+        if (channel) {  // a chunk never straddles two groups of tokens
+            const int g = i / s.group;
+            len = std::min(len, (g + 1) * s.group - i);
+            if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz
+                prep.group = g;
+                const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
+                alignas(64) float sc[D];
+                __m512 zc[NV];
+                for (int k = 0; k < NV; k++) {
+                    _mm512_store_ps(sc + 16 * k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.scale + row + 16 * k))));
+                    zc[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + row + 16 * k)));
+                }
+                __m512 sd[NV];  // the scales in decode order
+                for (int k = 0; k < NV; k++) sd[k] = _mm512_i32gather_ps(decode_index.idx[k], sc, 4);
+                for (int r = 0; r < R; r++) {
+                    __m512 z = _mm512_setzero_ps();
+                    for (int k = 0; k < NV; k++) {
+                        _mm512_store_ps(&st.qs[r][16 * k], _mm512_mul_ps(_mm512_load_ps(&st.qd[r][16 * k]), sd[k]));
+                        z = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + 16 * k), zc[k], z);
+                    }
+                    st.qz[r] = _mm512_reduce_add_ps(z);
+                }
+            }
+        }
+        alignas(64) float tscale[16] = {0.f}, tzero[16] = {0.f};
+        for (int t = 0; t < 16; t++) {
+            if (t >= len) {
+                for (int r = 0; r < R; r++) part[r][t] = _mm512_setzero_ps();
+                continue;
+            }
+            const int64_t slot = bh * s.slots + at.slot;
+            prefetch_row(s, bh, at.slot, PREFETCH, row_bytes);
+            at.next();
+            __m512 v[NV];
+            decode<NV>(s, slot, levels, v);
+            if (one_group) {  // applied after the sum
+                tscale[t] = half_to_float(s.scale[slot]);
+                tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
+            } else if (s.kind == ROW_TOKEN) {  // narrower groups: scale the row first
+                const __m512 sg = load_groups(s.scale + slot * NG, NG);
+                const __m512 zg = s.zero ? load_groups(s.zero + slot * NG, NG) : _mm512_setzero_ps();
+                for (int k = 0; k < NV; k++)
+                    v[k] = _mm512_fmadd_ps(v[k], _mm512_permutexvar_ps(lanes.idx[k], sg), _mm512_permutexvar_ps(lanes.idx[k], zg));
+            }
+            for (int r = 0; r < R; r++) {
+                const float* qr = channel ? st.qs[r] : st.qd[r];
+                __m512 acc = _mm512_mul_ps(v[0], _mm512_load_ps(qr));
+                for (int k = 1; k < NV; k++) acc = _mm512_fmadd_ps(v[k], _mm512_load_ps(qr + 16 * k), acc);
+                part[r][t] = acc;
+            }
+        }
+        const __mmask16 keep = (__mmask16)((1u << len) - 1);
+        for (int r = 0; r < R; r++) {
+            __m512 dots = reduce16(part[r]);
+            if (one_group)
+                dots = _mm512_fmadd_ps(_mm512_load_ps(tscale), dots, _mm512_mul_ps(_mm512_load_ps(tzero), _mm512_set1_ps(st.qsum[r])));
+            else if (channel)
+                dots = _mm512_add_ps(dots, _mm512_set1_ps(st.qz[r]));
+            _mm512_mask_storeu_ps(out + (int64_t)r * ls + (i - i0), keep, dots);
+        }
+        i += len;
+    }
+    return true;
+}
+
+template <int NV>
+bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
+    constexpr int D = 16 * NV;
+    const int order = order_of(s);
+    const bool one_group = s.kind == ROW_TOKEN && s.group == D;
+    const int NG = s.kind == ROW_TOKEN ? D / s.group : 0, row_bytes = row_bytes_of(s, D);
+    const GroupLanes<NV> lanes(order, s.kind == ROW_TOKEN ? s.group : D);
+    const __m512 levels = load_levels(s.codebook, s.bits);
+    alignas(64) __m512 acc[16][NV];  // [head][register], decode order
+    float zsum[16] = {0.f};          // one_group: sum_t p_t z_t per head
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NV; k++) acc[r][k] = _mm512_setzero_ps();
+    alignas(64) __m512 tile[16][NV];
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n; i += 16) {
+        const int len = std::min(16, i0 + n - i);
+        float tscale[16], tzero[16];
+        for (int t = 0; t < len; t++) {
+            const int64_t slot = bh * s.slots + at.slot;
+            prefetch_row(s, bh, at.slot, PREFETCH, row_bytes);
+            at.next();
+            decode<NV>(s, slot, levels, tile[t]);
+            if (one_group) {
+                tscale[t] = half_to_float(s.scale[slot]);
+                tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
+            } else if (s.kind == ROW_TOKEN) {
+                const __m512 sg = load_groups(s.scale + slot * NG, NG);
+                const __m512 zg = s.zero ? load_groups(s.zero + slot * NG, NG) : _mm512_setzero_ps();
+                for (int k = 0; k < NV; k++)
+                    tile[t][k] = _mm512_fmadd_ps(tile[t][k], _mm512_permutexvar_ps(lanes.idx[k], sg),
+                                                 _mm512_permutexvar_ps(lanes.idx[k], zg));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float* pr = p + (int64_t)r * lp + (i - i0);
+            __m512 a[NV];
+            for (int k = 0; k < NV; k++) a[k] = acc[r][k];
+            for (int t = 0; t < len; t++) {
+                const __m512 w = _mm512_set1_ps(one_group ? pr[t] * tscale[t] : pr[t]);
+                for (int k = 0; k < NV; k++) a[k] = _mm512_fmadd_ps(w, tile[t][k], a[k]);
+            }
+            for (int k = 0; k < NV; k++) acc[r][k] = a[k];
+            if (one_group)
+                for (int t = 0; t < len; t++) zsum[r] += pr[t] * tzero[t];
+        }
+    }
+    for (int r = 0; r < R; r++) {  // back to channel order, into the caller's sums
+        alignas(64) float x[D];
+        for (int k = 0; k < NV; k++) _mm512_store_ps(x + 16 * k, acc[r][k]);
+        float* o = acc_out + (size_t)r * D;
+        for (int pos = 0; pos < D; pos++) o[channel_of(order, pos)] += x[pos] + zsum[r];
+    }
+    return true;
+}
+
+#ifdef __AVX512VNNI__
+// Integer scores for 4-bit keys: per-token codes with one scale per row (affine or a codebook),
+// or KIVI per-channel codes. NC = D / 8: the dword chunks of a row (8 channels each).
+//
+// Sixteen tokens at a time, chunk c of every token's row is gathered into one register (lane t =
+// the 4 bytes of channels 8c .. 8c + 7 of token t), so that vpdpbusd sums code x query products
+// straight into each token's own lane: no horizontal sums at all. The low nibbles of a chunk
+// are channels 8c + 0, 2, 4, 6 and the high nibbles 8c + 1, 3, 5, 7; the int8 query is laid out
+// the same way, with one scale per chunk of 8 channels (a_c = max |x| / 127 over the chunk; the
+// error of a score is at most sum_d a_c(d) / 2 * |code_d| times the row's scale, as the generic
+// integer kernels state). A codebook's levels L become bytes once, L8 = round(L 127 / max |L|),
+// looked up per nibble with vpshufb and offset by 128 to be unsigned (the offset's sum is taken
+// back out exactly).
+// score_vnni's per-head state (Prep): the int8 queries as the dwords vpdpbusd broadcasts
+// (qw[r][2c] the even channels of chunk c, qw[r][2c + 1] the odd ones) and their scales.
+template <int NC>
+struct VnniQuery {
+    alignas(64) int32_t qw[16][2 * NC];
+    alignas(64) float qa[16][NC];  // [head][chunk]: the int8 step of the chunk
+    float offset[16];              // codebooks: 128 sum_d a q8_d, the unsigned offset's share
+    float qsum[16], qz[16];        // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
+};
+
+// x (D = 8 NC floats) -> int8 per chunk of 8 channels (a = max |x| / 127 over the chunk), laid out
+// for vpdpbusd: the even channels' 4 bytes, then the odd ones', per chunk.
+template <int NC>
+inline void quantize_chunks(const float* x, int32_t* qw, float* qa, float* offset, bool book) {
+    const __m512i within8[3] = {_mm512_set_epi32(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1),
+                                _mm512_set_epi32(13, 12, 15, 14, 9, 8, 11, 10, 5, 4, 7, 6, 1, 0, 3, 2),
+                                _mm512_set_epi32(11, 10, 9, 8, 15, 14, 13, 12, 3, 2, 1, 0, 7, 6, 5, 4)};
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    float off = 0.f;
+    for (int k = 0; k < NC / 2; k++) {  // 16 channels = 2 chunks per register
+        const __m512 v = _mm512_loadu_ps(x + 16 * k);
+        __m512 m = _mm512_abs_ps(v);
+        for (int j = 0; j < 3; j++) m = _mm512_max_ps(m, _mm512_permutexvar_ps(within8[j], m));  // each lane: its chunk's max
+        const __mmask16 zero = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_EQ_OQ);
+        const __m512 a = _mm512_mask_blend_ps(zero, _mm512_mul_ps(m, _mm512_set1_ps(1.f / 127.f)), _mm512_set1_ps(1.f));
+        const __m512i q8 = _mm512_cvtps_epi32(_mm512_div_ps(v, a));  // round to nearest even
+        const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q8), split);
+        _mm_storeu_si128((__m128i*)(qw + 4 * k), bytes);  // lo, hi of chunk 2k, then of 2k + 1
+        qa[2 * k] = _mm512_cvtss_f32(a), qa[2 * k + 1] = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(8), a));
+        if (book) {
+            const __m512 sums = _mm512_cvtepi32_ps(q8);
+            alignas(64) float t[16];
+            _mm512_store_ps(t, sums);
+            float s0 = 0.f, s1 = 0.f;
+            for (int j = 0; j < 8; j++) s0 += t[j], s1 += t[8 + j];
+            off += 128.f * (qa[2 * k] * s0 + qa[2 * k + 1] * s1);
+        }
+    }
+    *offset = off;
+}
+
+template <int NC>
+bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
+    constexpr int D = 8 * NC, NV = D / 16;
+    static_assert(sizeof(VnniQuery<NC>) <= sizeof(Prep::bytes), "Prep is too small");
+    VnniQuery<NC>& st = *reinterpret_cast<VnniQuery<NC>*>(prep.bytes);
+    const bool channel = s.kind == ROW_CHANNEL, book = s.codebook != nullptr;
+    __m512i lut = _mm512_setzero_si512();
+    float level_step = 1.f;  // a codebook level is level_step * L8
+    if (book) {
+        float big = 0.f;
+        for (int l = 0; l < 16; l++) big = std::max(big, std::fabs(s.codebook[l]));
+        level_step = big > 0.f ? big / 127.f : 1.f;
+        alignas(64) uint8_t t[64];
+        for (int j = 0; j < 64; j++) t[j] = (uint8_t)(128 + (int)std::nearbyint(s.codebook[j % 16] / level_step));
+        lut = _mm512_load_si512(t);
+    }
+    if (!prep.ready) {
+        if (!channel)
+            for (int r = 0; r < R; r++) {
+                quantize_chunks<NC>(q + r * D, st.qw[r], st.qa[r], &st.offset[r], book);
+                __m512 sum = _mm512_setzero_ps();
+                for (int k = 0; k < NV; k++) sum = _mm512_add_ps(sum, _mm512_loadu_ps(q + r * D + 16 * k));
+                st.qsum[r] = _mm512_reduce_add_ps(sum);
+            }
+        prep.ready = true, prep.group = -1;
+    }
+    const __m512i nib = _mm512_set1_epi8(15);
+    const int words = D / 8;  // 4-byte words per row: one per chunk
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        int len = std::min(16, i0 + n - i);
+        if (channel) {
+            const int g = i / s.group;
+            len = std::min(len, (g + 1) * s.group - i);
+            if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz
+                prep.group = g;
+                const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
+                for (int r = 0; r < R; r++) {
+                    alignas(64) float x[D];
+                    __m512 z = _mm512_setzero_ps();
+                    for (int k = 0; k < NV; k++) {
+                        const __m512 qk = _mm512_loadu_ps(q + r * D + 16 * k);
+                        const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.scale + row + 16 * k)));
+                        const __m512 zc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + row + 16 * k)));
+                        _mm512_store_ps(x + 16 * k, _mm512_mul_ps(qk, sc));
+                        z = _mm512_fmadd_ps(qk, zc, z);
+                    }
+                    quantize_chunks<NC>(x, st.qw[r], st.qa[r], &st.offset[r], false);
+                    st.qz[r] = _mm512_reduce_add_ps(z);
+                }
+            }
+        }
+        // Where each of the 16 tokens' rows starts, in 4-byte words (a short chunk repeats a row).
+        __m512i base;
+        alignas(64) float tscale[16] = {0.f}, tzero[16] = {0.f};
+        if (at.slot + len <= s.slots) {
+            const int64_t first = bh * s.slots + at.slot;
+            base = _mm512_mullo_epi32(_mm512_min_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                       _mm512_set1_epi32(len - 1)), _mm512_set1_epi32(words));
+            base = _mm512_add_epi32(base, _mm512_set1_epi32((int32_t)(first * words)));
+            if (!channel)
+                for (int t = 0; t < len; t++)
+                    tscale[t] = half_to_float(s.scale[first + t]), tzero[t] = s.zero ? half_to_float(s.zero[first + t]) : 0.f;
+            for (int t = 0; t < len; t++) at.next();
+        } else {  // the ring wraps inside the chunk
+            alignas(64) int32_t index[16];
+            for (int t = 0; t < 16; t++) {
+                const int64_t slot = bh * s.slots + at.slot;
+                index[t] = (int32_t)(slot * words);
+                if (t < len) {
+                    if (!channel) tscale[t] = half_to_float(s.scale[slot]), tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
+                    if (t < len - 1) at.next();
+                }
+            }
+            at.next();
+            base = _mm512_load_si512(index);
+        }
+        __m512i lo[NC], hi[NC];
+        for (int c = 0; c < NC; c++) {
+            const __m512i w = _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
+            lo[c] = _mm512_and_si512(w, nib);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+            if (book) lo[c] = _mm512_shuffle_epi8(lut, lo[c]), hi[c] = _mm512_shuffle_epi8(lut, hi[c]);
+        }
+        const __mmask16 keep = (__mmask16)((1u << len) - 1);
+        for (int r = 0; r < R; r++) {
+            __m512 f = _mm512_setzero_ps();
+            for (int c = 0; c < NC; c++) {
+                __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[c], _mm512_set1_epi32(st.qw[r][2 * c]));
+                acc = _mm512_dpbusd_epi32(acc, hi[c], _mm512_set1_epi32(st.qw[r][2 * c + 1]));
+                f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(st.qa[r][c]), f);
+            }
+            if (book) f = _mm512_sub_ps(f, _mm512_set1_ps(st.offset[r]));
+            if (channel) {
+                f = _mm512_add_ps(f, _mm512_set1_ps(st.qz[r]));
+            } else {
+                f = _mm512_mul_ps(f, _mm512_mul_ps(_mm512_load_ps(tscale), _mm512_set1_ps(level_step)));
+                f = _mm512_fmadd_ps(_mm512_load_ps(tzero), _mm512_set1_ps(st.qsum[r]), f);
+            }
+            _mm512_mask_storeu_ps(out + (int64_t)r * ls + (i - i0), keep, f);
+        }
+        i += len;
+    }
+    return true;
+}
+#endif
+
+}  // namespace
+
+bool score_fast(SCORE_ARGS, Prep& prep) {
+    if (R > 16 || !fast_kind(s, D, false)) return false;
+    return D == 64 ? score_fast<4>(s, bh, R, q, i0, n, out, ls, prep) : score_fast<8>(s, bh, R, q, i0, n, out, ls, prep);
+}
+
+bool value_fast(VALUE_ARGS) {
+    if (R > 16 || !fast_kind(s, D, true)) return false;
+    return D == 64 ? value_fast<4>(s, bh, R, p, lp, i0, n, acc) : value_fast<8>(s, bh, R, p, lp, i0, n, acc);
+}
+
+bool vnni_keys(const RowSource& s, int D) {
+#ifdef __AVX512VNNI__
+    if ((D != 64 && D != 128) || s.bits != 4 || s.cos || s.center) return false;
+    if (s.kind == ROW_CHANNEL) return s.group > 0 && s.zero;
+    return s.kind == ROW_TOKEN && s.group == D;
+#else
+    (void)s, (void)D;
+    return false;
+#endif
+}
+
+bool score_vnni(SCORE_ARGS, Prep& prep) {
+#ifdef __AVX512VNNI__
+    if (R > 16 || !vnni_keys(s, D)) return false;
+    return D == 64 ? score_vnni<8>(s, bh, R, q, i0, n, out, ls, prep) : score_vnni<16>(s, bh, R, q, i0, n, out, ls, prep);
+#else
+    return false;
+#endif
+}
+
+#else
+
+bool score_fast(SCORE_ARGS, Prep&) { return false; }
+bool value_fast(VALUE_ARGS) { return false; }
+bool vnni_keys(const RowSource&, int) { return false; }
+bool score_vnni(SCORE_ARGS, Prep&) { return false; }
+
+#endif

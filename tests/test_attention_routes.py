@@ -1,0 +1,103 @@
+"""Every route of the decode attention kernel against the reference, on every shape it takes.
+
+The driver (native/layer_attention.cpp) splits the held tokens across threads in blocks and
+merges their online-softmax partials; the block kernels read one part each, through the generic
+code, the AVX-512 kernels (fast_attention.cpp) or the integer ones. These tests hold all of them
+to model/attention.py for query heads per KV head 1 ... 16, head_dim 64 and 128, contexts that
+divide no block or group size (0 held tokens, 1, 31, 33, and 1000 through a ring of 600 that
+has wrapped, with sinks), batch 1 and 3, on each build target this CPU runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minillama.eval.synthetic import fill_synthetic
+from minillama.kv.cache import KVCache
+from minillama.kv.fused_attention import fused_decode_attention
+from minillama.kv.spec import parse_kv
+from minillama.model.attention import attend_cache
+from minillama.model.rope import RotaryTable
+from minillama.native import backend
+from minillama.native.build import TARGETS, build
+
+# One spec per kind of part: float rows, KIVI keys with per-token values, Hadamard 2-bit values
+# with sinks, centered Hadamard keys with 3-bit values, codebooks, keys before RoPE (rows decoded
+# one at a time), calibrated codes.
+SPECS = ["fp16", "kivi4", "hadv2s", "k4v3hc", "k4v3lmc", "k3v2lm",
+         "k=int4c,v=int2h,group=32,residual=8,sinks=4,rope=pre", "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=2"]
+CONTEXTS = [(0, 128, 1), (1, 128, 3), (31, 128, 1), (33, 128, 3), (1000, 600, 1)]  # (tokens, capacity, batch)
+
+
+@pytest.fixture(params=list(TARGETS))
+def target(request):
+    library, why = build(request.param)
+    if library is None:
+        pytest.skip(f"no {request.param} build on this CPU: {why}")
+    return request.param
+
+
+def case(spec: str, tokens: int, capacity: int, batch: int, r: int, d: int, seed: int):
+    cache = KVCache(parse_kv(spec), n_layers=1, n_kv_heads=2, head_dim=d, capacity=capacity, batch=batch)
+    if tokens:
+        fill_synthetic(cache, tokens, chunk=7)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 2 * r, 1, d, generator=g)
+    k, v = torch.randn(batch, 2, 1, d, generator=g), torch.randn(batch, 2, 1, d, generator=g)
+    rotary = RotaryTable(1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))) if cache.pre_rope else None
+    return cache, q, k, v, rotary
+
+
+def reference(cache, q, k, v, rotary):
+    """model/attention.py over the cache as stored (keys before RoPE rotated for their positions)."""
+    with backend.using("reference"):
+        return attend_cache(q, k, v, cache.layer(0), rotary)
+
+
+def kernel(lib, cache, q, k, v, rotary):
+    return fused_decode_attention(lib, q, k, v, cache.layer(0), rotary.halves if rotary else None)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("r", [1, 2, 3, 4, 7, 8, 12, 16])
+def test_every_route_equals_the_reference(target, r, d):
+    with backend.using("kernels-exact", target):
+        lib = backend.library()
+        for spec in SPECS:
+            for tokens, capacity, batch in CONTEXTS:
+                cache, q, k, v, rotary = case(spec, tokens, capacity, batch, r, d, seed=tokens + r)
+                assert (cache.evicted > 0) == (tokens > capacity)
+                fused = kernel(lib, cache, q, k, v, rotary)
+                assert torch.allclose(fused, reference(cache, q, k, v, rotary), atol=3e-5, rtol=1e-4), (spec, tokens, r, d)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("r", [1, 3, 8, 16])
+def test_the_integer_route_stays_within_its_bound_on_every_shape(target, r, d):
+    """The kernels backend's integer scores (int8 queries): each score is off by at most about
+    a/2 * sum |code| (test_integer_attention.py); here the whole output, loosely (see there)."""
+    with backend.using("kernels", target):
+        lib = backend.library()
+        for spec in ("kivi4", "hadv2s", "k4v3hc", "k4v3lmc"):
+            for tokens, capacity, batch in CONTEXTS:
+                cache, q, k, v, rotary = case(spec, tokens, capacity, batch, r, d, seed=tokens + r)
+                fused = kernel(lib, cache, q, k, v, rotary)
+                exact = reference(cache, q, k, v, rotary)
+                vmax = max(cache.layer(0).read(torch.float32)[1].abs().max().item() if tokens else 0.0,
+                           v.abs().max().item())
+                bound = (math.exp(2 * 0.1 / math.sqrt(d)) - 1) * vmax + 0.01 * vmax
+                assert (fused - exact).abs().max() <= bound, (spec, tokens, r, d)
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_every_target_this_cpu_runs_compiles(name):
+    """A build that fails to compile must fail here, not turn every kernel test into a skip."""
+    from minillama.native.build import compiler, target_available
+
+    if not target_available(name) or compiler() is None:
+        pytest.skip(f"this CPU does not run {name} builds, or there is no C++ compiler")
+    library, why = build(name)
+    assert library is not None, why
