@@ -106,21 +106,29 @@ def layer_plan(lib, view: LayerView, r: int, d: int, rope: Callable[[int], tuple
     return plan
 
 
+def decode_plan(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, view: LayerView,
+                rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None, keep: list) -> LayerPlan:
+    """The whole call for one decode token: the layer's parts (``layer_plan``) plus q (B, Hq, 1, D),
+    the new k, v (B, Hkv, 1, D) and out (B, Hq, 1, D), all contiguous in one dtype the kernel takes."""
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    plan = layer_plan(lib, view, hq // hkv, d, rope, keep)
+    plan.B, plan.H, plan.dtype = b, hkv, DTYPE_CODE[q.dtype]
+    plan.q, plan.k, plan.v, plan.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    keep += [q, k, v, out]
+    return plan
+
+
 def fused_decode_attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView,
                            rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """q (B, Hq, 1, D) and the new k (after RoPE), v (B, Hkv, 1, D) -> (B, Hq, 1, D); the same result
     as the reference attention over view.read(). For keys stored before RoPE, ``rope(n)`` gives
     (cos, sin), each (n' >= n, D/2), the angles of positions 0..n-1 (model/rope.py: RotaryTable.halves)."""
-    b, hq, _, d = q.shape
-    hkv = k.shape[1]
     dtype = q.dtype if q.dtype in DTYPE_CODE else torch.float32
     q, k, v = (x.to(dtype).contiguous() for x in (q, k, v))
-    out = torch.empty(b, hq, 1, d, dtype=dtype)  # (B, Hq, 1, D)
+    out = torch.empty_like(q)  # (B, Hq, 1, D)
     keep: list = []
-    plan = layer_plan(lib, view, hq // hkv, d, rope, keep)
-    plan.B, plan.H, plan.dtype = b, hkv, DTYPE_CODE[dtype]
-    plan.q, plan.k, plan.v, plan.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-    ops.attend_layer(lib, plan)
+    ops.attend_layer(lib, decode_plan(lib, q, k, v, out, view, rope, keep))
     view.count_kernel_read()
     return out
 

@@ -46,6 +46,7 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
             return s.kind == ROW_CHANNEL && code_bits && s.bits != 5 && s.group > 0 ? MINILLAMA_OK : MINILLAMA_E_CODES;
         case ROUTE_INTEGER:
             if (!int_attention_available()) return MINILLAMA_E_CODES;
+            if (values ? vnni_values(s, D) : vnni_keys(s, D)) return MINILLAMA_OK;  // AVX-512 VNNI (fast_attention.cpp)
             if (R > 8) return MINILLAMA_E_GQA;
             if (D % 32 || D > 128) return MINILLAMA_E_HEAD_DIM;
             if (!(s.bits >= 2 && s.bits <= 4) || !s.zero || s.codebook) return MINILLAMA_E_CODES;
@@ -78,7 +79,9 @@ static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
 }
 
 static inline void value_block(int route, VALUE_ARGS) {
-    if (route != ROUTE_ROWS && value_fast(s, bh, R, D, p, lp, i0, n, acc)) return;
+    if (route == ROUTE_INTEGER ? value_vnni(s, bh, R, D, p, lp, i0, n, acc) || value_fast(s, bh, R, D, p, lp, i0, n, acc)
+                               : route != ROUTE_ROWS && value_fast(s, bh, R, D, p, lp, i0, n, acc))
+        return;
     switch (route) {
         case ROUTE_FLOAT: return value_float(s, bh, R, D, p, lp, i0, n, acc);
         case ROUTE_TOKEN: return value_token(s, bh, R, D, p, lp, i0, n, acc);

@@ -271,4 +271,7 @@ bool value_fast(VALUE_ARGS);
 // Integer (VNNI) scores of 4-bit keys; vnni_keys: whether score_vnni reads these rows.
 bool vnni_keys(const RowSource& s, int D);
 bool score_vnni(SCORE_ARGS, Prep& prep);
+// Integer (VNNI, int16 weights) values of per-token codes; vnni_values: whether value_vnni reads them.
+bool vnni_values(const RowSource& s, int D);
+bool value_vnni(VALUE_ARGS);
 extern "C" int int_attention_available(void);
