@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup chat generate test test-fast fetch bench clean
+.PHONY: setup chat generate lint test test-fast fetch bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -24,7 +24,11 @@ chat: setup
 generate: setup
 	$(BIN)/minillama generate "The capital of France is"
 
-test: setup
+lint: setup
+	$(BIN)/ruff check minillama tests bench
+	$(BIN)/ruff format --check minillama tests bench
+
+test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-fast: setup

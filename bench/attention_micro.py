@@ -52,8 +52,10 @@ def main() -> None:
     if lib is None:
         sys.exit(f"the kernels are not in use: {backend.describe()}")
     print(f"{backend.describe()}; {os.environ.get('OMP_NUM_THREADS', 'all')} threads; {n} tokens")
-    print(f"{'kv':10s} {'layer us':>9} {'layer MB':>9} {'GB/s':>6} {'scores ns':>10} {'values ns':>10} {'rest ns':>8}"
-          "  (ns per token and KV head; routes)")
+    print(
+        f"{'kv':10s} {'layer us':>9} {'layer MB':>9} {'GB/s':>6} {'scores ns':>10} {'values ns':>10} {'rest ns':>8}"
+        "  (ns per token and KV head; routes)"
+    )
     for kv in (sys.argv[2] if len(sys.argv) > 2 else "fp16,kivi4,hadv2").split(","):
         cache = KVCache(parse_kv(kv), n_layers=LAYERS, n_kv_heads=H, head_dim=D, capacity=n + 64)
         fill_synthetic(cache, n)
@@ -70,8 +72,10 @@ def main() -> None:
         scores = median_s(lambda: attend_one_part(lib, False, kb, qg, s)) / (kb.n * H)
         values = median_s(lambda: attend_one_part(lib, True, vb, p, o)) / (vb.n * H)
         rest = layer / (n * H) - scores - values
-        print(f"{kv:10s} {layer * 1e6:9.0f} {layer_bytes / 1e6:9.2f} {layer_bytes / layer / 1e9:6.1f} "
-              f"{scores * 1e9:10.1f} {values * 1e9:10.1f} {rest * 1e9:8.1f}  ({'/'.join(routes).lower()})")
+        print(
+            f"{kv:10s} {layer * 1e6:9.0f} {layer_bytes / 1e6:9.2f} {layer_bytes / layer / 1e9:6.1f} "
+            f"{scores * 1e9:10.1f} {values * 1e9:10.1f} {rest * 1e9:8.1f}  ({'/'.join(routes).lower()})"
+        )
 
 
 if __name__ == "__main__":

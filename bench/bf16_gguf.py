@@ -23,7 +23,13 @@ from minillama.app.default_model import fetch_default, find_gguf
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 array -> its bfloat16 bit patterns (uint16), rounded to nearest even like torch."""
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return (
+        torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        .to(torch.bfloat16)
+        .view(torch.int16)
+        .numpy()
+        .view(np.uint16)
+    )
 
 
 def main() -> None:
@@ -47,7 +53,9 @@ def main() -> None:
         if values.ndim == 1:
             writer.add_tensor(t.name, values.astype(np.float32), raw_dtype=gguf.GGMLQuantizationType.F32)
         else:
-            writer.add_tensor(t.name, bf16_bits(values), raw_shape=values.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            writer.add_tensor(
+                t.name, bf16_bits(values), raw_shape=values.shape, raw_dtype=gguf.GGMLQuantizationType.BF16
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -20,8 +20,13 @@ import torch.nn.functional as F
 from minillama.eval.bench import measure_bandwidth
 from minillama.model.linear import project
 
-SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down_proj": (576, 1536),
-          "lm_head": (49152, 576)}
+SHAPES = {
+    "qkv": (960, 576),
+    "o_proj": (576, 576),
+    "gate_up": (3072, 576),
+    "down_proj": (576, 1536),
+    "lm_head": (49152, 576),
+}
 
 
 def per_call_us(f, weights) -> float:
@@ -49,9 +54,11 @@ def main() -> None:
             ours = per_call_us(lambda w: project(x, w, None), weights)
             theirs = per_call_us(lambda w: F.linear(x, w), weights)
             gbs = size / 1e3
-            print(f"{name:10s} {n_out}x{n_in}: kernel {ours:7.1f} us ({gbs / ours:5.1f} GB/s, "
-                  f"{100 * size / (ours * 1e-6) / bandwidth:3.0f}% of measured), "
-                  f"F.linear {theirs:7.1f} us ({gbs / theirs:5.1f} GB/s), {theirs / ours:.2f}x")
+            print(
+                f"{name:10s} {n_out}x{n_in}: kernel {ours:7.1f} us ({gbs / ours:5.1f} GB/s, "
+                f"{100 * size / (ours * 1e-6) / bandwidth:3.0f}% of measured), "
+                f"F.linear {theirs:7.1f} us ({gbs / theirs:5.1f} GB/s), {theirs / ours:.2f}x"
+            )
 
 
 if __name__ == "__main__":

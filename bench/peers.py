@@ -44,8 +44,9 @@ def hf_cache(model, kind: str):
 
 
 @torch.inference_mode()
-def hf_rows(folder: Path, ids: list[int], contexts: list[int], decode_tokens: int,
-            dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
+def hf_rows(
+    folder: Path, ids: list[int], contexts: list[int], decode_tokens: int, dtypes=(torch.float32, torch.bfloat16)
+) -> list[dict]:
     from transformers import LlamaForCausalLM
 
     rows = []
@@ -58,8 +59,11 @@ def hf_rows(folder: Path, ids: list[int], contexts: list[int], decode_tokens: in
                 print(f"skipping transformers {kind}: {e}", file=sys.stderr)
                 continue
             name = f"transformers-{kind}-{str(dtype).split('.')[-1]}"
-            row = {"peer": name, "ppl": hf_ppl(model, kind, ids), "kv_bits": {"dynamic": 32 if dtype == torch.float32 else 16,
-                                                                                "quanto4": 4, "quanto2": 2}[kind]}
+            row = {
+                "peer": name,
+                "ppl": hf_ppl(model, kind, ids),
+                "kv_bits": {"dynamic": 32 if dtype == torch.float32 else 16, "quanto4": 4, "quanto2": 2}[kind],
+            }
             for context in contexts:
                 row[f"decode_tokens_per_s_{context}"] = hf_decode(model, kind, ids, context, decode_tokens)
             print(json.dumps(row), file=sys.stderr)
@@ -101,8 +105,14 @@ def hf_ppl(model, kind, ids, n=896, p=128, windows=4) -> float:
     return math.exp(float(torch.cat(nll).mean()))
 
 
-def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_tokens: int, label: str = "",
-                   kv_types: tuple[str, ...] = ("f16", "q8_0", "q4_0")) -> list[dict]:
+def llama_cpp_rows(
+    gguf: Path,
+    ids: list[int],
+    contexts: list[int],
+    decode_tokens: int,
+    label: str = "",
+    kv_types: tuple[str, ...] = ("f16", "q8_0", "q4_0"),
+) -> list[dict]:
     """Rows for llama.cpp on one GGUF with each of `kv_types` for K/V; `label` names the weights in the row."""
     try:
         import llama_cpp
@@ -115,8 +125,17 @@ def llama_cpp_rows(gguf: Path, ids: list[int], contexts: list[int], decode_token
     for name in kv_types:
         t = types[name]
         row = {"peer": f"llama.cpp-{label}{name}", "kv_bits": bits[name]}
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(*contexts, 896) + 64, n_batch=512, flash_attn=True,
-                              type_k=t, type_v=t, logits_all=False, verbose=False, n_threads=2)
+        llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=max(*contexts, 896) + 64,
+            n_batch=512,
+            flash_attn=True,
+            type_k=t,
+            type_v=t,
+            logits_all=False,
+            verbose=False,
+            n_threads=2,
+        )
         row["ppl"] = llama_cpp_ppl(llm, ids)
         for context in contexts:
             llm.reset()
@@ -166,19 +185,28 @@ def main() -> None:
     ap.add_argument("--text", default=None, help="a UTF-8 text file to prefill and score (instead of --dataset)")
     ap.add_argument("--dataset", default="hamlet", choices=["hamlet", "wikitext2"])
     ap.add_argument("--skip", action="append", default=[], choices=["transformers", "llama.cpp"])
-    ap.add_argument("--llama-weights", default="q4_1,bf16",
-                    help="llama.cpp weights: q4_1 (the GGUF as shipped), bf16 (minillama's own weights); comma-separated")
-    ap.add_argument("--llama-kv", default="f16,q8_0,q4_0",
-                    help="llama.cpp K/V types to run, comma-separated (f16, q8_0, q4_0)")
-    ap.add_argument("--hf-dtype", action="append", default=None, choices=["float32", "bfloat16"],
-                    help="transformers dtypes to run (default: both)")
+    ap.add_argument(
+        "--llama-weights",
+        default="q4_1,bf16",
+        help="llama.cpp weights: q4_1 (the GGUF as shipped), bf16 (minillama's own weights); comma-separated",
+    )
+    ap.add_argument(
+        "--llama-kv", default="f16,q8_0,q4_0", help="llama.cpp K/V types to run, comma-separated (f16, q8_0, q4_0)"
+    )
+    ap.add_argument(
+        "--hf-dtype",
+        action="append",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="transformers dtypes to run (default: both)",
+    )
     args = ap.parse_args()
     contexts = args.context or [512, 8192]
     kv_types = tuple(args.llama_kv.split(","))
     if not set(kv_types) <= {"f16", "q8_0", "q4_0"}:
         ap.error(f"--llama-kv {args.llama_kv!r}: choose from f16, q8_0, q4_0")
-    from minillama.app.options import read_text
     from minillama.app.default_model import fetch_default, find_gguf
+    from minillama.app.options import read_text
     from minillama.model.tokenizer import load_tokenizer
 
     folder = fetch_default()

@@ -9,7 +9,8 @@ layer_plan), makes one native call per layer (native/step.cpp: norm, q/k/v, RoPE
 o, norm, gate/up, SiLU, down), appends every layer's new keys and values to the cache (encoding
 them: kv/write.py), then the final norm and the LM head. The script times each of those
 wrappers over real steps; the native layer call itself adds the wall time of its projections,
-attention and the rest to counters when asked (native/step.cpp: LayerStep.timing). Timing wrappers add a few microseconds per call: the total with them is
+attention and the rest to counters when asked (native/step.cpp: LayerStep.timing). Timing
+wrappers add a few microseconds per call: the total with them is
 printed beside the total without.
 """
 
@@ -73,6 +74,7 @@ def main() -> None:
             out = fn(*a, **k)
             acc[name] += time.perf_counter() - t0
             return out
+
         return wrapper
 
     ops.decode_layer = timed("native layer calls", ops.decode_layer)
@@ -85,7 +87,6 @@ def main() -> None:
     timed_total = steps(args.steps)
     parts = {k: v / args.steps * 1000 for k, v in acc.items()}
 
-    layers = cfg.num_hidden_layers
     phases = torch.zeros(3, dtype=torch.float64)  # projections, attention, rest: seconds, inside the layer calls
     native = lm.model.native_step(backend.library(), 1)
     native.time_phases(phases)
@@ -98,15 +99,19 @@ def main() -> None:
     weights = weight_bytes_per_token(lm.model)
     read = weights + cache.bytes.last_read
     print(f"{lm.name}, bf16 weights, kv {args.kv} at {args.context} tokens ({args.fill}); backend {backend.describe()}")
-    print(f"step {plain:.2f} ms without timers ({timed_total:.2f} ms with); {read / 1e6:.1f} MB read per token "
-          f"({weights / 1e6:.1f} MB weights): floor {read / bandwidth * 1000:.2f} ms at the measured "
-          f"{bandwidth / 1e9:.1f} GB/s, roofline {100 * read / bandwidth * 1000 / plain:.0f}%")
+    print(
+        f"step {plain:.2f} ms without timers ({timed_total:.2f} ms with); {read / 1e6:.1f} MB read per token "
+        f"({weights / 1e6:.1f} MB weights): floor {read / bandwidth * 1000:.2f} ms at the measured "
+        f"{bandwidth / 1e9:.1f} GB/s, roofline {100 * read / bandwidth * 1000 / plain:.0f}%"
+    )
     native = parts.get("native layer calls", 0.0)
-    rows = [("native layer calls", native),
-            ("  projections (q/k/v, o, gate/up, down)", proj_in),
-            ("  attention over the cache", attn_in),
-            ("  rest: norms, rounding, RoPE, SiLU, copies", rest_in),
-            ("  call overhead (ctypes, timers)", native - proj_in - attn_in - rest_in)]
+    rows = [
+        ("native layer calls", native),
+        ("  projections (q/k/v, o, gate/up, down)", proj_in),
+        ("  attention over the cache", attn_in),
+        ("  rest: norms, rounding, RoPE, SiLU, copies", rest_in),
+        ("  call overhead (ctypes, timers)", native - proj_in - attn_in - rest_in),
+    ]
     rows += [(k, v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if k != "native layer calls"]
     rows.append(("  of which the LM head's projection (alone)", lm_head))
     rows.append(("(projections alone, outside the step: every layer + LM head)", proj))

@@ -21,8 +21,13 @@ from safetensors.torch import save_file
 
 from minillama.app.default_model import resolve_model
 
-SHAPE = {"num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
-         "intermediate_size": 5632}
+SHAPE = {
+    "num_hidden_layers": 22,
+    "hidden_size": 2048,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "intermediate_size": 5632,
+}
 
 
 def main() -> None:
@@ -37,16 +42,24 @@ def main() -> None:
     def w(*shape):
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
-    state = {"model.embed_tokens.weight": w(vocab, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-             "lm_head.weight": w(vocab, h)}
+    state = {
+        "model.embed_tokens.weight": w(vocab, h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": w(vocab, h),
+    }
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        state |= {p + "self_attn.q_proj.weight": w(hq * d, h), p + "self_attn.k_proj.weight": w(hkv * d, h),
-                  p + "self_attn.v_proj.weight": w(hkv * d, h), p + "self_attn.o_proj.weight": w(h, hq * d),
-                  p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
-                  p + "mlp.down_proj.weight": w(h, i),
-                  p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                  p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+        state |= {
+            p + "self_attn.q_proj.weight": w(hq * d, h),
+            p + "self_attn.k_proj.weight": w(hkv * d, h),
+            p + "self_attn.v_proj.weight": w(hkv * d, h),
+            p + "self_attn.o_proj.weight": w(h, hq * d),
+            p + "mlp.gate_proj.weight": w(i, h),
+            p + "mlp.up_proj.weight": w(i, h),
+            p + "mlp.down_proj.weight": w(h, i),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        }
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

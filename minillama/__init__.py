@@ -32,6 +32,26 @@ from minillama.model.prompt_cache import load_prompt_cache, reuse_prefix, save_p
 from minillama.model.sampling import SamplingParams
 from minillama.native.backend import set_backend, using
 
-__all__ = ["CODECS", "PRESETS", "Cache", "ChatSession", "Codec", "KVCache", "KVSpec", "SamplingParams", "decode_step",
-           "fetch_default", "generate", "load_model", "load_prompt_cache", "parse_kv", "perplexity", "prefill",
-           "register", "reuse_prefix", "save_prompt_cache", "set_backend", "using"]
+__all__ = [
+    "CODECS",
+    "PRESETS",
+    "Cache",
+    "ChatSession",
+    "Codec",
+    "KVCache",
+    "KVSpec",
+    "SamplingParams",
+    "decode_step",
+    "fetch_default",
+    "generate",
+    "load_model",
+    "load_prompt_cache",
+    "parse_kv",
+    "perplexity",
+    "prefill",
+    "register",
+    "reuse_prefix",
+    "save_prompt_cache",
+    "set_backend",
+    "using",
+]

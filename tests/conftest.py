@@ -12,9 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-
-TINY = dict(vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=300,
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def write_byte_tokenizer(folder: Path) -> None:
@@ -27,9 +33,13 @@ def write_byte_tokenizer(folder: Path) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
+    )
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False})
+    )
 
 
 def make_tiny(folder: Path, seed: int = 0, **overrides) -> Path:

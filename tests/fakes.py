@@ -59,8 +59,17 @@ class ListLayer:
 class ListCache:
     """Exact keys and values in lists, evicting to `capacity` (keeping `sinks`): a Cache."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = 10**9, sinks: int = 0,
-                 batch: int = 1, pre_rope: bool = False, slot_positions: bool = False):
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int = 10**9,
+        sinks: int = 0,
+        batch: int = 1,
+        pre_rope: bool = False,
+        slot_positions: bool = False,
+    ):
         self.capacity, self.sinks, self.pre_rope, self.slot_positions = capacity, sinks, pre_rope, slot_positions
         self.empty = torch.zeros(batch, n_kv_heads, 0, head_dim)  # (B, H, 0, D)
         self.layers = [([], []) for _ in range(n_layers)]  # per layer: keys, values, one (B, H, 1, D) per token

@@ -27,8 +27,16 @@ from minillama.native.build import TARGETS, build
 # One spec per kind of part: float rows, KIVI keys with per-token values, Hadamard 2-bit values
 # with sinks, centered Hadamard keys with 3-bit values, codebooks, keys before RoPE (rows decoded
 # one at a time), calibrated codes.
-SPECS = ["fp16", "kivi4", "hadv2s", "k4v3hc", "k4v3lmc", "k3v2lm",
-         "k=int4c,v=int2h,group=32,residual=8,sinks=4,rope=pre", "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=2"]
+SPECS = [
+    "fp16",
+    "kivi4",
+    "hadv2s",
+    "k4v3hc",
+    "k4v3lmc",
+    "k3v2lm",
+    "k=int4c,v=int2h,group=32,residual=8,sinks=4,rope=pre",
+    "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=2",
+]
 CONTEXTS = [(0, 128, 1), (1, 128, 3), (31, 128, 1), (33, 128, 3), (1000, 600, 1)]  # (tokens, capacity, batch)
 
 
@@ -47,7 +55,9 @@ def case(spec: str, tokens: int, capacity: int, batch: int, r: int, d: int, seed
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, 2 * r, 1, d, generator=g)
     k, v = torch.randn(batch, 2, 1, d, generator=g), torch.randn(batch, 2, 1, d, generator=g)
-    rotary = RotaryTable(1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))) if cache.pre_rope else None
+    rotary = (
+        RotaryTable(1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))) if cache.pre_rope else None
+    )
     return cache, q, k, v, rotary
 
 
@@ -71,7 +81,12 @@ def test_every_route_equals_the_reference(target, r, d):
                 cache, q, k, v, rotary = case(spec, tokens, capacity, batch, r, d, seed=tokens + r)
                 assert (cache.evicted > 0) == (tokens > capacity)
                 fused = kernel(lib, cache, q, k, v, rotary)
-                assert torch.allclose(fused, reference(cache, q, k, v, rotary), atol=3e-5, rtol=1e-4), (spec, tokens, r, d)
+                assert torch.allclose(fused, reference(cache, q, k, v, rotary), atol=3e-5, rtol=1e-4), (
+                    spec,
+                    tokens,
+                    r,
+                    d,
+                )
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -86,8 +101,9 @@ def test_the_integer_route_stays_within_its_bound_on_every_shape(target, r, d):
                 cache, q, k, v, rotary = case(spec, tokens, capacity, batch, r, d, seed=tokens + r)
                 fused = kernel(lib, cache, q, k, v, rotary)
                 exact = reference(cache, q, k, v, rotary)
-                vmax = max(cache.layer(0).read(torch.float32)[1].abs().max().item() if tokens else 0.0,
-                           v.abs().max().item())
+                vmax = max(
+                    cache.layer(0).read(torch.float32)[1].abs().max().item() if tokens else 0.0, v.abs().max().item()
+                )
                 bound = (math.exp(2 * 0.1 / math.sqrt(d)) - 1) * vmax + 0.01 * vmax
                 assert (fused - exact).abs().max() <= bound, (spec, tokens, r, d)
 

@@ -47,7 +47,11 @@ def test_shape_mismatch_names_tensor_and_shapes(broken):
     cfg = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
     line = run(["generate", "hi", "--model", str(broken)])
-    assert "shape mismatch for model.layers.0.mlp.gate_proj.weight" in line and "(256, 256)" in line and "(96, 256)" in line
+    assert (
+        "shape mismatch for model.layers.0.mlp.gate_proj.weight" in line
+        and "(256, 256)" in line
+        and "(96, 256)" in line
+    )
 
 
 def test_pickle_only_checkpoint_is_refused_not_unpickled(broken):

@@ -7,23 +7,62 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from minillama.eval.bench import weight_bytes_per_token
 from minillama.app.cli import cli
+from minillama.eval.bench import weight_bytes_per_token
 
-KEYS = {"kv": str, "context": int, "decode_ms_per_token": float, "decode_tokens_per_s": float,
-        "attention_ms_per_layer": float, "attention_gb_s": float, "projection_ms": float, "cache_bytes": int,
-        "bytes_read_per_token": int, "roofline_pct": float, "peak_rss_mb": float, "model": str, "dtype": str, "fill": str,
-        "backend": str, "fallbacks": list}
+KEYS = {
+    "kv": str,
+    "context": int,
+    "decode_ms_per_token": float,
+    "decode_tokens_per_s": float,
+    "attention_ms_per_layer": float,
+    "attention_gb_s": float,
+    "projection_ms": float,
+    "cache_bytes": int,
+    "bytes_read_per_token": int,
+    "roofline_pct": float,
+    "peak_rss_mb": float,
+    "model": str,
+    "dtype": str,
+    "fill": str,
+    "backend": str,
+    "fallbacks": list,
+}
 
 
 def test_bench_json_schema(tiny_dir):
-    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_dir), "--kv", "fp16", "--kv", "hadv2", "--context", "40",
-                                      "--context", "100", "--decode-tokens", "2", "--fill", "synthetic", "--dtype", "float32",
-                                      "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--model",
+            str(tiny_dir),
+            "--kv",
+            "fp16",
+            "--kv",
+            "hadv2",
+            "--context",
+            "40",
+            "--context",
+            "100",
+            "--decode-tokens",
+            "2",
+            "--fill",
+            "synthetic",
+            "--dtype",
+            "float32",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["bandwidth_bytes_per_s"] > 0
-    assert [(r["kv"], r["context"]) for r in out["rows"]] == [("fp16", 40), ("hadv2", 40), ("fp16", 100), ("hadv2", 100)]
+    assert [(r["kv"], r["context"]) for r in out["rows"]] == [
+        ("fp16", 40),
+        ("hadv2", 40),
+        ("fp16", 100),
+        ("hadv2", 100),
+    ]
     for row in out["rows"]:
         assert all(isinstance(row[k], t) for k, t in KEYS.items()), row
         assert row["prefill_tokens_per_s"] is None  # synthetic fill: nothing was prefilled
@@ -52,8 +91,25 @@ def test_weight_bytes_count_what_a_decode_step_reads(tmp_path, tied):
 def test_bench_prefill_reads_a_text_file(tiny_dir, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("A short text to prefill. " * 20)
-    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_dir), "--kv", "k=fp16,v=fp16,rope=pre", "--context",
-                                      "64", "--decode-tokens", "2", "--text", str(text), "--dtype", "float32", "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--model",
+            str(tiny_dir),
+            "--kv",
+            "k=fp16,v=fp16,rope=pre",
+            "--context",
+            "64",
+            "--decode-tokens",
+            "2",
+            "--text",
+            str(text),
+            "--dtype",
+            "float32",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)["rows"]
     assert row["fill"] == "prefill" and row["prefill_tokens_per_s"] > 0
@@ -69,7 +125,27 @@ def test_bench_with_too_short_a_text_is_one_line(tiny_dir, tmp_path):
 def test_bench_plot_is_written(tiny_dir, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "decode.png"
-    result = CliRunner().invoke(cli, ["bench", "--model", str(tiny_dir), "--kv", "fp16", "--context", "40", "--context", "80",
-                                      "--decode-tokens", "2", "--fill", "synthetic", "--dtype", "float32", "--plot", str(png)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--model",
+            str(tiny_dir),
+            "--kv",
+            "fp16",
+            "--context",
+            "40",
+            "--context",
+            "80",
+            "--decode-tokens",
+            "2",
+            "--fill",
+            "synthetic",
+            "--dtype",
+            "float32",
+            "--plot",
+            str(png),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -62,8 +62,14 @@ def test_centering_keys_leaves_attention_unchanged_when_storage_is_exact(tiny, n
     with backend.using(name):
         plain = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64), t)
         cache = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp32,center=1"), 64)
-        centered = torch.cat([tiny.model(t[:, :5], cache), tiny.model(t[:, 5:12], cache),
-                              *[tiny.model(t[:, i : i + 1], cache) for i in range(12, 40)]], dim=1)
+        centered = torch.cat(
+            [
+                tiny.model(t[:, :5], cache),
+                tiny.model(t[:, 5:12], cache),
+                *[tiny.model(t[:, i : i + 1], cache) for i in range(12, 40)],
+            ],
+            dim=1,
+        )
     assert torch.allclose(centered, plain, atol=1e-5)
     center = cache.layer(0).key_center  # (B, H, 1, D): the mean of the first chunk's keys
     assert center.shape == (1, tiny.config.n_kv_heads, 1, tiny.config.head_dim) and center.abs().sum() > 0
@@ -83,10 +89,22 @@ def test_centering_shrinks_the_range_of_keys_with_a_constant_offset():
 # The largest logit error of each preset over 40 decode steps of the tiny model, relative to
 # the largest |logit|, about 3x what was measured on both backends (in brackets).
 MAX_RELATIVE_ERROR = {
-    "fp32": 1e-6, "bf16": 4e-3, "fp16": 5e-4, "int8": 3e-3,  # [0, 1.3e-3, 1.7e-4, 9.1e-4]
-    "kivi4": 0.05, "kivi2": 0.35, "hadv2": 0.25, "ternary": 0.32,  # [0.016, 0.115, 0.083, 0.106]
-    "kivi4s": 0.04, "hadv2s": 0.21, "k4v3h": 0.12, "k4v3lm": 0.1, "k3v2lm": 0.6,  # [0.013, 0.070, 0.039, 0.035, 0.199]
-    "k4v3hc": 0.12, "k4v3lmc": 0.27, "k4v4lmc": 0.13,  # [0.040, 0.090, 0.043]
+    "fp32": 1e-6,
+    "bf16": 4e-3,
+    "fp16": 5e-4,
+    "int8": 3e-3,  # [0, 1.3e-3, 1.7e-4, 9.1e-4]
+    "kivi4": 0.05,
+    "kivi2": 0.35,
+    "hadv2": 0.25,
+    "ternary": 0.32,  # [0.016, 0.115, 0.083, 0.106]
+    "kivi4s": 0.04,
+    "hadv2s": 0.21,
+    "k4v3h": 0.12,
+    "k4v3lm": 0.1,
+    "k3v2lm": 0.6,  # [0.013, 0.070, 0.039, 0.035, 0.199]
+    "k4v3hc": 0.12,
+    "k4v3lmc": 0.27,
+    "k4v4lmc": 0.13,  # [0.040, 0.090, 0.043]
 }
 
 
@@ -145,8 +163,16 @@ def one_layer_model(tmp_path):
     return load_model(str(make_tiny(tmp_path / "one", num_hidden_layers=1)))
 
 
-@pytest.mark.parametrize("spec", ["fp32", "k=fp32,v=fp32,sinks=4", "k=int4,v=int2h,residual=0,sinks=3",
-                                  "k=int4c,v=int4,group=8,residual=8,sinks=4", "k=fp32,v=fp32,sinks=2,center=1"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "fp32",
+        "k=fp32,v=fp32,sinks=4",
+        "k=int4,v=int2h,residual=0,sinks=3",
+        "k=int4c,v=int4,group=8,residual=8,sinks=4",
+        "k=fp32,v=fp32,sinks=2,center=1",
+    ],
+)
 def test_ring_keeps_sinks_and_newest_tokens_and_equals_a_fresh_cache(tmp_path, spec):
     lm = one_layer_model(tmp_path)
     parsed, capacity = parse_kv(spec), 48
@@ -181,12 +207,18 @@ def test_capacity_too_small_is_a_clear_error():
         KVCache(parse_kv("hadv2"), 1, 1, 64, capacity=40)
 
 
-@pytest.mark.parametrize("preset", list(PRESETS) + ["k=int3h,v=ternh,group=16,residual=8,sinks=4",
-                                                    "k=lm3h,v=int4c,group=16,residual=8,sinks=2,center=1",
-                                                    "k=int3cs,v=nuq2,kgroup=32,vgroup=16,residual=8,sinks=4,start=40",
-                                                    "k=nuq4,v=int3c,group=16,residual=3,rope=pre,positions=cache",
-                                                    "k=int2c,v=int2h,kgroup=16,vgroup=64,residual=4,center=1,rope=pre",
-                                                    "k=int3cs,v=int2h,residual=8,sinks=4,rope=pre,kfirst=int4c,first=1"])
+@pytest.mark.parametrize(
+    "preset",
+    list(PRESETS)
+    + [
+        "k=int3h,v=ternh,group=16,residual=8,sinks=4",
+        "k=lm3h,v=int4c,group=16,residual=8,sinks=2,center=1",
+        "k=int3cs,v=nuq2,kgroup=32,vgroup=16,residual=8,sinks=4,start=40",
+        "k=nuq4,v=int3c,group=16,residual=3,rope=pre,positions=cache",
+        "k=int2c,v=int2h,kgroup=16,vgroup=64,residual=4,center=1,rope=pre",
+        "k=int3cs,v=int2h,residual=8,sinks=4,rope=pre,kfirst=int4c,first=1",
+    ],
+)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_byte_counters_equal_the_closed_form(tiny, preset, batch):
     spec = parse_kv(preset)
@@ -194,8 +226,14 @@ def test_byte_counters_equal_the_closed_form(tiny, preset, batch):
     for n in (1, 31, 32, 70, 129):
         cache = KVCache.for_model(cfg, spec, 256, batch=batch)
         fill_synthetic(cache, n, chunk=17)
-        assert cache.live_bytes() == formula_live_bytes(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, spec, n, batch)
-        bits = 8 * sum(cache.live_bytes().values()) / (cfg.num_hidden_layers * 2 * cfg.n_kv_heads * cfg.head_dim * n * batch)
+        assert cache.live_bytes() == formula_live_bytes(
+            cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, spec, n, batch
+        )
+        bits = (
+            8
+            * sum(cache.live_bytes().values())
+            / (cfg.num_hidden_layers * 2 * cfg.n_kv_heads * cfg.head_dim * n * batch)
+        )
         assert cache.bits_per_element() == pytest.approx(bits)
 
 
@@ -217,15 +255,21 @@ def test_hadv2_bytes_per_token_on_a_head_dim_64_model():
 # ternary keep only a scale; 64 trits take ceil(64 / 5) = 13 bytes; residual and sinks are fp16
 # rows (128 bytes); a key center is one fp16 row per head.
 BY_HAND = {
-    "fp32": (256, 0, 256, 0, 0, 0, 1, False), "bf16": (128, 0, 128, 0, 0, 0, 1, False),
+    "fp32": (256, 0, 256, 0, 0, 0, 1, False),
+    "bf16": (128, 0, 128, 0, 0, 0, 1, False),
     "fp16": (128, 0, 128, 0, 0, 0, 1, False),
     "int8": (64, 8, 64, 8, 32, 0, 1, False),  # groups of 32 channels: 2 x (scale + zero) = 8
-    "kivi4": (32, 8, 32, 8, 32, 0, 32, False), "kivi2": (16, 8, 16, 8, 32, 0, 32, False),
-    "hadv2": (32, 8, 16, 8, 32, 0, 32, False), "ternary": (32, 8, 13, 4, 32, 0, 32, False),
-    "kivi4s": (32, 8, 32, 8, 32, 4, 32, False), "hadv2s": (32, 8, 16, 8, 32, 4, 32, False),
+    "kivi4": (32, 8, 32, 8, 32, 0, 32, False),
+    "kivi2": (16, 8, 16, 8, 32, 0, 32, False),
+    "hadv2": (32, 8, 16, 8, 32, 0, 32, False),
+    "ternary": (32, 8, 13, 4, 32, 0, 32, False),
+    "kivi4s": (32, 8, 32, 8, 32, 4, 32, False),
+    "hadv2s": (32, 8, 16, 8, 32, 4, 32, False),
     "k4v3h": (32, 4, 24, 4, 32, 4, 1, False),  # group 64: one scale + zero per token
-    "k4v3lm": (32, 4, 24, 2, 32, 4, 1, False), "k3v2lm": (24, 2, 16, 2, 8, 4, 1, False),
-    "k4v3hc": (32, 4, 24, 4, 32, 4, 1, True), "k4v3lmc": (32, 2, 24, 2, 8, 4, 1, True),
+    "k4v3lm": (32, 4, 24, 2, 32, 4, 1, False),
+    "k3v2lm": (24, 2, 16, 2, 8, 4, 1, False),
+    "k4v3hc": (32, 4, 24, 4, 32, 4, 1, True),
+    "k4v3lmc": (32, 2, 24, 2, 8, 4, 1, True),
     "k4v4lmc": (32, 2, 32, 2, 8, 4, 1, True),
 }
 
@@ -243,8 +287,12 @@ def test_every_preset_holds_the_bytes_its_format_says(preset, n):
     k_body = max(0, rest - residual) // unit * unit
     v_body = max(0, rest - residual)
     exact_row = 128 if residual or sinks else 0  # fp16 rows; float presets keep everything as "codes"
-    per_head = {"codes": k_body * kc + v_body * vc, "scales": k_body * ks + v_body * vs + 128 * centered,
-                "residual": (2 * rest - k_body - v_body) * exact_row, "sinks": 2 * held_sinks * exact_row}
+    per_head = {
+        "codes": k_body * kc + v_body * vc,
+        "scales": k_body * ks + v_body * vs + 128 * centered,
+        "residual": (2 * rest - k_body - v_body) * exact_row,
+        "sinks": 2 * held_sinks * exact_row,
+    }
     assert cache.live_bytes() == {part: 2 * 2 * 3 * b for part, b in per_head.items()}
 
 
@@ -329,14 +377,20 @@ def test_the_first_layers_can_store_keys_with_another_codec(tiny):
     fill_synthetic(cache, 40)
     exact = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp16"), 64)
     fill_synthetic(exact, 40)
-    errors = [(cache.layer(i).read(torch.float32)[0] - exact.layer(i).read(torch.float32)[0]).abs().mean()
-              for i in range(2)]
+    errors = [
+        (cache.layer(i).read(torch.float32)[0] - exact.layer(i).read(torch.float32)[0]).abs().mean() for i in range(2)
+    ]
     assert errors[0] < errors[1] / 4  # int8 keys in layer 0, int2 keys in layer 1
 
 
-@pytest.mark.parametrize("text, message", [("k=int4,v=int4,first=2", "go together"),
-                                           ("k=int4,v=int4,kfirst=int9,first=1", "unknown codec"),
-                                           ("k=int4,v=int4,rope=pre,kfirst=int4h,first=1", None)])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("k=int4,v=int4,first=2", "go together"),
+        ("k=int4,v=int4,kfirst=int9,first=1", "unknown codec"),
+        ("k=int4,v=int4,rope=pre,kfirst=int4h,first=1", None),
+    ],
+)
 def test_per_layer_key_codecs_parse_and_validate_with_clear_errors(text, message):
     if message:
         with pytest.raises(UserError, match=message):
@@ -347,9 +401,21 @@ def test_per_layer_key_codecs_parse_and_validate_with_clear_errors(text, message
 
 
 @needs_kernels
-@pytest.mark.parametrize("spec", ["kivi4", "hadv2", "k4v3hc", "kivi2", "int8", "fp16", "k4v4lmc",
-                                  "k=int3c,v=int3,group=16,residual=5,sinks=3,center=1",
-                                  "k=int2h,v=int8c,group=8,residual=0", "k=int4cs,v=int2h,residual=4,rope=pre"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "kivi4",
+        "hadv2",
+        "k4v3hc",
+        "kivi2",
+        "int8",
+        "fp16",
+        "k4v4lmc",
+        "k=int3c,v=int3,group=16,residual=5,sinks=3,center=1",
+        "k=int2h,v=int8c,group=8,residual=0",
+        "k=int4cs,v=int2h,residual=4,rope=pre",
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
     """The kernels backend writes through native/encode.cpp, the reference through PyTorch: the
@@ -360,8 +426,13 @@ def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
     big = torch.zeros(64)
     big[::9] = 6.0  # a few large channels, like real keys
     for n in (17, 1, 1, 40, 3, 64, 1, 90, 1):
-        kv = [(torch.randn(2, 2, n, 64, generator=g).mul(2).add(big).to(dtype),
-               torch.randn(2, 2, n, 64, generator=g).to(dtype)) for _ in range(3)]
+        kv = [
+            (
+                torch.randn(2, 2, n, 64, generator=g).mul(2).add(big).to(dtype),
+                torch.randn(2, 2, n, 64, generator=g).to(dtype),
+            )
+            for _ in range(3)
+        ]
         for name, cache in zip(names, caches):
             with backend.using(name):
                 cache.append(kv)

@@ -10,10 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minillama.errors import UserError
 from minillama.kv import packing, quantize
 from minillama.kv.codecs import CODECS
-from minillama.kv.spec import parse_kv
-from minillama.errors import UserError
 from minillama.kv.quantize import (
     NonFiniteError,
     dequantize_affine,
@@ -22,6 +21,7 @@ from minillama.kv.quantize import (
     quantize_affine,
     quantize_ternary,
 )
+from minillama.kv.spec import parse_kv
 
 PACKINGS = {8: 256, 4: 16, 3: 8, 2: 4, "trit": 3}
 
@@ -64,10 +64,24 @@ def gaussian(outliers=False):
 # Uniform b-bit quantization of a Gaussian group of 32 over its min-max range: the step is
 # ~ range/(2^b - 1) with range ~ 4.1 sigma, and the error variance step^2/12. These bounds
 # are that estimate with ~50% headroom; ternary's TWN rule gives ~0.27 on Gaussians.
-BOUNDS = {"int8": 2e-4, "int4": 0.02, "int3": 0.08, "int2": 0.35, "int8c": 2e-4, "int4c": 0.02, "int2c": 0.35,
-          "int4h": 0.02, "int3h": 0.08, "int2h": 0.35, "tern": 0.4, "ternh": 0.4,
-          # Lloyd-Max on N(0,1): 0.0095 (4 bits), 0.0345 (3), 0.1175 (2), plus RMS-estimate noise.
-          "lm4h": 0.015, "lm3h": 0.05, "lm2h": 0.16}
+BOUNDS = {
+    "int8": 2e-4,
+    "int4": 0.02,
+    "int3": 0.08,
+    "int2": 0.35,
+    "int8c": 2e-4,
+    "int4c": 0.02,
+    "int2c": 0.35,
+    "int4h": 0.02,
+    "int3h": 0.08,
+    "int2h": 0.35,
+    "tern": 0.4,
+    "ternh": 0.4,
+    # Lloyd-Max on N(0,1): 0.0095 (4 bits), 0.0345 (3), 0.1175 (2), plus RMS-estimate noise.
+    "lm4h": 0.015,
+    "lm3h": 0.05,
+    "lm2h": 0.16,
+}
 
 
 @pytest.mark.parametrize("name", BOUNDS)
@@ -106,8 +120,11 @@ def test_refined_codebook_scale_never_fits_worse_than_the_rms(bits, tails):
     from minillama.kv.quantize import dequantize_codebook, quantize_codebook
 
     g = torch.Generator().manual_seed(bits)
-    x = torch.randn(2000, 64, generator=g) if tails == "gaussian" else \
-        torch.distributions.StudentT(3.0).sample((2000, 64))
+    x = (
+        torch.randn(2000, 64, generator=g)
+        if tails == "gaussian"
+        else torch.distributions.StudentT(3.0).sample((2000, 64))
+    )
     errors = {}
     for refine in (0, 4):
         codes, scale = quantize_codebook(x, bits, 64, refine=refine)
@@ -151,7 +168,11 @@ def test_affine_per_channel_groups_share_scale_along_time():
 
 
 @settings(max_examples=40, deadline=None)
-@given(value=st.floats(-1e4, 1e4, allow_nan=False), bits=st.sampled_from([2, 3, 4, 8]), axis=st.sampled_from(["token", "channel"]))
+@given(
+    value=st.floats(-1e4, 1e4, allow_nan=False),
+    bits=st.sampled_from([2, 3, 4, 8]),
+    axis=st.sampled_from(["token", "channel"]),
+)
 def test_constant_groups_never_divide_by_zero(value, bits, axis):
     x = torch.full((1, 1, 32, 32), value)
     codes, scale, zero = quantize_affine(x, bits, 32, axis)
@@ -171,11 +192,18 @@ def test_non_finite_inputs_raise_a_clear_error(bad, codec):
         CODECS[codec].encode(x, 32)
 
 
-@pytest.mark.parametrize("text,error", [
-    ("int5", "unknown --kv preset"), ("k=int4,v=int9", "unknown codec 'int9'"), ("k=int4", "must name both"),
-    ("k=int4,v=int4,group=-1", "must not be negative"), ("k=int4,v=int4,group=x", "not a whole number"),
-    ("k=int4,v=int4,foo=1", "malformed"), ("k=int4,v=int4,group=0", "at least 1"),
-])
+@pytest.mark.parametrize(
+    "text,error",
+    [
+        ("int5", "unknown --kv preset"),
+        ("k=int4,v=int9", "unknown codec 'int9'"),
+        ("k=int4", "must name both"),
+        ("k=int4,v=int4,group=-1", "must not be negative"),
+        ("k=int4,v=int4,group=x", "not a whole number"),
+        ("k=int4,v=int4,foo=1", "malformed"),
+        ("k=int4,v=int4,group=0", "at least 1"),
+    ],
+)
 def test_bad_specs_give_clear_errors_listing_choices(text, error):
     with pytest.raises(UserError, match=error):
         parse_kv(text)
@@ -200,6 +228,7 @@ def test_all_codec_pairs_parse():
 
 
 # -- per-sequence calibrated codecs (int3cs..., nuq3...) --
+
 
 def numpy_error(x, lo, span, levels) -> np.ndarray:
     """Squared error per head of x (heads, T, D) rebuilt from the nearest level of each channel's
@@ -228,9 +257,13 @@ def numpy_lloyd(x, lo, span, bits: int, iters: int = 16) -> np.ndarray:
 def test_fitted_grid_is_lloyds_grid_or_uniform_whichever_fits_better(bits):
     g = torch.Generator().manual_seed(bits)
     # three heads: Gaussian, heavy-tailed (Student-t like), and uniform data, where uniform is already optimal
-    x = torch.stack([torch.randn(256, 16, generator=g),
-                     torch.randn(256, 16, generator=g) / torch.rand(256, 16, generator=g).clamp_min(0.05),
-                     torch.rand(256, 16, generator=g)])  # (heads, T, D)
+    x = torch.stack(
+        [
+            torch.randn(256, 16, generator=g),
+            torch.randn(256, 16, generator=g) / torch.rand(256, 16, generator=g).clamp_min(0.05),
+            torch.rand(256, 16, generator=g),
+        ]
+    )  # (heads, T, D)
     lo, span = quantize.fit_channel_range(x)
     fitted = quantize.fit_levels(x, lo, span, bits)
     assert torch.equal(fitted, quantize.fit_levels(x, lo, span, bits))  # same data, same grid
@@ -238,8 +271,10 @@ def test_fitted_grid_is_lloyds_grid_or_uniform_whichever_fits_better(bits):
     for head in range(3):
         ours = numpy_lloyd(x[head].double().numpy(), lo[head].double().numpy(), span[head].double().numpy(), bits)
         candidates = {"lloyd": torch.tensor(ours).to(torch.float16), "uniform": uniform[head]}
-        errors = {k: numpy_error(x[head : head + 1], lo[head : head + 1], span[head : head + 1], v[None])[0]
-                  for k, v in candidates.items()}
+        errors = {
+            k: numpy_error(x[head : head + 1], lo[head : head + 1], span[head : head + 1], v[None])[0]
+            for k, v in candidates.items()
+        }
         best = min(errors, key=errors.get)
         assert torch.allclose(fitted[head].float(), candidates[best].float(), atol=2e-3), (head, best)
     fitted_err = numpy_error(x, lo, span, fitted)

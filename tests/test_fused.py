@@ -36,11 +36,20 @@ def reference_attention(q, k, v, cache, layer=0):
     view = cache.layer(layer)
     return attend(q, k, v, view.read(torch.float32), view.k_codec, view.v_codec, view.key_center)
 
-SPECS = list(PRESETS) + [f"k={c},v={c},group=16,residual=5" for c in CODECS] + [
-    "k=int4c,v=int2h,group=32,residual=32,sinks=4", "k=int3h,v=ternh,group=32,residual=0,sinks=2",
-    "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1", "k=int4c,v=int4,group=32,residual=32,center=1",
-    "k=int4c,v=int2h,kgroup=16,vgroup=64,residual=8,sinks=4", "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=4,start=50",
-    "k=int3c,v=int2h,kgroup=16,residual=8,sinks=4,kfirst=int4c,first=1"]
+
+SPECS = (
+    list(PRESETS)
+    + [f"k={c},v={c},group=16,residual=5" for c in CODECS]
+    + [
+        "k=int4c,v=int2h,group=32,residual=32,sinks=4",
+        "k=int3h,v=ternh,group=32,residual=0,sinks=2",
+        "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1",
+        "k=int4c,v=int4,group=32,residual=32,center=1",
+        "k=int4c,v=int2h,kgroup=16,vgroup=64,residual=8,sinks=4",
+        "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=4,start=50",
+        "k=int3c,v=int2h,kgroup=16,residual=8,sinks=4,kfirst=int4c,first=1",
+    ]
+)
 
 
 def compare(lib, spec: str, batch: int, tokens: int, capacity: int = 512, chunk: int = 7):
@@ -127,14 +136,15 @@ def test_bf16_skinny_product_kernel_equals_float_math(lib, n_out, n_in, bias, ro
     x = torch.randn(rows, 1, n_in).to(torch.bfloat16)
     with torch.no_grad():
         fast = layer(x)  # a few rows, bf16 weights: the kernel
-        reference = torch.nn.functional.linear(x.float(), layer.weight.float(),
-                                               None if layer.bias is None else layer.bias.float())
+        reference = torch.nn.functional.linear(
+            x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float()
+        )
         with backend.using("reference"):
             torch_bf16 = layer(x)
     assert fast.shape == (rows, 1, n_out) and fast.dtype == torch.bfloat16
     # Both round the float32 result to bf16 once: within one bf16 ulp of exact float math.
-    assert torch.allclose(fast.float(), reference, rtol=2 ** -7, atol=1e-3)
-    assert torch.allclose(fast.float(), torch_bf16.float(), rtol=2 ** -6, atol=2e-3)
+    assert torch.allclose(fast.float(), reference, rtol=2**-7, atol=1e-3)
+    assert torch.allclose(fast.float(), torch_bf16.float(), rtol=2**-6, atol=2e-3)
 
 
 @pytest.mark.parametrize("n_out,n_in", [(7, 576), (1029, 100), (5, 3)])
@@ -150,4 +160,4 @@ def test_float32_skinny_product_kernel_equals_f_linear(lib, n_out, n_in, rows):
         with backend.using("reference"):
             reference = layer(x)
     # float32 sums of n_in products in another order: within a few ulps of the sum's magnitude
-    assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5 * n_in ** 0.5)
+    assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5 * n_in**0.5)

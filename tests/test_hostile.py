@@ -58,6 +58,7 @@ def model(tmp_path, tiny_dir):
 
 # -- a prompt-cache or /save target that is not a minillama cache is never touched ------------
 
+
 def test_generate_refuses_to_write_its_cache_over_the_prompt_file(model, tmp_path):
     prompt = tmp_path / "v.txt"
     prompt.write_text("A prompt the user wrote by hand and wants to keep. " * 5)
@@ -69,7 +70,9 @@ def test_generate_refuses_to_write_its_cache_over_the_prompt_file(model, tmp_pat
 
 def test_generate_refuses_to_write_its_cache_over_the_model_weights(model, tmp_path):
     before = files(tmp_path)
-    line = one_error_line(invoke(["generate", "hello", "--model", model, "--prompt-cache", model / "model.safetensors"]))
+    line = one_error_line(
+        invoke(["generate", "hello", "--model", model, "--prompt-cache", model / "model.safetensors"])
+    )
     assert "model.safetensors exists and is not a minillama cache file" in line
     assert files(tmp_path) == before
     assert invoke(["generate", "hello", "--model", model, "--max-tokens", "2"]).exit_code == 0  # the weights still load
@@ -109,8 +112,22 @@ def test_prompt_cache_ro_reads_the_file_but_never_writes_it(model, tmp_path):
     assert other.exit_code == 0 and "replaces it" not in other.stderr
     longer = tmp_path / "longer.txt"
     longer.write_text(text.read_text() + " And more.")
-    extended = invoke(["generate", "--model", model, "--prompt-file", longer, "--max-tokens", "4", "--kv", "hadv2",
-                       "--prompt-cache", cache, "--prompt-cache-ro"])
+    extended = invoke(
+        [
+            "generate",
+            "--model",
+            model,
+            "--prompt-file",
+            longer,
+            "--max-tokens",
+            "4",
+            "--kv",
+            "hadv2",
+            "--prompt-cache",
+            cache,
+            "--prompt-cache-ro",
+        ]
+    )
     assert extended.exit_code == 0 and "prompt cache: reused" in extended.stderr
     assert cache.read_bytes() == before
 
@@ -127,13 +144,16 @@ def test_a_cache_made_in_another_dtype_is_refused_by_naming_the_dtype(model, tmp
 def test_a_chat_session_file_resumes_in_generate_with_the_default_dtype(model, tmp_path):
     """chat and generate default to one dtype (and --kv), so a cache written by one is read by the other."""
     session = tmp_path / "s.kv"
-    chat = invoke(["chat", "--model", model, "--temperature", "0", "--max-tokens", "3", "--prompt-cache", session], "hi\n")
+    chat = invoke(
+        ["chat", "--model", model, "--temperature", "0", "--max-tokens", "3", "--prompt-cache", session], "hi\n"
+    )
     assert chat.exit_code == 0, chat.output
     result = invoke(["generate", "hi", "--model", model, "--max-tokens", "2", "--prompt-cache", session])
     assert result.exit_code == 0 and "another" not in result.stderr and "dtype" not in result.stderr
 
 
 # -- a damaged file is never trusted in part ----------------------------------------------------
+
 
 def tamper_header(path: Path, edit) -> None:
     """Rewrite the JSON header of a safetensors file in place (same length, so the tensors still parse)."""
@@ -169,6 +189,7 @@ def test_a_tampered_chat_file_is_refused_whole_and_the_session_is_unchanged(tiny
 
 # -- temporary files: unique per process, gone on every exit path ------------------------------
 
+
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
@@ -188,8 +209,14 @@ SLOW_WRITE = textwrap.dedent("""
 
 
 def start(script: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def wait_for(proc: subprocess.Popen, word: str, timeout: float = 120) -> None:
@@ -204,12 +231,16 @@ def wait_for(proc: subprocess.Popen, word: str, timeout: float = 120) -> None:
     raise AssertionError(f"the subprocess never said {word!r}: {proc.stderr.read()}")
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)])  # KeyboardInterrupt: Python dies by the signal
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)]
+)  # KeyboardInterrupt: Python dies by the signal
 def test_a_signal_during_a_write_leaves_the_old_file_and_no_temp_file(tmp_path, sig, code):
     target = tmp_path / "c.kv"
     target.write_bytes(b"the old file")
-    proc = start(SLOW_WRITE.format(body="from minillama.kv.file import write_atomic\n"
-                                        "write_atomic('c.kv', b'x' * 10_000_000)"), tmp_path)
+    proc = start(
+        SLOW_WRITE.format(body="from minillama.kv.file import write_atomic\nwrite_atomic('c.kv', b'x' * 10_000_000)"),
+        tmp_path,
+    )
     wait_for(proc, "writing")
     assert len(leftovers(tmp_path)) == 1  # the temporary file, beside the target
     proc.send_signal(sig)
@@ -242,10 +273,30 @@ handle_command(s, "/save chat.kv", lambda m: print(m, flush=True))
 
 def test_sigterm_during_generate_leaves_no_file_behind(model, tmp_path):
     cache = tmp_path / "run.kv"
-    proc = subprocess.Popen([sys.executable, "-m", "minillama", "generate", "hello", "--model", str(model),
-                             "--max-tokens", "100000", "--ctx", "200000", "--ignore-eos", "--on-full", "evict",
-                             "--prompt-cache", str(cache)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "minillama",
+            "generate",
+            "hello",
+            "--model",
+            str(model),
+            "--max-tokens",
+            "100000",
+            "--ctx",
+            "200000",
+            "--ignore-eos",
+            "--on-full",
+            "evict",
+            "--prompt-cache",
+            str(cache),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     deadline = time.time() + 120
     while not proc.stdout.read(16) and proc.poll() is None and time.time() < deadline:
         pass  # until the reply is streaming
@@ -258,10 +309,26 @@ def test_sigterm_during_generate_leaves_no_file_behind(model, tmp_path):
 def test_two_writers_of_one_cache_path_both_succeed_and_the_file_is_valid(model, tmp_path):
     text = tmp_path / "doc.txt"
     text.write_text("Two processes, one cache file. " * 10)
-    args = [sys.executable, "-m", "minillama", "generate", "--model", str(model), "--prompt-file", str(text),
-            "--max-tokens", "8", "--kv", "hadv2", "--prompt-cache", "race.kv"]
-    procs = [subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    args = [
+        sys.executable,
+        "-m",
+        "minillama",
+        "generate",
+        "--model",
+        str(model),
+        "--prompt-file",
+        str(text),
+        "--max-tokens",
+        "8",
+        "--kv",
+        "hadv2",
+        "--prompt-cache",
+        "race.kv",
+    ]
+    procs = [
+        subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert outs[0][0] == outs[1][0] and "Traceback" not in outs[0][1] + outs[1][1]
@@ -270,15 +337,19 @@ def test_two_writers_of_one_cache_path_both_succeed_and_the_file_is_valid(model,
 
 # -- the --kv spec: no silent last-wins, no out-of-range first, long input cut -------------------
 
+
 def test_a_key_given_twice_is_refused():
     with pytest.raises(UserError, match="names k= twice"):
         parse_kv("k=int4,k=int2,v=int4")
 
 
-@pytest.mark.parametrize("first, message", [(99, "first=99 names more layers than the model's 2"),
-                                            (0, "first=0 gives no layer")])
+@pytest.mark.parametrize(
+    "first, message", [(99, "first=99 names more layers than the model's 2"), (0, "first=0 gives no layer")]
+)
 def test_a_first_outside_the_model_is_refused(model, first, message):
-    line = one_error_line(invoke(["generate", "hi", "--model", model, "--kv", f"k=int4,v=int4,kfirst=int2,first={first}"]))
+    line = one_error_line(
+        invoke(["generate", "hi", "--model", model, "--kv", f"k=int4,v=int4,kfirst=int2,first={first}"])
+    )
     assert message in line
 
 
@@ -300,17 +371,28 @@ def test_any_kv_string_parses_or_is_one_clear_line(text):
 
 # -- model folders: every problem names the file and what is wrong --------------------------------
 
-@pytest.mark.parametrize("write, file, message", [
-    (lambda m: (m / "config.json").write_text("[1, 2, 3]"), "config.json", "must hold a JSON object"),
-    (lambda m: edit_config(m, num_hidden_layers="2"), "config.json", "num_hidden_layers must be a positive whole number"),
-    (lambda m: edit_config(m, rms_norm_eps=float("nan")), "config.json", "rms_norm_eps must be a finite number"),
-    (lambda m: edit_config(m, rope_scaling={"rope_type": "linear"}), "config.json", "needs factor"),
-    (lambda m: edit_config(m, tie_word_embeddings="yes"), "config.json", "must be true or false"),
-    (lambda m: (m / "tokenizer.json").write_text("garbage"), "tokenizer.json", "is not a tokenizer"),
-    (lambda m: (m / "tokenizer_config.json").write_text("{"), "tokenizer_config.json", "is not valid JSON"),
-    (lambda m: (m / "generation_config.json").write_text('{"temperature": "hot"}'), "generation_config.json",
-     "temperature must be a finite number"),
-])
+
+@pytest.mark.parametrize(
+    "write, file, message",
+    [
+        (lambda m: (m / "config.json").write_text("[1, 2, 3]"), "config.json", "must hold a JSON object"),
+        (
+            lambda m: edit_config(m, num_hidden_layers="2"),
+            "config.json",
+            "num_hidden_layers must be a positive whole number",
+        ),
+        (lambda m: edit_config(m, rms_norm_eps=float("nan")), "config.json", "rms_norm_eps must be a finite number"),
+        (lambda m: edit_config(m, rope_scaling={"rope_type": "linear"}), "config.json", "needs factor"),
+        (lambda m: edit_config(m, tie_word_embeddings="yes"), "config.json", "must be true or false"),
+        (lambda m: (m / "tokenizer.json").write_text("garbage"), "tokenizer.json", "is not a tokenizer"),
+        (lambda m: (m / "tokenizer_config.json").write_text("{"), "tokenizer_config.json", "is not valid JSON"),
+        (
+            lambda m: (m / "generation_config.json").write_text('{"temperature": "hot"}'),
+            "generation_config.json",
+            "temperature must be a finite number",
+        ),
+    ],
+)
 def test_a_bad_model_file_is_named_in_one_line(model, write, file, message):
     write(model)
     line = one_error_line(invoke(["chat", "--model", model], "hi\n"))
@@ -322,11 +404,34 @@ def edit_config(folder: Path, **fields) -> None:
     (folder / "config.json").write_text(json.dumps({**cfg, **fields}))
 
 
-JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True), st.text(max_size=5),
-                        st.lists(st.integers(-1, 5), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
-FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-          "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-          "tie_word_embeddings", "attention_bias", "eos_token_id", "bos_token_id", "model_type", "hidden_act"]
+JSON_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 10**6),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.lists(st.integers(-1, 5), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+FIELDS = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "eos_token_id",
+    "bos_token_id",
+    "model_type",
+    "hidden_act",
+]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -341,15 +446,19 @@ def test_any_config_field_loads_or_is_refused_naming_config_json(model, field, v
 
 # -- numbers, devices and usage errors -----------------------------------------------------------
 
-@pytest.mark.parametrize("args, message", [
-    (["--temperature", "nan"], "nan is not a finite number"),
-    (["--temperature", "inf"], "inf is not a finite number"),
-    (["--top-p", "nan"], "nan is not a finite number"),
-    (["--top-p", "2"], "not in the range"),
-    (["--seed", str(10**30)], "not in the range"),
-    (["--device", "tpu"], "unknown device 'tpu'"),
-    (["--max-tokens", "0"], "not in the range"),
-])
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "nan"], "nan is not a finite number"),
+        (["--temperature", "inf"], "inf is not a finite number"),
+        (["--top-p", "nan"], "nan is not a finite number"),
+        (["--top-p", "2"], "not in the range"),
+        (["--seed", str(10**30)], "not in the range"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--max-tokens", "0"], "not in the range"),
+    ],
+)
 def test_bad_numbers_and_devices_are_one_usage_line_before_the_model_loads(args, message):
     # The model does not exist: a refusal that comes before loading never gets to say so.
     line = one_error_line(invoke(["generate", "hi", "--model", "/no/such/model", *args]), code=2)
@@ -362,6 +471,7 @@ def test_an_unknown_command_is_one_usage_line():
 
 
 # -- what a llama.cpp user expects of generate ------------------------------------------------------
+
 
 def test_generate_stops_at_the_end_of_sequence_token_unless_told_to_go_on(model):
     from minillama.kv.cache import KVCache
@@ -383,10 +493,13 @@ def test_generate_stops_at_the_end_of_sequence_token_unless_told_to_go_on(model)
 def test_a_prompt_longer_than_the_cache_is_refused_or_evicted_with_a_warning(model):
     line = one_error_line(invoke(["generate", "word " * 60, "--model", model, "--ctx", "100"]))
     assert "more than the cache holds (--ctx 100)" in line and "--on-full evict" in line
-    evicted = invoke(["generate", "word " * 60, "--model", model, "--ctx", "100", "--on-full", "evict", "--max-tokens", "3"])
+    evicted = invoke(
+        ["generate", "word " * 60, "--model", model, "--ctx", "100", "--on-full", "evict", "--max-tokens", "3"]
+    )
     assert evicted.exit_code == 0
     assert [line for line in evicted.stderr.splitlines() if line.startswith("warning:")] == [
-        "warning: the prompt is 300 tokens and the cache holds 100: its first 200 or more are evicted (--on-full evict)"]
+        "warning: the prompt is 300 tokens and the cache holds 100: its first 200 or more are evicted (--on-full evict)"
+    ]
 
 
 def test_a_reply_that_fills_the_cache_stops_with_a_note(model):

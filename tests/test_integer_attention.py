@@ -3,7 +3,8 @@
 The integer path is an approximation with a known bound, derived from the int8 rounding:
 
 * scores: the query is q ~= a * q8 with a = max|q| / 127 over each block of 8 channels (at
-  most the head's max|q| / 127, which the bound below uses), so each channel's query is off by at most a/2 and a score q.k_t = sum_d q_d (s_t c_td + z_t) by at most
+  most the head's max|q| / 127, which the bound below uses), so each channel's query is off by
+  at most a/2 and a score q.k_t = sum_d q_d (s_t c_td + z_t) by at most
   a/2 * s_t * sum_d c_td (the zero points are applied exactly); for KIVI keys the
   per-channel scales are folded in first, qs_d = q_d s_gd ~= a_g q8_d per group of tokens,
   and the bound is a_g/2 * sum_d c_td;
@@ -52,10 +53,24 @@ def integer_call(lib, cache: KVCache, values: bool, x: torch.Tensor, out: torch.
     integer kernel alone, as attend_layer would route it."""
     assert attend_one_part(lib, values, body_part(cache, values), x, out) == Route.INTEGER
 
-SCORE_SPECS = ["kivi4", "hadv2", "k4v3hc", "kivi2", "k=int3c,v=int4,group=16,residual=3",
-               "k=int4,v=int2,group=64,residual=5,sinks=4", "k=int2h,v=int3h,group=64,residual=0"]
-VALUE_SPECS = ["kivi4", "hadv2", "k4v3hc", "kivi2", "k=int4c,v=int3,group=32,residual=3",
-               "k=int4c,v=int4h,vgroup=64,residual=5,sinks=4"]
+
+SCORE_SPECS = [
+    "kivi4",
+    "hadv2",
+    "k4v3hc",
+    "kivi2",
+    "k=int3c,v=int4,group=16,residual=3",
+    "k=int4,v=int2,group=64,residual=5,sinks=4",
+    "k=int2h,v=int3h,group=64,residual=0",
+]
+VALUE_SPECS = [
+    "kivi4",
+    "hadv2",
+    "k4v3hc",
+    "kivi2",
+    "k=int4c,v=int3,group=32,residual=3",
+    "k=int4c,v=int4h,vgroup=64,residual=5,sinks=4",
+]
 
 
 def filled(spec: str, n: int, batch: int, capacity: int = 1200):
@@ -122,8 +137,9 @@ def test_integer_values_keep_the_mass_of_a_long_tail(lib):
     step (b/2 = A/510), over identical value rows. Plain rounding would send all the small
     weights to zero, an error of 31 A/600 per block, 26x the bound b/2 * c that error diffusion
     keeps (the codes do not change from token to token, so only the last code counts)."""
-    cache = KVCache(parse_kv("k=int4c,v=int4,group=64,residual=0"), n_layers=1, n_kv_heads=1, head_dim=64,
-                    capacity=512, batch=1)
+    cache = KVCache(
+        parse_kv("k=int4c,v=int4,group=64,residual=0"), n_layers=1, n_kv_heads=1, head_dim=64, capacity=512, batch=1
+    )
     keys = torch.randn(1, 1, 512, 64)  # (B, H, T, D)
     values = torch.linspace(-1, 1, 64).expand(1, 1, 512, 64).contiguous()  # (B, H, T, D): one row
     cache.append([(keys, values)])
@@ -153,7 +169,11 @@ def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n
     cache = filled(spec, n, 2, capacity)
     assert (cache.evicted > 0) == (n > capacity)
     g = torch.Generator().manual_seed(n)
-    q, k, v = torch.randn(2, 6, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g)
+    q, k, v = (
+        torch.randn(2, 6, 1, 64, generator=g),
+        torch.randn(2, 2, 1, 64, generator=g),
+        torch.randn(2, 2, 1, 64, generator=g),
+    )
     fast = fused_decode_attention(lib, q, k, v, cache.layer(0))
     with backend.using("kernels-exact"):
         exact = fused_decode_attention(lib, q, k, v, cache.layer(0))

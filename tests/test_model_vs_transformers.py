@@ -19,8 +19,16 @@ from tests.conftest import make_tiny
 CONFIGS = {
     "gqa-untied": dict(),
     "mha-tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
-    "llama3-rope-500k": dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama3-rope-500k": dict(
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
     "linear-rope": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "explicit-head-dim": dict(head_dim=32),
     "biases": dict(attention_bias=True, mlp_bias=True),
@@ -104,8 +112,8 @@ def test_fused_projections_share_memory_and_change_nothing(tmp_path):
     lm = load_model(str(folder))
     attn, mlp = lm.model.model.layers[0].self_attn, lm.model.model.layers[0].mlp
     assert attn.q_proj.weight.data_ptr() == attn.qkv[0].data_ptr()
-    assert attn.v_proj.bias.data_ptr() == attn.qkv[1][-attn.v_proj.bias.numel():].data_ptr()
-    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[0][mlp.gate_proj.weight.shape[0]:].data_ptr()
+    assert attn.v_proj.bias.data_ptr() == attn.qkv[1][-attn.v_proj.bias.numel() :].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[0][mlp.gate_proj.weight.shape[0] :].data_ptr()
     tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(5))
     fused = lm.model(tokens)
     for layer in lm.model.model.layers:

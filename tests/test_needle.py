@@ -72,12 +72,40 @@ def test_an_fp32_cache_answers_exactly_like_a_full_forward(tiny):
 
 
 def test_json_rows_have_exactly_the_documented_keys(tiny_dir):
-    result = CliRunner().invoke(cli, ["needle", "--model", str(tiny_dir), "--kv", "fp16", "--kv", "hadv2", "--lengths",
-                                      "300,400", "--depths", "0,1", "--trials", "2", "--dtype", "float32", "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "needle",
+            "--model",
+            str(tiny_dir),
+            "--kv",
+            "fp16",
+            "--kv",
+            "hadv2",
+            "--lengths",
+            "300,400",
+            "--depths",
+            "0,1",
+            "--trials",
+            "2",
+            "--dtype",
+            "float32",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
-    keys = {"kv": str, "task": str, "length": int, "depth": float, "trials": int, "correct": int, "accuracy": float,
-            "bits_per_element": float, "cache_bytes": int}
+    keys = {
+        "kv": str,
+        "task": str,
+        "length": int,
+        "depth": float,
+        "trials": int,
+        "correct": int,
+        "accuracy": float,
+        "bits_per_element": float,
+        "cache_bytes": int,
+    }
     assert len(rows) == 2 * 2 * 2
     for row in rows:
         assert set(row) == set(keys) and all(isinstance(row[k], t) for k, t in keys.items())
@@ -86,20 +114,41 @@ def test_json_rows_have_exactly_the_documented_keys(tiny_dir):
 
 def test_an_evicted_needle_is_reported(tiny_dir, tmp_path):
     png = tmp_path / "needle.png"
-    result = CliRunner().invoke(cli, ["needle", "--model", str(tiny_dir), "--kv", "k=fp16,v=fp16,sinks=4", "--lengths",
-                                      "400", "--depths", "0.1", "--ctx", "128", "--dtype", "float32", "--plot", str(png)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "needle",
+            "--model",
+            str(tiny_dir),
+            "--kv",
+            "k=fp16,v=fp16,sinks=4",
+            "--lengths",
+            "400",
+            "--depths",
+            "0.1",
+            "--ctx",
+            "128",
+            "--dtype",
+            "float32",
+            "--plot",
+            str(png),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "the cache evicted" in result.stdout and "1 trial(s) lost the needle itself to eviction" in result.stdout
     assert "a needle the ring dropped cannot be retrieved" in result.stderr
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--lengths", "abc"], "comma-separated numbers"),
-    (["--lengths", "32"], "at least 64"),
-    (["--depths", "1.5"], "fractions from 0 to 1"),
-    (["--lengths", "100", "--task", "multikey"], "too short"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lengths", "abc"], "comma-separated numbers"),
+        (["--lengths", "32"], "at least 64"),
+        (["--depths", "1.5"], "fractions from 0 to 1"),
+        (["--lengths", "100", "--task", "multikey"], "too short"),
+    ],
+)
 def test_bad_needle_arguments_are_one_line(tiny_dir, args, message):
     result = CliRunner().invoke(cli, ["needle", "--model", str(tiny_dir), *args])
     assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output

@@ -73,8 +73,9 @@ def test_a_registered_codec_parses_and_round_trips(absmax4):
 
 
 def test_the_cache_stores_and_counts_it(absmax4):
-    cache = KVCache(parse_kv("k=absmax4,v=absmax4,group=32,residual=4"), n_layers=2, n_kv_heads=2, head_dim=64,
-                    capacity=128)
+    cache = KVCache(
+        parse_kv("k=absmax4,v=absmax4,group=32,residual=4"), n_layers=2, n_kv_heads=2, head_dim=64, capacity=128
+    )
     fill_synthetic(cache, 100)
     live = cache.live_bytes()  # 96 tokens quantized per tensor: 32 code bytes + 2 fp16 scales each
     assert live["codes"] == 2 * 2 * 2 * 96 * 32 and live["scales"] == 2 * 2 * 2 * 96 * 4
@@ -85,9 +86,25 @@ def test_ppl_evaluates_it_through_the_reference_attention(absmax4, tiny_dir, tmp
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 30)
     seen = len(backend.fallbacks())
-    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", str(text), "--tokens", "96",
-                                      "--prefill", "16", "--kv", "fp32", "--kv", "k=absmax4,v=absmax4,group=32,residual=4",
-                                      "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            str(text),
+            "--tokens",
+            "96",
+            "--prefill",
+            "16",
+            "--kv",
+            "fp32",
+            "--kv",
+            "k=absmax4,v=absmax4,group=32,residual=4",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     exact, ours = json.loads(result.stdout)
     assert ours["kv"] == "k=absmax4,v=absmax4,group=32,residual=4"

@@ -17,8 +17,10 @@ from minillama.kv.spec import parse_kv
 from minillama.native import backend
 from tests.fakes import ListCache
 
-TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, "
-        "it was the age of foolishness, it was the epoch of belief. ") * 12
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, "
+    "it was the age of foolishness, it was the epoch of belief. "
+) * 12
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +78,68 @@ def write_text(tmp_path, text=TEXT):
 
 
 def test_json_output_has_exactly_the_documented_keys(tiny_dir, tmp_path):
-    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "64",
-                                      "--prefill", "16", "--kv", "fp16", "--kv", "hadv2", "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            write_text(tmp_path),
+            "--tokens",
+            "64",
+            "--prefill",
+            "16",
+            "--kv",
+            "fp16",
+            "--kv",
+            "hadv2",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
-    keys = {"kv", "ppl", "ppl_blind", "delta_pct", "kld_mean", "kld_p99", "top1_agree", "bits_per_element", "cache_bytes",
-            "tokens_scored", "decode_tokens_per_s", "model", "tokens", "prefill", "windows", "dtype", "ctx", "evicted",
-            "buckets"}
-    types = {"kv": str, "ppl": float, "ppl_blind": float, "delta_pct": float, "kld_mean": float, "kld_p99": float,
-             "top1_agree": float, "bits_per_element": float, "cache_bytes": int, "tokens_scored": int,
-             "decode_tokens_per_s": float, "model": str, "tokens": int, "prefill": int, "windows": int, "dtype": str,
-             "evicted": int, "buckets": list}
+    keys = {
+        "kv",
+        "ppl",
+        "ppl_blind",
+        "delta_pct",
+        "kld_mean",
+        "kld_p99",
+        "top1_agree",
+        "bits_per_element",
+        "cache_bytes",
+        "tokens_scored",
+        "decode_tokens_per_s",
+        "model",
+        "tokens",
+        "prefill",
+        "windows",
+        "dtype",
+        "ctx",
+        "evicted",
+        "buckets",
+    }
+    types = {
+        "kv": str,
+        "ppl": float,
+        "ppl_blind": float,
+        "delta_pct": float,
+        "kld_mean": float,
+        "kld_p99": float,
+        "top1_agree": float,
+        "bits_per_element": float,
+        "cache_bytes": int,
+        "tokens_scored": int,
+        "decode_tokens_per_s": float,
+        "model": str,
+        "tokens": int,
+        "prefill": int,
+        "windows": int,
+        "dtype": str,
+        "evicted": int,
+        "buckets": list,
+    }
     assert [r["kv"] for r in rows] == ["fp16", "hadv2"]
     for row in rows:
         assert set(row) == keys
@@ -94,19 +147,38 @@ def test_json_output_has_exactly_the_documented_keys(tiny_dir, tmp_path):
 
 
 def test_table_says_the_evaluation_precision(tiny_dir, tmp_path):
-    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "64",
-                                      "--prefill", "16", "--kv", "fp32", "--chunk", "4"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            write_text(tmp_path),
+            "--tokens",
+            "64",
+            "--prefill",
+            "16",
+            "--kv",
+            "fp32",
+            "--chunk",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "evaluation in float32" in result.stdout and "APPROXIMATION" in result.stdout
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--tokens", "5000"], "fewer than the 5000 needed"),
-    (["--prefill", "64", "--tokens", "64"], "--prefill must be"),
-    (["--prefill", "0"], "--prefill must be"),
-    (["--kv", "int9"], "unknown --kv preset"),
-    (["--ctx", "32", "--chunk", "4"], "--chunk needs the window to fit"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tokens", "5000"], "fewer than the 5000 needed"),
+        (["--prefill", "64", "--tokens", "64"], "--prefill must be"),
+        (["--prefill", "0"], "--prefill must be"),
+        (["--kv", "int9"], "unknown --kv preset"),
+        (["--ctx", "32", "--chunk", "4"], "--chunk needs the window to fit"),
+    ],
+)
 def test_bad_input_is_one_clear_line(tiny_dir, tmp_path, args, message):
     result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), *args])
     assert result.exit_code != 0 and message in result.stderr and "Traceback" not in result.output
@@ -144,8 +216,23 @@ def test_fp32_cached_path_matches_transformers_dynamic_cache(smollm, english_tex
 def test_frontier_evaluates_every_preset_with_fp16_first(tiny_dir, tmp_path):
     from minillama.kv.spec import PRESETS
 
-    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "64",
-                                      "--prefill", "16", "--frontier", "--json", "--no-blind"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            write_text(tmp_path),
+            "--tokens",
+            "64",
+            "--prefill",
+            "16",
+            "--frontier",
+            "--json",
+            "--no-blind",
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert rows[0]["kv"] == "fp16" and sorted(r["kv"] for r in rows) == sorted(PRESETS)
@@ -154,8 +241,24 @@ def test_frontier_evaluates_every_preset_with_fp16_first(tiny_dir, tmp_path):
 def test_frontier_plot_is_written(tiny_dir, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "frontier.png"
-    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "48",
-                                      "--prefill", "16", "--frontier", "--plot", str(png), "--no-blind"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            write_text(tmp_path),
+            "--tokens",
+            "48",
+            "--prefill",
+            "16",
+            "--frontier",
+            "--plot",
+            str(png),
+            "--no-blind",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -207,6 +310,7 @@ def test_hamlet_without_pypi_is_one_line_suggesting_text(tiny_dir, tmp_path, mon
 
 # -- KL divergence and top-1 agreement against the exact model -------------------------
 
+
 def test_fp32_cache_has_zero_kld_and_full_top1_agreement(tiny, ids):
     (r,) = evaluate(tiny, ids, [parse_kv("fp32")], n=96, prefill=16, windows=2)
     assert r.kld_mean == pytest.approx(0, abs=1e-9) and r.kld_p99 == pytest.approx(0, abs=1e-8)
@@ -231,12 +335,15 @@ def test_kld_equals_a_direct_computation_from_full_forward_and_cached_logits(tin
 
 
 def test_kld_orders_schemes_like_their_error(tiny, ids):
-    results = evaluate(tiny, ids, [parse_kv(s) for s in ("fp32", "int8", "kivi4", "kivi2")], n=96, prefill=16, blind=False)
+    results = evaluate(
+        tiny, ids, [parse_kv(s) for s in ("fp32", "int8", "kivi4", "kivi2")], n=96, prefill=16, blind=False
+    )
     klds = [r.kld_mean for r in results]
     assert klds == sorted(klds) and klds[-1] > 10 * klds[1]
 
 
 # -- long windows and streaming past the cache -----------------------------------------
+
 
 @pytest.mark.parametrize("sinks", [0, 4])
 def test_streaming_ppl_equals_a_cache_evicted_by_hand(tiny, ids, sinks):
@@ -257,8 +364,26 @@ def test_streaming_ppl_equals_a_cache_evicted_by_hand(tiny, ids, sinks):
 
 
 def test_streaming_table_says_the_cache_evicted(tiny_dir, tmp_path):
-    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "100",
-                                      "--prefill", "16", "--ctx", "48", "--bucket", "50", "--kv", "k=fp16,v=fp16,sinks=4"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            write_text(tmp_path),
+            "--tokens",
+            "100",
+            "--prefill",
+            "16",
+            "--ctx",
+            "48",
+            "--bucket",
+            "50",
+            "--kv",
+            "k=fp16,v=fp16,sinks=4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "STREAMING: the cache holds 48 tokens and evicted 52" in result.stdout
     assert "perplexity per bucket" in result.stdout
@@ -267,24 +392,75 @@ def test_streaming_table_says_the_cache_evicted(tiny_dir, tmp_path):
 def test_streaming_plot_draws_ppl_per_bucket(tiny_dir, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "stream.png"
-    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "100",
-                                      "--prefill", "16", "--ctx", "48", "--bucket", "50", "--kv", "k=fp16,v=fp16,sinks=4",
-                                      "--plot", str(png), "--no-blind"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            write_text(tmp_path),
+            "--tokens",
+            "100",
+            "--prefill",
+            "16",
+            "--ctx",
+            "48",
+            "--bucket",
+            "50",
+            "--kv",
+            "k=fp16,v=fp16,sinks=4",
+            "--plot",
+            str(png),
+            "--no-blind",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_frontier_or_bucket_is_one_clear_error(tiny_dir, tmp_path):
-    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path), "--tokens", "100",
-                                      "--prefill", "16", "--plot", str(tmp_path / "x.png")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            write_text(tmp_path),
+            "--tokens",
+            "100",
+            "--prefill",
+            "16",
+            "--plot",
+            str(tmp_path / "x.png"),
+        ],
+    )
     assert result.exit_code != 0
     assert "add --frontier" in result.output and "--bucket" in result.output and not (tmp_path / "x.png").exists()
 
 
 def test_a_window_longer_than_the_model_context_streams_with_ctx(tiny_dir, tmp_path):
     """The tiny model's max_position_embeddings is 512: --ctx lets a 600-token window through."""
-    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--text", write_text(tmp_path, TEXT * 3),
-                                      "--tokens", "600", "--prefill", "64", "--ctx", "128", "--kv", "kivi4", "--json"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "ppl",
+            "--model",
+            str(tiny_dir),
+            "--text",
+            write_text(tmp_path, TEXT * 3),
+            "--tokens",
+            "600",
+            "--prefill",
+            "64",
+            "--ctx",
+            "128",
+            "--kv",
+            "kivi4",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)
     assert row["evicted"] >= 600 - 128 and math.isfinite(row["ppl"])

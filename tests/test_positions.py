@@ -69,7 +69,11 @@ def compare_fused(lib, spec, n, capacity=512, chunk=7, batch=2):
     fill_synthetic(cache, n, chunk=chunk)
     cache.position += 5  # absolute positions need not start where the slots do
     g = torch.Generator().manual_seed(n)
-    q, k, v = torch.randn(batch, 6, 1, 64, generator=g), torch.randn(batch, 2, 1, 64, generator=g), torch.randn(batch, 2, 1, 64, generator=g)
+    q, k, v = (
+        torch.randn(batch, 6, 1, 64, generator=g),
+        torch.randn(batch, 2, 1, 64, generator=g),
+        torch.randn(batch, 2, 1, 64, generator=g),
+    )
     rotary = RotaryTable(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
     pos = cache.query_positions(1)
     cos, sin = rope_tables(rotary.inv_freq, pos, torch.float32)
@@ -83,11 +87,17 @@ def compare_fused(lib, spec, n, capacity=512, chunk=7, batch=2):
 
 
 @needs_kernels
-@pytest.mark.parametrize("spec", ["k=fp16,v=fp16,rope=pre", "k=int4c,v=int2h,group=32,residual=32,sinks=4,rope=pre",
-                                  "k=int4,v=int3h,group=16,residual=5,center=1,rope=pre",
-                                  "k=int3cs,v=int4,group=32,residual=8,sinks=4,rope=pre",
-                                  "k=nuq3,v=nuq2,residual=8,sinks=4,rope=pre,positions=cache",
-                                  "k=int4cs,v=int2h,residual=8,sinks=4,rope=pre,positions=cache,start=40"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "k=fp16,v=fp16,rope=pre",
+        "k=int4c,v=int2h,group=32,residual=32,sinks=4,rope=pre",
+        "k=int4,v=int3h,group=16,residual=5,center=1,rope=pre",
+        "k=int3cs,v=int4,group=32,residual=8,sinks=4,rope=pre",
+        "k=nuq3,v=nuq2,residual=8,sinks=4,rope=pre,positions=cache",
+        "k=int4cs,v=int2h,residual=8,sinks=4,rope=pre,positions=cache,start=40",
+    ],
+)
 @pytest.mark.parametrize("n, capacity", [(1, 512), (45, 512), (77, 512), (700, 200)])  # 700 into 200: wrapped
 def test_fused_pre_rope_attention_equals_the_reference(spec, n, capacity):
     with backend.using("kernels-exact"):

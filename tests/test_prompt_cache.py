@@ -52,7 +52,9 @@ def saved_file(lm, tmp_path, spec: str, ids: list[int], capacity: int = 256):
     return path, cache, logits
 
 
-@pytest.mark.parametrize("spec, capacity", [(s, 256) for s in FAMILIES] + [("hadv2", 96), ("k=fp16,v=fp16,sinks=4", 64)])
+@pytest.mark.parametrize(
+    "spec, capacity", [(s, 256) for s in FAMILIES] + [("hadv2", 96), ("k=fp16,v=fp16,sinks=4", 64)]
+)
 def test_save_load_continues_token_for_token_like_the_uninterrupted_run(tiny, tmp_path, spec, capacity):
     ids = prompt(200)
     path, cache, logits = saved_file(tiny, tmp_path, spec, ids, capacity)
@@ -86,9 +88,15 @@ def test_a_prompt_that_extends_the_cached_one_prefills_only_the_new_tokens(tiny,
     assert fed == longer[150:] and cache.position == 180
 
 
-@pytest.mark.parametrize("spec, kept", [("fp16", 120), ("k=int8,v=int4,group=16,residual=3", 120),
-                                        # KIVI keys: 120 cuts the quantized group 96..127, back to its start
-                                        ("k=int4c,v=int4,group=32,residual=32", 96)])
+@pytest.mark.parametrize(
+    "spec, kept",
+    [
+        ("fp16", 120),
+        ("k=int8,v=int4,group=16,residual=3", 120),
+        # KIVI keys: 120 cuts the quantized group 96..127, back to its start
+        ("k=int4c,v=int4,group=32,residual=32", 96),
+    ],
+)
 def test_a_prompt_that_diverges_keeps_the_common_prefix(tiny, tmp_path, spec, kept):
     ids = prompt(200)
     path, _, _ = saved_file(tiny, tmp_path, spec, ids)
@@ -131,12 +139,15 @@ def test_kv_inspect_shows_the_numbers_stats_shows(tiny, tiny_dir, tmp_path):
     assert info["kv"] == "hadv2" and info["tokens"] == session.cache.held and info["live_bytes"] == live
     assert info["cache_bytes"] == sum(live.values()) and info["file_bytes"] == os.path.getsize(tmp_path / "s.kv")
     assert f"{info['bits_per_element']:.2f}" in session.stats()
-    assert sum(r[t][p] for r in info["layers"] for t in "kv" for p in ("sinks", "body", "residual")) == info["cache_bytes"]
+    assert (
+        sum(r[t][p] for r in info["layers"] for t in "kv" for p in ("sinks", "body", "residual")) == info["cache_bytes"]
+    )
     text = CliRunner().invoke(cli, ["kv", "inspect", str(tmp_path / "s.kv")]).stdout
     assert "kv hadv2" in text and f"{sum(live.values()):,}" in text
 
 
 # -- files that must not be trusted ---------------------------------------------------------
+
 
 def damaged(path, how: str):
     data = bytearray(path.read_bytes())
@@ -159,11 +170,17 @@ def damaged(path, how: str):
         path.mkdir()
 
 
-@pytest.mark.parametrize("how, message", [("truncated", "is not a readable safetensors file"),
-                                          ("flipped", "does not match its checksum"),
-                                          ("header flipped", "header does not match its checksum"),
-                                          ("not safetensors", "is not a readable safetensors file"),
-                                          ("version", "this minillama reads"), ("directory", "is a directory")])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated", "is not a readable safetensors file"),
+        ("flipped", "does not match its checksum"),
+        ("header flipped", "header does not match its checksum"),
+        ("not safetensors", "is not a readable safetensors file"),
+        ("version", "this minillama reads"),
+        ("directory", "is a directory"),
+    ],
+)
 def test_a_damaged_file_is_refused_in_one_line(tiny, tmp_path, how, message):
     path, _, _ = saved_file(tiny, tmp_path, "hadv2", prompt(120))
     damaged(path, how)
@@ -189,9 +206,7 @@ def test_tensors_out_of_range_are_refused(tiny, tmp_path):
     from safetensors.torch import load_file, save
 
     path, _, _ = saved_file(tiny, tmp_path, "hadv2", prompt(120))
-    from minillama.kv.file import read_header
-
-    from minillama.kv.file import _digest, _header_digest
+    from minillama.kv.file import _digest, _header_digest, read_header
 
     def rewrite():  # a forger's file: every checksum made to match the edited contents
         header["checksums"]["tokens"] = _digest(tensors["tokens"])
@@ -212,8 +227,10 @@ def test_tensors_out_of_range_are_refused(tiny, tmp_path):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example(flips=[(79, 1)], cut=None)  # CI found it: a header key changed, the JSON still valid
-@given(flips=st.lists(st.tuples(st.integers(0, 10**9), st.integers(1, 255)), min_size=1, max_size=4),
-       cut=st.one_of(st.none(), st.integers(0, 10**9)))
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 10**9), st.integers(1, 255)), min_size=1, max_size=4),
+    cut=st.one_of(st.none(), st.integers(0, 10**9)),
+)
 def test_fuzzed_files_are_refused_or_loaded_but_never_crash(tiny, tmp_path_factory, flips, cut):
     """Random bytes flipped (and maybe the file cut short) anywhere in a real file: loading either
     refuses it with one CacheFileError line or, when the flips left every checked byte intact,
@@ -239,9 +256,25 @@ def test_fuzzed_files_are_refused_or_loaded_but_never_crash(tiny, tmp_path_facto
 
 # -- the command line -------------------------------------------------------------------------
 
+
 def run_generate(model_dir, prompt_file, cache_file, *extra):
-    result = CliRunner().invoke(cli, ["generate", "--model", str(model_dir), "--prompt-file", str(prompt_file),
-                                      "--kv", "hadv2", "--max-tokens", "12", "--prompt-cache", str(cache_file), *extra])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--prompt-file",
+            str(prompt_file),
+            "--kv",
+            "hadv2",
+            "--max-tokens",
+            "12",
+            "--prompt-cache",
+            str(cache_file),
+            *extra,
+        ],
+    )
     assert result.exit_code == 0, result.output
     return result
 
@@ -269,16 +302,40 @@ def test_generate_reuses_the_file_and_refuses_bad_ones_in_one_line(tiny_dir, tmp
 def test_generate_leaves_a_bad_file_alone_when_the_run_fails(tiny_dir, tmp_path):
     cache_file = tmp_path / "x.kv"
     cache_file.write_text("not a cache")
-    result = CliRunner().invoke(cli, ["generate", "--model", str(tiny_dir), "hello", "--kv", "hadv2", "--ctx", "2",
-                                      "--prompt-cache", str(cache_file)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "generate",
+            "--model",
+            str(tiny_dir),
+            "hello",
+            "--kv",
+            "hadv2",
+            "--ctx",
+            "2",
+            "--prompt-cache",
+            str(cache_file),
+        ],
+    )
     assert result.exit_code == 1 and cache_file.read_text() == "not a cache"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_chat_resumes_a_saved_session_without_a_prefill(tiny_dir, tmp_path):
     session_file = tmp_path / "s.kv"
-    args = ["chat", "--model", str(tiny_dir), "--temperature", "0", "--kv", "hadv2", "--max-tokens", "8",
-            "--prompt-cache", str(session_file)]
+    args = [
+        "chat",
+        "--model",
+        str(tiny_dir),
+        "--temperature",
+        "0",
+        "--kv",
+        "hadv2",
+        "--max-tokens",
+        "8",
+        "--prompt-cache",
+        str(session_file),
+    ]
     first = CliRunner().invoke(cli, args, input="hello there\n")
     assert first.exit_code == 0, first.output and session_file.exists()
     second = CliRunner().invoke(cli, args, input="/stats\nand then?\n")

@@ -38,9 +38,15 @@ def kv_heads(ratio: int) -> int:
 def shaped(request, tmp_path_factory):
     """A one-layer random Llama with this GQA ratio and head_dim (hidden 336, divisible by every head count)."""
     ratio, head_dim = request.param
-    folder = make_tiny(tmp_path_factory.mktemp(f"gqa{ratio}-d{head_dim}"), num_hidden_layers=1, hidden_size=336,
-                       intermediate_size=128, head_dim=head_dim, num_attention_heads=ratio * kv_heads(ratio),
-                       num_key_value_heads=kv_heads(ratio))
+    folder = make_tiny(
+        tmp_path_factory.mktemp(f"gqa{ratio}-d{head_dim}"),
+        num_hidden_layers=1,
+        hidden_size=336,
+        intermediate_size=128,
+        head_dim=head_dim,
+        num_attention_heads=ratio * kv_heads(ratio),
+        num_key_value_heads=kv_heads(ratio),
+    )
     return load_model(str(folder), "float32")
 
 
@@ -78,15 +84,24 @@ def test_the_kernels_attend_like_the_reference_on_every_shape(ratio, head_dim, p
 def test_a_head_dim_no_kernel_supports_takes_the_reference_with_the_reason(tmp_path):
     """head_dim 640: the attention kernels keep rows of at most 512 floats, so decode attention
     runs the reference for that layer, says why, and the logits equal the reference backend's."""
-    folder = make_tiny(tmp_path / "wide", num_hidden_layers=1, hidden_size=64, intermediate_size=64, head_dim=640,
-                       num_attention_heads=2, num_key_value_heads=1)
+    folder = make_tiny(
+        tmp_path / "wide",
+        num_hidden_layers=1,
+        hidden_size=64,
+        intermediate_size=64,
+        head_dim=640,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     lm = load_model(str(folder), "float32")
     t = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
     outs = []
     for name in ("kernels", "reference"):
         with backend.using(name):
             cache = KVCache.for_model(lm.config, parse_kv("fp16"), 32)
-            outs.append(torch.cat([lm.model(t[:, :4], cache)] + [lm.model(t[:, i : i + 1], cache) for i in range(4, 12)], 1))
+            outs.append(
+                torch.cat([lm.model(t[:, :4], cache)] + [lm.model(t[:, i : i + 1], cache) for i in range(4, 12)], 1)
+            )
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     assert any("head_dim the kernel does not support" in reason for reason in backend.fallbacks())
 
@@ -95,9 +110,25 @@ def test_a_head_dim_no_kernel_supports_takes_the_reference_with_the_reason(tmp_p
 @pytest.mark.parametrize("kv", ["kivi4", "hadv2"])
 def test_sixteen_query_heads_per_kv_head_generate_from_the_command_line(tmp_path, kv):
     """The reproduction from the issue: 16 query heads, 1 KV head, 100 tokens (was exit 139)."""
-    folder = make_tiny(tmp_path / "gqa16", num_hidden_layers=2, hidden_size=1024, num_attention_heads=16,
-                       num_key_value_heads=1)
-    done = subprocess.run([sys.executable, "-m", "minillama", "generate", "The capital of France is the city of",
-                           "--model", str(folder), "--kv", kv, "--max-tokens", "100"], capture_output=True, text=True)
+    folder = make_tiny(
+        tmp_path / "gqa16", num_hidden_layers=2, hidden_size=1024, num_attention_heads=16, num_key_value_heads=1
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minillama",
+            "generate",
+            "The capital of France is the city of",
+            "--model",
+            str(folder),
+            "--kv",
+            kv,
+            "--max-tokens",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     assert "generated 100 tokens" in done.stderr

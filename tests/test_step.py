@@ -30,8 +30,15 @@ SHAPES = [(4, 4, 64), (6, 2, 128), (8, 1, 64)]
 @pytest.fixture(scope="module", params=SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}-d{s[2]}")
 def model_dir(request, tmp_path_factory):
     hq, hkv, d = request.param
-    return make_tiny(tmp_path_factory.mktemp("step"), num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d,
-                     hidden_size=192, intermediate_size=160, attention_bias=True)
+    return make_tiny(
+        tmp_path_factory.mktemp("step"),
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=d,
+        hidden_size=192,
+        intermediate_size=160,
+        attention_bias=True,
+    )
 
 
 def decode_logits(lm, preset: str, batch: int, steps: int = 10) -> torch.Tensor:
@@ -43,15 +50,17 @@ def decode_logits(lm, preset: str, batch: int, steps: int = 10) -> torch.Tensor:
     cache = KVCache.for_model(lm.config, parse_kv(preset), 128, batch=batch)
     with torch.no_grad():
         lm.model(ids[:, :70], cache)
-        out = [lm.model(ids[:, t:t + 1], cache)[:, -1].float() for t in range(70, 70 + steps)]
+        out = [lm.model(ids[:, t : t + 1], cache)[:, -1].float() for t in range(70, 70 + steps)]
     return torch.stack(out)  # (steps, B, vocab)
 
 
 def layer_by_layer(monkeypatch):
     """Make the native step unavailable, as on a cache no kernel reads: the model then runs its
     PyTorch layers (with the same attention and projection kernels)."""
+
     def refuse(self, lib, batch):
         raise NotSupported("disabled by the test")
+
     monkeypatch.setattr(Llama, "native_step", refuse)
 
 

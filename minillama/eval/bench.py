@@ -111,8 +111,16 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def bench_row(lm: LoadedModel, spec: KVSpec, context: int, decode_tokens: int, fill: str, ids: list[int],
-              bandwidth: float, dtype: str) -> BenchRow:
+def bench_row(
+    lm: LoadedModel,
+    spec: KVSpec,
+    context: int,
+    decode_tokens: int,
+    fill: str,
+    ids: list[int],
+    bandwidth: float,
+    dtype: str,
+) -> BenchRow:
     reset_peak_rss()
     seen = len(backend.fallbacks())
     capacity = max(context + decode_tokens + WARMUP + 1, spec.sinks + spec.residual + spec.unit)  # never evicts
@@ -138,11 +146,24 @@ def bench_row(lm: LoadedModel, spec: KVSpec, context: int, decode_tokens: int, f
     attention, projections = attention_ms(lm, cache), projection_ms(lm.model)
     layer_bytes = cache.bytes.last_read / lm.config.num_hidden_layers  # what one layer's attention read last step
     return BenchRow(
-        kv=str(spec), context=context, decode_ms_per_token=1000 * step, decode_tokens_per_s=1 / step,
-        attention_ms_per_layer=attention, attention_gb_s=layer_bytes / attention / 1e6, projection_ms=projections,
-        prefill_tokens_per_s=prefill_tps, cache_bytes=sum(cache.live_bytes().values()), bytes_read_per_token=read,
-        roofline_pct=100 * read / step / bandwidth, peak_rss_mb=peak_rss_mb(), model=lm.name, dtype=dtype, fill=fill,
-        backend=backend.describe(), fallbacks=backend.fallbacks()[seen:])
+        kv=str(spec),
+        context=context,
+        decode_ms_per_token=1000 * step,
+        decode_tokens_per_s=1 / step,
+        attention_ms_per_layer=attention,
+        attention_gb_s=layer_bytes / attention / 1e6,
+        projection_ms=projections,
+        prefill_tokens_per_s=prefill_tps,
+        cache_bytes=sum(cache.live_bytes().values()),
+        bytes_read_per_token=read,
+        roofline_pct=100 * read / step / bandwidth,
+        peak_rss_mb=peak_rss_mb(),
+        model=lm.name,
+        dtype=dtype,
+        fill=fill,
+        backend=backend.describe(),
+        fallbacks=backend.fallbacks()[seen:],
+    )
 
 
 @torch.inference_mode()
@@ -206,16 +227,20 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
 
 
 def format_table(rows: list[BenchRow], bandwidth: float) -> str:
-    lines = [f"decode benchmark: {rows[0].model}, weights {rows[0].dtype}, fill {rows[0].fill}; "
-             f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; backend {rows[0].backend}",
-             f"{'kv':<14}{'context':>8}{'ms/tok':>9}{'tok/s':>8}{'attn ms/layer':>14}{'attn GB/s':>10}{'prefill/s':>10}"
-             f"{'cache MB':>10}{'read MB/tok':>12}{'roofline':>9}{'peak RSS':>10}{'proj ms':>9}"]
+    lines = [
+        f"decode benchmark: {rows[0].model}, weights {rows[0].dtype}, fill {rows[0].fill}; "
+        f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; backend {rows[0].backend}",
+        f"{'kv':<14}{'context':>8}{'ms/tok':>9}{'tok/s':>8}{'attn ms/layer':>14}{'attn GB/s':>10}{'prefill/s':>10}"
+        f"{'cache MB':>10}{'read MB/tok':>12}{'roofline':>9}{'peak RSS':>10}{'proj ms':>9}",
+    ]
     for r in rows:
         pre = f"{r.prefill_tokens_per_s:.0f}" if r.prefill_tokens_per_s else "-"
-        lines.append(f"{r.kv:<14}{r.context:>8}{r.decode_ms_per_token:>9.2f}{r.decode_tokens_per_s:>8.1f}"
-                     f"{r.attention_ms_per_layer:>14.3f}{r.attention_gb_s:>10.1f}{pre:>10}"
-                     f"{r.cache_bytes / 1e6:>10.1f}{r.bytes_read_per_token / 1e6:>12.1f}{r.roofline_pct:>8.0f}%"
-                     f"{r.peak_rss_mb:>9.0f}M{r.projection_ms:>9.2f}")
+        lines.append(
+            f"{r.kv:<14}{r.context:>8}{r.decode_ms_per_token:>9.2f}{r.decode_tokens_per_s:>8.1f}"
+            f"{r.attention_ms_per_layer:>14.3f}{r.attention_gb_s:>10.1f}{pre:>10}"
+            f"{r.cache_bytes / 1e6:>10.1f}{r.bytes_read_per_token / 1e6:>12.1f}{r.roofline_pct:>8.0f}%"
+            f"{r.peak_rss_mb:>9.0f}M{r.projection_ms:>9.2f}"
+        )
     lines += [f"  {r.kv} at {r.context}: {reason}" for r in rows for reason in r.fallbacks]
     return "\n".join(lines)
 

@@ -23,8 +23,11 @@ def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tok
     per_tok = sum(live.values()) / tokens / n_layers / n_kv_heads
     lines = [
         f"kv {spec}: k={spec.k.name} v={spec.v.name} kgroup={spec.kgroup} vgroup={spec.vgroup} residual={spec.residual} "
-        f"sinks={spec.sinks}" + (" center=1" if spec.center else "") + (" rope=pre" if spec.rope == "pre" else "")
-        + (" positions=cache" if spec.positions == "cache" else "") + (f" start={spec.start}" if spec.start else ""),
+        f"sinks={spec.sinks}"
+        + (" center=1" if spec.center else "")
+        + (" rope=pre" if spec.rope == "pre" else "")
+        + (" positions=cache" if spec.positions == "cache" else "")
+        + (f" start={spec.start}" if spec.start else ""),
         f"model: {n_layers} layers x {n_kv_heads} KV heads x head_dim {head_dim}; {tokens} tokens",
         *(f"  {k:<9}{v:>14,d} bytes" for k, v in live.items()),
         f"  {'live':<9}{sum(live.values()):>14,d} bytes ({sum(live.values()) / 2**20:.2f} MiB, {sum(live.values()) / fp16:.1%} of fp16)",
@@ -46,33 +49,53 @@ def inspect_file(path: str) -> dict:
         row = {"layer": i}
         for name, store in zip(("k", "v"), pair):
             live = store.live_bytes()
-            row[name] = {"codec": store.codec.name, "sinks": live["sinks"], "body": live["codes"] + live["scales"],
-                         "residual": live["residual"], "body_tokens": store.n_body}
+            row[name] = {
+                "codec": store.codec.name,
+                "sinks": live["sinks"],
+                "body": live["codes"] + live["scales"],
+                "residual": live["residual"],
+                "body_tokens": store.n_body,
+            }
         layers.append(row)
     positions = saved.tensors["positions"].tolist()
     live = cache.live_bytes()
-    return {"path": str(path), "kv": h["kv_name"], "kv_spec": h["kv"], "model": h["model"]["name"],
-            "model_dtype": h["model"]["dtype"], "tokens": cache.held, "tokens_fed": cache.position,
-            "positions": [positions[0], positions[-1]] if positions else [], "evicted": cache.evicted,
-            "cache_bytes": sum(live.values()), "live_bytes": live,
-            "bits_per_element": cache.bits_per_element() if cache.held else None,
-            "file_bytes": saved.file_bytes, "layers": layers}
+    return {
+        "path": str(path),
+        "kv": h["kv_name"],
+        "kv_spec": h["kv"],
+        "model": h["model"]["name"],
+        "model_dtype": h["model"]["dtype"],
+        "tokens": cache.held,
+        "tokens_fed": cache.position,
+        "positions": [positions[0], positions[-1]] if positions else [],
+        "evicted": cache.evicted,
+        "cache_bytes": sum(live.values()),
+        "live_bytes": live,
+        "bits_per_element": cache.bits_per_element() if cache.held else None,
+        "file_bytes": saved.file_bytes,
+        "layers": layers,
+    }
 
 
 def format_inspect(info: dict) -> str:
     bits = "-" if info["bits_per_element"] is None else f"{info['bits_per_element']:.3f}"
-    lines = [f"{info['path']}: kv {info['kv']} ({info['kv_spec']})",
-             f"model {info['model']} ({info['model_dtype']} weights); {info['tokens']} tokens held of "
-             f"{info['tokens_fed']} fed, positions {'-'.join(map(str, info['positions'])) or '-'}, "
-             f"{info['evicted']} evicted",
-             "live bytes: " + ", ".join(f"{k} {v:,}" for k, v in info["live_bytes"].items())
-             + f"; total {info['cache_bytes']:,}; effective bits/element {bits}",
-             f"file: {info['file_bytes']:,} bytes ({info['file_bytes'] - info['cache_bytes']:,} besides the cache: "
-             "header, token ids, positions, last logits)",
-             f"{'layer':>5}  {'K codec':<8}{'sinks':>9}{'body':>11}{'residual':>10}  {'V codec':<8}{'sinks':>9}"
-             f"{'body':>11}{'residual':>10}"]
+    lines = [
+        f"{info['path']}: kv {info['kv']} ({info['kv_spec']})",
+        f"model {info['model']} ({info['model_dtype']} weights); {info['tokens']} tokens held of "
+        f"{info['tokens_fed']} fed, positions {'-'.join(map(str, info['positions'])) or '-'}, "
+        f"{info['evicted']} evicted",
+        "live bytes: "
+        + ", ".join(f"{k} {v:,}" for k, v in info["live_bytes"].items())
+        + f"; total {info['cache_bytes']:,}; effective bits/element {bits}",
+        f"file: {info['file_bytes']:,} bytes ({info['file_bytes'] - info['cache_bytes']:,} besides the cache: "
+        "header, token ids, positions, last logits)",
+        f"{'layer':>5}  {'K codec':<8}{'sinks':>9}{'body':>11}{'residual':>10}  {'V codec':<8}{'sinks':>9}"
+        f"{'body':>11}{'residual':>10}",
+    ]
     for row in info["layers"]:
         k, v = row["k"], row["v"]
-        lines.append(f"{row['layer']:>5}  {k['codec']:<8}{k['sinks']:>9,}{k['body']:>11,}{k['residual']:>10,}  "
-                     f"{v['codec']:<8}{v['sinks']:>9,}{v['body']:>11,}{v['residual']:>10,}")
+        lines.append(
+            f"{row['layer']:>5}  {k['codec']:<8}{k['sinks']:>9,}{k['body']:>11,}{k['residual']:>10,}  "
+            f"{v['codec']:<8}{v['sinks']:>9,}{v['body']:>11,}{v['residual']:>10,}"
+        )
     return "\n".join(lines)

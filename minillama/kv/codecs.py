@@ -92,7 +92,9 @@ class Codec:
     def validate(self, head_dim: int, group: int) -> None:
         """Raise a UserError when this codec cannot store vectors of head_dim at this group size."""
         if self.rotate and head_dim & (head_dim - 1):
-            raise UserError(f"codec {self.name} needs a power-of-two head_dim for the Hadamard rotation, got {head_dim}")
+            raise UserError(
+                f"codec {self.name} needs a power-of-two head_dim for the Hadamard rotation, got {head_dim}"
+            )
         if self.channel_groups and head_dim % group:
             raise UserError(f"group={group} does not divide head_dim={head_dim}: pick a divisor of {head_dim}")
         try:
@@ -133,7 +135,9 @@ class Codec:
         """x (B, H, T, D), already in storage space -> parts, each (B, H, rows, width)."""
         raise NotImplementedError
 
-    def decode(self, parts: dict[str, torch.Tensor], group: int, head_dim: int, params: dict | None = None) -> torch.Tensor:
+    def decode(
+        self, parts: dict[str, torch.Tensor], group: int, head_dim: int, params: dict | None = None
+    ) -> torch.Tensor:
         """parts -> float32 (B, H, T, D), still in storage space."""
         raise NotImplementedError
 
@@ -179,7 +183,11 @@ class Affine(Codec):
 
     def parts(self, head_dim: int, group: int) -> list[PartSpec]:
         per = (head_dim // group, 1) if self.axis == "token" else (head_dim, group)  # (width, tokens per row)
-        return [self.codes_part(head_dim), PartSpec("scale", torch.float16, *per), PartSpec("zero", torch.float16, *per)]
+        return [
+            self.codes_part(head_dim),
+            PartSpec("scale", torch.float16, *per),
+            PartSpec("zero", torch.float16, *per),
+        ]
 
     def encode(self, x, group, params=None):
         codes, scale, zero = quantize_affine(x, self.bits, group, self.axis)
@@ -277,7 +285,7 @@ class Calibrated(Codec):
     per_sequence: ClassVar[bool] = True
 
     def bits_formula(self) -> str:
-        grid = f" + {2 ** self.bits} fp16 levels" if self.fitted else ""
+        grid = f" + {2**self.bits} fp16 levels" if self.fitted else ""
         return f"{self.bits} + (32 D{grid})/(D T) (fp16 lo + span per channel{grid}, once per sequence)"
 
     def parts(self, head_dim: int, group: int) -> list[PartSpec]:
@@ -292,7 +300,9 @@ class Calibrated(Codec):
     def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-sequence parameters from x (B, H, T, D): lo, span (B, H, 1, D) and levels (B, H, 2**bits)."""
         lo, span = fit_channel_range(x)
-        levels = fit_levels(x, lo, span, self.bits) if self.fitted else uniform_levels(self.bits, x.shape[:-2], x.device)
+        levels = (
+            fit_levels(x, lo, span, self.bits) if self.fitted else uniform_levels(self.bits, x.shape[:-2], x.device)
+        )
         return {"lo": lo, "span": span, "levels": levels}
 
     def kernel_tables(self, params):

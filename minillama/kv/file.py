@@ -50,17 +50,30 @@ def _header_digest(header: dict) -> str:
 
 
 # The header fields every reader relies on, with their JSON types.
-_FIELDS = {"kv": str, "kv_name": str, "model": dict, "n_layers": int, "n_kv_heads": int, "head_dim": int,
-           "batch": int, "capacity": int, "position": int, "held": int, "evicted": int, "stores": list,
-           "checksums": dict}
+_FIELDS = {
+    "kv": str,
+    "kv_name": str,
+    "model": dict,
+    "n_layers": int,
+    "n_kv_heads": int,
+    "head_dim": int,
+    "batch": int,
+    "capacity": int,
+    "position": int,
+    "held": int,
+    "evicted": int,
+    "stores": list,
+    "checksums": dict,
+}
 
 
 def _rings(store) -> dict:
     return {"sinks": store.sinks, "residual": store.residual, **store.body}
 
 
-def encode(cache: KVCache, tokens: list[int], identity: dict, logits: torch.Tensor | None = None,
-           extra: dict | None = None) -> bytes:
+def encode(
+    cache: KVCache, tokens: list[int], identity: dict, logits: torch.Tensor | None = None, extra: dict | None = None
+) -> bytes:
     """The file's bytes for `cache` (every token it was fed: `tokens`; the last one's `logits`);
     `extra` is JSON data kept beside (chat: the messages). Nothing is written yet: a caller can
     encode a prompt's cache now and write it only when its run completes (``write_atomic``)."""
@@ -82,18 +95,31 @@ def encode(cache: KVCache, tokens: list[int], identity: dict, logits: torch.Tens
                 params["center"] = store.center
             for name, t in params.items():
                 tensors[f"layers.{i}.{tensor}.{name}"] = t.contiguous()
-            stores.append({"layer": i, "tensor": tensor, "n_body": store.n_body, "rings": rings,
-                           "params": sorted(params)})
+            stores.append(
+                {"layer": i, "tensor": tensor, "n_body": store.n_body, "rings": rings, "params": sorted(params)}
+            )
     tensors["tokens"] = torch.tensor(tokens, dtype=torch.int64)  # (position,)
     tensors["positions"] = cache.layer(0).positions().to(torch.int64)  # (held,)
     if logits is not None:
         tensors["logits"] = logits.detach().float().reshape(-1).contiguous()  # (V,)
     tensors = {name: t.cpu() for name, t in tensors.items()}
-    header = {"format": FORMAT, "kv": cache.spec.canonical(), "kv_name": str(cache.spec), "model": identity,
-              "n_layers": cache.n_layers, "n_kv_heads": cache.n_kv_heads, "head_dim": cache.head_dim,
-              "batch": cache.batch, "capacity": cache.capacity, "position": cache.position, "held": cache.held,
-              "evicted": cache.evicted, "stores": stores, "extra": extra or {},
-              "checksums": {name: _digest(t) for name, t in tensors.items()}}
+    header = {
+        "format": FORMAT,
+        "kv": cache.spec.canonical(),
+        "kv_name": str(cache.spec),
+        "model": identity,
+        "n_layers": cache.n_layers,
+        "n_kv_heads": cache.n_kv_heads,
+        "head_dim": cache.head_dim,
+        "batch": cache.batch,
+        "capacity": cache.capacity,
+        "position": cache.position,
+        "held": cache.held,
+        "evicted": cache.evicted,
+        "stores": stores,
+        "extra": extra or {},
+        "checksums": {name: _digest(t) for name, t in tensors.items()},
+    }
     header["header_sha256"] = _header_digest(header)
     return serialize(tensors, metadata={"minillama": json.dumps(header)})
 
@@ -128,8 +154,14 @@ def write_atomic(path: str | Path, data: bytes) -> int:
     return target.stat().st_size
 
 
-def save(cache: KVCache, path: str | Path, tokens: list[int], identity: dict,
-         logits: torch.Tensor | None = None, extra: dict | None = None) -> int:
+def save(
+    cache: KVCache,
+    path: str | Path,
+    tokens: list[int],
+    identity: dict,
+    logits: torch.Tensor | None = None,
+    extra: dict | None = None,
+) -> int:
     """Write `cache` to `path` (``encode`` + ``write_atomic``); returns the bytes written. Replaces
     only a missing file or a minillama cache file (``check_replaceable``)."""
     check_replaceable(path)
@@ -158,8 +190,10 @@ def check_replaceable(path: str | Path) -> bool:
     try:
         read_header(p)
     except CacheFileError:
-        raise CacheFileError(f"{path} exists and is not a minillama cache file: refusing to overwrite it "
-                             "(name a new file, or delete this one yourself)") from None
+        raise CacheFileError(
+            f"{path} exists and is not a minillama cache file: refusing to overwrite it "
+            "(name a new file, or delete this one yourself)"
+        ) from None
     return True
 
 
@@ -244,8 +278,14 @@ def read(path: str | Path) -> SavedCache:
     return SavedCache(p, header, tensors, size)
 
 
-def restore(saved: SavedCache, identity: dict | None, spec_text: str | None = None,
-            capacity: int | None = None, device="cpu", on_full: str = "evict") -> KVCache:
+def restore(
+    saved: SavedCache,
+    identity: dict | None,
+    spec_text: str | None = None,
+    capacity: int | None = None,
+    device="cpu",
+    on_full: str = "evict",
+) -> KVCache:
     """A KVCache holding exactly the saved rows, after checking the file against the model
     (`identity`; None skips it, for inspection) and the spec asked for (`spec_text`)."""
     h, where = saved.header, saved.path
@@ -255,8 +295,10 @@ def restore(saved: SavedCache, identity: dict | None, spec_text: str | None = No
             raise CacheFileError(f"{where} was made with another model ({name!r}: its config differs from this one's)")
         if made.get("dtype") != identity.get("dtype"):  # before the fingerprint, which the dtype changes too
             dtype = str(made.get("dtype")).removeprefix("torch.")
-            raise CacheFileError(f"{where} was made with {dtype} weights, this run uses "
-                                 f"{str(identity.get('dtype')).removeprefix('torch.')} (pass --dtype {dtype} to use it)")
+            raise CacheFileError(
+                f"{where} was made with {dtype} weights, this run uses "
+                f"{str(identity.get('dtype')).removeprefix('torch.')} (pass --dtype {dtype} to use it)"
+            )
         if made.get("fingerprint") != identity.get("fingerprint"):
             raise CacheFileError(f"{where} was made with another model ({name!r}: its weights differ from this one's)")
     if spec_text is not None and parse_kv(spec_text).canonical() != h["kv"]:
@@ -265,15 +307,25 @@ def restore(saved: SavedCache, identity: dict | None, spec_text: str | None = No
         spec = parse_kv(h["kv_name"])  # as the user named it (a preset keeps its name)
         if spec.canonical() != h["kv"]:
             raise CacheFileError(f"{where} is inconsistent: its spec {h['kv_name']!r} is not {h['kv']!r}")
-        cache = KVCache(spec, h["n_layers"], h["n_kv_heads"], h["head_dim"], max(capacity or 0, h["capacity"]),
-                        h["batch"], device, on_full)
+        cache = KVCache(
+            spec,
+            h["n_layers"],
+            h["n_kv_heads"],
+            h["head_dim"],
+            max(capacity or 0, h["capacity"]),
+            h["batch"],
+            device,
+            on_full,
+        )
         _fill(cache, saved)
     except CacheFileError:
         raise
     except UserError as e:  # a spec or capacity the cache itself refuses
         raise CacheFileError(f"{where}: {e}") from None
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError, AttributeError) as e:
-        raise CacheFileError(f"{where} has an inconsistent header or tensors ({type(e).__name__}: {str(e)[:100]})") from None
+        raise CacheFileError(
+            f"{where} has an inconsistent header or tensors ({type(e).__name__}: {str(e)[:100]})"
+        ) from None
     return cache
 
 
@@ -310,8 +362,12 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
                 raise bad(f"{prefix}rings hold {store.held} tokens, the header says {held}")
             names = set(entry["params"])
             lead = (cache.batch, cache.n_kv_heads)
-            shapes = {"center": (*lead, 1, cache.head_dim), "lo": (*lead, 1, cache.head_dim),
-                      "span": (*lead, 1, cache.head_dim), "levels": (*lead, 2**store.codec.bits)}
+            shapes = {
+                "center": (*lead, 1, cache.head_dim),
+                "lo": (*lead, 1, cache.head_dim),
+                "span": (*lead, 1, cache.head_dim),
+                "levels": (*lead, 2**store.codec.bits),
+            }
             for name in names:
                 x = t.get(prefix + name)
                 if name not in shapes or x is None or tuple(x.shape) != shapes[name] or x.dtype != torch.float16:

@@ -32,8 +32,9 @@ from minillama.native import backend, ops
 from minillama.native.abi import DTYPE_CODE, STATUS, LayerPlan, NotSupported, Route, RowKind, RowSource
 
 
-def row_source(part: PartView, rope: tuple[torch.Tensor, torch.Tensor] | None, center: torch.Tensor | None,
-               keep: list) -> RowSource:
+def row_source(
+    part: PartView, rope: tuple[torch.Tensor, torch.Tensor] | None, center: torch.Tensor | None, keep: list
+) -> RowSource:
     """A RowSource for one held part; `rope` (cos, sin halves) rotates key rows for their positions
     after `center` (B, H, 1, D) is added back. `keep` holds the tensors it points into alive."""
     codec = part.codec
@@ -43,7 +44,12 @@ def row_source(part: PartView, rope: tuple[torch.Tensor, torch.Tensor] | None, c
     keep.append(part.rings)  # a cache may hand out buffers made for this read (tests/fakes.py does)
     if codec.row_kind == RowKind.FLOAT:
         ring = part.rings["values"]
-        src.bits, src.data, src.slots, src.start = DTYPE_CODE[ring.buf.dtype], ring.buf.data_ptr(), ring.buf.shape[2], ring.start
+        src.bits, src.data, src.slots, src.start = (
+            DTYPE_CODE[ring.buf.dtype],
+            ring.buf.data_ptr(),
+            ring.buf.shape[2],
+            ring.start,
+        )
     else:
         codes = part.rings["codes"]
         src.bits, src.group = codec.kernel_bits, part.group
@@ -85,8 +91,9 @@ def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> 
     return chosen
 
 
-def layer_plan(lib, view: LayerView, r: int, d: int, rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
-               keep: list) -> LayerPlan:
+def layer_plan(
+    lib, view: LayerView, r: int, d: int, rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None, keep: list
+) -> LayerPlan:
     """The parts of one layer as the attention kernel reads them (q, k, v and out left for the
     caller), for r query heads per KV head of size d; NotSupported (nothing read) when a part has
     no kernel that can read it. `keep` holds the tensors the plan points into alive."""
@@ -106,8 +113,16 @@ def layer_plan(lib, view: LayerView, r: int, d: int, rope: Callable[[int], tuple
     return plan
 
 
-def decode_plan(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, view: LayerView,
-                rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None, keep: list) -> LayerPlan:
+def decode_plan(
+    lib,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    view: LayerView,
+    rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
+    keep: list,
+) -> LayerPlan:
     """The whole call for one decode token: the layer's parts (``layer_plan``) plus q (B, Hq, 1, D),
     the new k, v (B, Hkv, 1, D) and out (B, Hq, 1, D), all contiguous in one dtype the kernel takes."""
     b, hq, _, d = q.shape
@@ -119,8 +134,14 @@ def decode_plan(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     return plan
 
 
-def fused_decode_attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView,
-                           rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+def fused_decode_attention(
+    lib,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    view: LayerView,
+    rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
     """q (B, Hq, 1, D) and the new k (after RoPE), v (B, Hkv, 1, D) -> (B, Hq, 1, D); the same result
     as the reference attention over view.read(). For keys stored before RoPE, ``rope(n)`` gives
     (cos, sin), each (n' >= n, D/2), the angles of positions 0..n-1 (model/rope.py: RotaryTable.halves)."""

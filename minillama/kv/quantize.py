@@ -58,7 +58,9 @@ def _reduce_dim(axis: str) -> int:
     return -1 if axis == "token" else -2
 
 
-def quantize_affine(x: torch.Tensor, bits: int, group: int, axis: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_affine(
+    x: torch.Tensor, bits: int, group: int, axis: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (..., T, D) -> codes (..., T, D) uint8, scale and zero float16.
 
     scale/zero are (..., T, D/G) for axis="token" and (..., T/G, D) for axis="channel".
@@ -79,7 +81,9 @@ def quantize_affine(x: torch.Tensor, bits: int, group: int, axis: str) -> tuple[
     return codes.reshape(x.shape), scale.squeeze(dim), zero.squeeze(dim)
 
 
-def dequantize_affine(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, axis: str) -> torch.Tensor:
+def dequantize_affine(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, axis: str
+) -> torch.Tensor:
     """Inverse of quantize_affine: codes (..., T, D) -> float32 (..., T, D)."""
     dim = _reduce_dim(axis)
     cg = _grouped(codes, group, axis).float()
@@ -186,6 +190,7 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- per-channel ranges fitted once per sequence (KVQuant-style, calibrated on the prefill) --
+
 
 def fit_channel_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., T, D) -> lo, span (..., 1, D) float16: each channel's minimum and max - min over T.

@@ -63,14 +63,17 @@ class KVSpec:
 
     def validate(self, head_dim: int, n_layers: int | None = None) -> None:
         if n_layers is not None and self.kfirst is not None and self.first > n_layers:
-            raise UserError(f"--kv first={self.first} names more layers than the model's {n_layers}: "
-                            f"give first=1..{n_layers}")
+            raise UserError(
+                f"--kv first={self.first} names more layers than the model's {n_layers}: give first=1..{n_layers}"
+            )
         self.v.validate(head_dim, self.vgroup)
         for k in [self.k] + ([self.kfirst] if self.kfirst else []):
             k.validate(head_dim, self.kgroup)
             if self.rope == "pre" and k.rotate:
-                raise UserError(f"rope=pre needs an unrotated key codec, not {k.name}: the Hadamard rotation "
-                                "does not commute with RoPE (use int4c, int4, int4cs, nuq4, ...)")
+                raise UserError(
+                    f"rope=pre needs an unrotated key codec, not {k.name}: the Hadamard rotation "
+                    "does not commute with RoPE (use int4c, int4, int4cs, nuq4, ...)"
+                )
         if head_dim % 2:
             raise UserError(f"head_dim {head_dim} is odd: RoPE pairs channels")
 
@@ -82,9 +85,13 @@ class KVSpec:
         name or order they were written with (a saved cache is matched by it)."""
         group = f"group={self.kgroup}" if self.kgroup == self.vgroup else f"kgroup={self.kgroup},vgroup={self.vgroup}"
         text = f"k={self.k.name},v={self.v.name},{group},residual={self.residual},sinks={self.sinks}"
-        extras = [("center=1", self.center), ("rope=pre", self.rope == "pre"),
-                  ("positions=cache", self.positions == "cache"), (f"start={self.start}", self.start > 0),
-                  (f"kfirst={self.kfirst.name if self.kfirst else ''},first={self.first}", self.kfirst is not None)]
+        extras = [
+            ("center=1", self.center),
+            ("rope=pre", self.rope == "pre"),
+            ("positions=cache", self.positions == "cache"),
+            (f"start={self.start}", self.start > 0),
+            (f"kfirst={self.kfirst.name if self.kfirst else ''},first={self.first}", self.kfirst is not None),
+        ]
         return text + "".join("," + e for e, on in extras if on)
 
 
@@ -125,8 +132,10 @@ PRESET_NOTES: dict[str, str] = {
     "k4v4lmc": "Lloyd-Max 4-bit keys (centered) and 4-bit values, group 64, residual 8, 4 sinks",
 }
 
-GRAMMAR = ("k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
-           "[,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]")
+GRAMMAR = (
+    "k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
+    "[,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]"
+)
 NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start", "first")
 WORDS = {"rope": ("post", "pre"), "positions": ("absolute", "cache")}
 _FIELD = re.compile(r"^([a-z]+)=(.+)$")
@@ -150,8 +159,10 @@ def parse_kv(text: str) -> KVSpec:
         if not m or m.group(1) not in ("k", "v", "kfirst", *NUMBERS, *WORDS):
             raise UserError(f"malformed --kv item {shown(item)}: expected {GRAMMAR} ({_choices()})")
         if m.group(1) in fields:  # k=int4,k=int2 would silently run the last one
-            raise UserError(f"--kv names {m.group(1)}= twice ({m.group(1)}={shown(fields[m.group(1)])} and "
-                            f"{m.group(1)}={shown(m.group(2).strip())}): give each key once")
+            raise UserError(
+                f"--kv names {m.group(1)}= twice ({m.group(1)}={shown(fields[m.group(1)])} and "
+                f"{m.group(1)}={shown(m.group(2).strip())}): give each key once"
+            )
         fields[m.group(1)] = m.group(2).strip()
     if "k" not in fields or "v" not in fields:
         raise UserError(f"--kv {shown(text)} must name both k= and v= codecs ({_choices()})")
@@ -187,6 +198,18 @@ def parse_kv(text: str) -> KVSpec:
     kfirst = CODECS[fields["kfirst"]] if "kfirst" in fields else None
     quantized = k.quantized or v.quantized or (kfirst is not None and kfirst.quantized)
     residual = nums.get("residual", 32 if quantized else 0)
-    return KVSpec(k, v, kgroup, vgroup, residual, nums.get("sinks", 0),
-                  name=text if text not in PRESETS.values() else "", center=bool(nums.get("center", 0)),
-                  rope=rope, positions=positions, start=nums.get("start", 0), kfirst=kfirst, first=nums.get("first", 0))
+    return KVSpec(
+        k,
+        v,
+        kgroup,
+        vgroup,
+        residual,
+        nums.get("sinks", 0),
+        name=text if text not in PRESETS.values() else "",
+        center=bool(nums.get("center", 0)),
+        rope=rope,
+        positions=positions,
+        start=nums.get("start", 0),
+        kfirst=kfirst,
+        first=nums.get("first", 0),
+    )

@@ -33,8 +33,8 @@ import torch
 
 from minillama.kv.codecs import Codec, exact_codec
 from minillama.kv.interface import PartView
-from minillama.kv.spec import KVSpec
 from minillama.kv.ring import Ring
+from minillama.kv.spec import KVSpec
 from minillama.kv.write import encode, storage_form
 
 
@@ -63,8 +63,10 @@ def layout(codec: Codec, group: int, spec: KVSpec, capacity: int, head_dim: int)
 
     The body holds the rest of the capacity, in rows of ``tokens_per_row`` tokens per part."""
     exact = codec.exact_dtype
-    shapes = {"sinks": RingShape(spec.sinks, head_dim, exact),
-              "residual": RingShape(residual_slots(codec, group, spec), head_dim, exact)}
+    shapes = {
+        "sinks": RingShape(spec.sinks, head_dim, exact),
+        "residual": RingShape(residual_slots(codec, group, spec), head_dim, exact),
+    }
     body_tokens = capacity - spec.sinks - spec.residual
     for p in codec.parts(head_dim, group):
         shapes[p.name] = RingShape(body_tokens // p.tokens_per_row, p.width, p.dtype)
@@ -80,15 +82,29 @@ def allocation_bytes(codec: Codec, group: int, spec: KVSpec, capacity: int, head
 class TensorStore:
     """Sinks, quantized body and residual for one tensor (K or V) of one layer."""
 
-    def __init__(self, codec: Codec, group: int, spec: KVSpec, capacity: int, batch: int, heads: int, head_dim: int,
-                 device, centered: bool = False):
+    def __init__(
+        self,
+        codec: Codec,
+        group: int,
+        spec: KVSpec,
+        capacity: int,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        device,
+        centered: bool = False,
+    ):
         self.codec, self.group, self.head_dim = codec, group, head_dim
         self.centered = centered
-        self.center: torch.Tensor | None = None  # (B, H, 1, D) per-channel mean in storage space, set by the first append
+        self.center: torch.Tensor | None = (
+            None  # (B, H, 1, D) per-channel mean in storage space, set by the first append
+        )
         self.params: dict[str, torch.Tensor] | None = None  # calib codecs: lo, span (B, H, 1, D), levels (B, H, 2**b)
         self.residual_len, self.unit, self.start = spec.residual, codec.unit(group), spec.start
-        rings = {name: Ring(batch, heads, shape.slots, shape.width, shape.dtype, device)  # (B, H, slots, width)
-                 for name, shape in layout(codec, group, spec, capacity, head_dim).items()}
+        rings = {
+            name: Ring(batch, heads, shape.slots, shape.width, shape.dtype, device)  # (B, H, slots, width)
+            for name, shape in layout(codec, group, spec, capacity, head_dim).items()
+        }
         self.sinks = rings.pop("sinks")  # (B, H, S, D)
         self.residual = rings.pop("residual")  # (B, H, R+unit-1, D)
         self.body = rings  # part name -> (B, H, rows, width)
@@ -158,8 +174,12 @@ class TensorStore:
 
     def live_read_bytes(self) -> int:
         """Bytes a full read of the held tokens touches (sinks, body parts, residual, key center)."""
-        return (self.sinks.live_bytes + sum(r.live_bytes for r in self.body.values()) + self.residual.live_bytes
-                + self.center_bytes)
+        return (
+            self.sinks.live_bytes
+            + sum(r.live_bytes for r in self.body.values())
+            + self.residual.live_bytes
+            + self.center_bytes
+        )
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         """All held vectors in age order, (B, H, held, D) in storage space; and bytes read."""
@@ -168,8 +188,11 @@ class TensorStore:
             pieces.append(self.sinks.read())
         if self.n_body:
             parts = {name: ring.read() for name, ring in self.body.items()}
-            pieces.append(parts["values"] if "values" in parts
-                          else self.codec.decode(parts, self.group, self.head_dim, self.params))
+            pieces.append(
+                parts["values"]
+                if "values" in parts
+                else self.codec.decode(parts, self.group, self.head_dim, self.params)
+            )
         if self.residual.count:
             pieces.append(self.residual.read())
         nbytes = self.live_read_bytes()
@@ -184,11 +207,16 @@ class TensorStore:
         token: sinks from 0, the rest consecutive from `first_rest` (the cache knows it)."""
         positions = (0, first_rest, first_rest + self.n_body)
         exact = exact_codec(self.residual.buf.dtype)
-        held = [("sinks", self.sinks.count, exact, {"values": self.sinks.view()}, None),
-                ("body", self.n_body, self.codec, {name: ring.view() for name, ring in self.body.items()}, self.params),
-                ("residual", self.residual.count, exact, {"values": self.residual.view()}, None)]
-        return [PartView(name, n, first, codec, self.group, rings, params)
-                for (name, n, codec, rings, params), first in zip(held, positions) if n]
+        held = [
+            ("sinks", self.sinks.count, exact, {"values": self.sinks.view()}, None),
+            ("body", self.n_body, self.codec, {name: ring.view() for name, ring in self.body.items()}, self.params),
+            ("residual", self.residual.count, exact, {"values": self.residual.view()}, None),
+        ]
+        return [
+            PartView(name, n, first, codec, self.group, rings, params)
+            for (name, n, codec, rings, params), first in zip(held, positions)
+            if n
+        ]
 
     def keep_newest_limit(self, n_nonsink: int) -> int:
         """Largest m <= n_nonsink such that the oldest m non-sink tokens can be kept exactly."""
@@ -249,19 +277,25 @@ def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int)
     n_flush = 0
     if taken[0][0] is not None:
         blocks = torch.stack([block for block, _ in taken])  # (L, B, H, n_flush, D)
-        l, b, h, n_flush, d = blocks.shape
+        n_layers, b, h, n_flush, d = blocks.shape
         if codec.per_sequence and stores[0].params is None:  # the first flush fits the per-sequence ranges
             held = torch.stack([torch.cat([block, rest], dim=2) for block, rest in taken])  # (L, B, H, n, D)
-            params = codec.calibrate(held.reshape(l * b, h, *held.shape[3:]))  # each (L*B, H, ...)
+            params = codec.calibrate(held.reshape(n_layers * b, h, *held.shape[3:]))  # each (L*B, H, ...)
             for i, store in enumerate(stores):
-                store.params = {name: p.reshape(l, b, *p.shape[1:])[i] for name, p in params.items()}
+                store.params = {name: p.reshape(n_layers, b, *p.shape[1:])[i] for name, p in params.items()}
         params = None
         if codec.per_sequence:
-            params = {name: torch.stack([s.params[name] for s in stores]).reshape(l * b, *stores[0].params[name].shape[1:])
-                      for name in stores[0].params}
-        parts = encode(codec, blocks.reshape(l * b, h, n_flush, d), stores[0].group, params)  # (L*B, H, rows, width)
-        parts = {name: p.reshape(l, b, *p.shape[1:]) for name, p in parts.items()}  # each (L, B, H, rows, width)
-        parts_per_layer = [{name: p[i] for name, p in parts.items()} for i in range(l)]
+            params = {
+                name: torch.stack([s.params[name] for s in stores]).reshape(
+                    n_layers * b, *stores[0].params[name].shape[1:]
+                )
+                for name in stores[0].params
+            }
+        parts = encode(
+            codec, blocks.reshape(n_layers * b, h, n_flush, d), stores[0].group, params
+        )  # (L*B, H, rows, width)
+        parts = {name: p.reshape(n_layers, b, *p.shape[1:]) for name, p in parts.items()}  # each (L, B, H, rows, width)
+        parts_per_layer = [{name: p[i] for name, p in parts.items()} for i in range(n_layers)]
     for store, (_, rest), parts_i in zip(stores, taken, parts_per_layer):
         written += store.put(parts_i, n_flush, rest)
     return written, read

@@ -41,8 +41,9 @@ def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None
     lib = backend.library(x.device)
     if lib is not None and isinstance(codec, Affine) and x.dtype == torch.float16 and bool(torch.isfinite(x).all()):
         try:
-            return ops.encode_affine(lib, x, codec.bits, group, codec.axis == "channel",
-                                     codec.codes_part(x.shape[-1]).width)
+            return ops.encode_affine(
+                lib, x, codec.bits, group, codec.axis == "channel", codec.codes_part(x.shape[-1]).width
+            )
         except NotSupported as e:
             backend.fallback(f"cache write of {codec.name}: {e}")
     return codec.encode(x, group, params)  # non-finite input: the reference raises the clear error

@@ -50,9 +50,16 @@ def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
     return j <= i + t_past
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           past: tuple[torch.Tensor, torch.Tensor] | None, k_codec: Codec | None, v_codec: Codec | None,
-           k_center: torch.Tensor | None = None, fast: bool = False) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: tuple[torch.Tensor, torch.Tensor] | None,
+    k_codec: Codec | None,
+    v_codec: Codec | None,
+    k_center: torch.Tensor | None = None,
+    fast: bool = False,
+) -> torch.Tensor:
     """q (B, Hq, T, D) and new k, v (B, Hkv, T, D) -> output (B, Hq, T, D).
 
     ``past`` is the cache's (keys, values), each (B, Hkv, P, D) in the codecs' storage space;
@@ -96,8 +103,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.reshape(b, hq, t, d).to(out_dtype)
 
 
-def attend_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView,
-                 rotary: RotaryTable | None = None) -> torch.Tensor:
+def attend_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView, rotary: RotaryTable | None = None
+) -> torch.Tensor:
     """New tokens' q (B, Hq, T, D) and k (after RoPE), v (B, Hkv, T, D) against one layer of the
     cache (``cache.layer(i)``). ``rotary`` is given when keys are stored before RoPE.
 

@@ -50,22 +50,26 @@ class LlamaConfig:
         return self.num_key_value_heads or self.num_attention_heads
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> "LlamaConfig":
+    def from_dict(cls, d: dict[str, Any], where: str = "config.json") -> LlamaConfig:
         """The config of a ``config.json`` read into `d`; every problem is a UserError that names
         `where` (the file) and the field."""
         if not isinstance(d, dict):
             raise UserError(f"{where} must hold a JSON object of settings, not a {type(d).__name__}")
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UserError(f"{where}: unsupported model_type {shown(model_type)}: minillama runs "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)} models only")
+            raise UserError(
+                f"{where}: unsupported model_type {shown(model_type)}: minillama runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} models only"
+            )
         if model_type == "mistral" and d.get("sliding_window") is not None:
             raise UserError(f"{where}: mistral with sliding_window is not supported: set sliding_window to null")
         missing = [k for k in REQUIRED if d.get(k) is None]
         if missing:
             raise UserError(f"{where} is missing required keys: {', '.join(missing)}")
         if d.get("hidden_act", "silu") != "silu":
-            raise UserError(f"{where}: unsupported hidden_act {shown(d['hidden_act'])}: only silu (SwiGLU) Llamas are supported")
+            raise UserError(
+                f"{where}: unsupported hidden_act {shown(d['hidden_act'])}: only silu (SwiGLU) Llamas are supported"
+            )
         check_fields(d, where)
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
@@ -80,12 +84,14 @@ class LlamaConfig:
         check_rope(kwargs.get("rope_theta", 10000.0), kwargs.get("rope_scaling"), where)
         cfg = cls(**kwargs)
         if cfg.num_attention_heads % cfg.n_kv_heads:
-            raise UserError(f"{where}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
-                            f"num_key_value_heads ({cfg.n_kv_heads})")
+            raise UserError(
+                f"{where}: num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({cfg.n_kv_heads})"
+            )
         return cfg
 
     @classmethod
-    def from_file(cls, path: Path) -> "LlamaConfig":
+    def from_file(cls, path: Path) -> LlamaConfig:
         try:
             return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")), str(path))
         except FileNotFoundError:
@@ -97,8 +103,16 @@ class LlamaConfig:
 
 
 # The types of the fields minillama reads (HF names); anything else in config.json is ignored.
-SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "num_key_value_heads", "head_dim", "max_position_embeddings")
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 TOKEN_IDS = ("bos_token_id", "eos_token_id")
 
@@ -130,8 +144,11 @@ def check_fields(d: dict[str, Any], where: str) -> None:
             raise UserError(f"{where}: {key} must be an object or null, not {shown(d[key])}")
 
 
-ROPE_NEEDS = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+ROPE_NEEDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 def check_rope(theta: Any, scaling: dict | None, where: str) -> None:

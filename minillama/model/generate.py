@@ -38,13 +38,20 @@ class GenerationStats:
         return self.generated_tokens / self.decode_s if self.decode_s else float("nan")
 
     def summary(self) -> str:
-        return (f"prompt {self.prompt_tokens} tokens, {self.prefill_tokens_per_s:.1f} tok/s prefill | "
-                f"generated {self.generated_tokens} tokens, {self.decode_tokens_per_s:.1f} tok/s decode")
+        return (
+            f"prompt {self.prompt_tokens} tokens, {self.prefill_tokens_per_s:.1f} tok/s prefill | "
+            f"generated {self.generated_tokens} tokens, {self.decode_tokens_per_s:.1f} tok/s decode"
+        )
 
 
 @torch.inference_mode()
-def prefill(model: Llama, tokens: list[int] | torch.Tensor, cache: Cache, chunk: int = PREFILL_CHUNK,
-            progress: Callable[[int], None] | None = None) -> torch.Tensor:
+def prefill(
+    model: Llama,
+    tokens: list[int] | torch.Tensor,
+    cache: Cache,
+    chunk: int = PREFILL_CHUNK,
+    progress: Callable[[int], None] | None = None,
+) -> torch.Tensor:
     """Run prompt tokens (a list for one sequence, or (B, T) ids for B) through the model in chunks,
     writing their K/V; each chunk reads the past as the cache stores it. Returns the logits of
     each sequence's last token (B, V), float32. `progress` is told the tokens of each chunk done
@@ -70,10 +77,18 @@ def decode_step(model: Llama, token: int, cache: Cache) -> torch.Tensor:
     return model(ids, cache)[0, -1].float()
 
 
-def generate(model: Llama, prompt: list[int], cache: Cache, max_new_tokens: int, params: SamplingParams,
-             stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
-             prefill_chunk: int = PREFILL_CHUNK, history: list[int] | None = None,
-             logits: torch.Tensor | None = None) -> Iterator[tuple[int, GenerationStats]]:
+def generate(
+    model: Llama,
+    prompt: list[int],
+    cache: Cache,
+    max_new_tokens: int,
+    params: SamplingParams,
+    stop_ids: set[int] = frozenset(),
+    generator: torch.Generator | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
+    history: list[int] | None = None,
+    logits: torch.Tensor | None = None,
+) -> Iterator[tuple[int, GenerationStats]]:
     """Prefill ``prompt`` (the tokens not yet in the cache) and yield sampled tokens with running stats.
 
     Stops after a stop token (which is yielded but not fed back) or max_new_tokens.

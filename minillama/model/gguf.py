@@ -71,7 +71,9 @@ def convert_gguf(gguf_path: Path, out: Path, progress: Callable[[Iterable], Iter
                 w = unpermute(w, n_kv)
             name = f"model.layers.{parts[1]}.{TENSOR_NAMES[kind]}.weight"
         else:
-            name = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}[parts[0]] + ".weight"
+            name = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}[
+                parts[0]
+            ] + ".weight"
         state[name] = torch.from_numpy(w.copy())
     tokens = _field(reader, "tokenizer.ggml.tokens")
     config = {
@@ -98,8 +100,11 @@ def convert_gguf(gguf_path: Path, out: Path, progress: Callable[[Iterable], Iter
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(reader, tokens, tmp)
-    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-           "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", config["eos_token_id"]))}
+    gen = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", config["eos_token_id"])),
+    }
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # the folder appears complete or not at all
@@ -114,7 +119,10 @@ def write_tokenizer(reader, tokens: list[str], folder: Path) -> None:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     specials = [t for t, ty in zip(tokens, types) if ty in SPECIAL_TYPES]

@@ -107,7 +107,9 @@ class DecoderLayer(nn.Module):
             # before it) one compiled call (native/ops.py), the same steps as below
             _, normed = ops.add_rms_norm(lib, x, None, self.input_layernorm.weight, self.input_layernorm.eps)
             h, kv = self.self_attn(normed, cos, sin, cache, layer, rotary, lib)
-            x, normed = ops.add_rms_norm(lib, x, h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+            x, normed = ops.add_rms_norm(
+                lib, x, h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
+            )
             return x + self.mlp(normed, lib), kv
         h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary)
         x = x + h
@@ -134,7 +136,7 @@ class Llama(nn.Module):
         self.rotary: RotaryTable | None = None  # angles of every position, for keys stored before RoPE
         self._native_steps: dict = {}  # (library, batch, dtype) -> NativeStep (model/step.py)
 
-    def fuse_projections(self) -> "Llama":
+    def fuse_projections(self) -> Llama:
         """Concatenate q/k/v and gate/up weights so each group is one matrix product.
 
         The separate projections become views into the fused weights (no extra memory),
@@ -185,10 +187,14 @@ class Llama(nn.Module):
 
         Evaluations keep these instead of logits: 576 floats per token rather than 49k."""
         b, t = tokens.shape
-        positions = cache.query_positions(t, tokens.device) if cache is not None else torch.arange(t, device=tokens.device)
+        positions = (
+            cache.query_positions(t, tokens.device) if cache is not None else torch.arange(t, device=tokens.device)
+        )
         x = self.model.embed_tokens(tokens)  # (B, T, hidden)
         lib = self.step_kernels(x)
-        cos, sin = rope_tables(self.inv_freq, positions, torch.float32 if lib is not None else self.dtype)  # (T, D) each
+        cos, sin = rope_tables(
+            self.inv_freq, positions, torch.float32 if lib is not None else self.dtype
+        )  # (T, D) each
         rotary = None
         if cache is not None and cache.pre_rope:
             if self.rotary is None or self.rotary.inv_freq.device != self.inv_freq.device:

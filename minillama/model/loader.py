@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from minillama.model.config import LlamaConfig
 from minillama.errors import UserError, shown
+from minillama.model.config import LlamaConfig
 from minillama.model.llama import Llama
 from minillama.model.rope import inverse_frequencies
 from minillama.model.tokenizer import Tokenizer, load_tokenizer, read_json
@@ -43,8 +43,11 @@ class LoadedModel:
         the turn ends of the common templates): where generate and chat stop, as llama.cpp does."""
         ids: set[int] = set()
         for source in (self.generation_config.get("eos_token_id"), self.config.eos_token_id):
-            ids |= {i for i in (source if isinstance(source, list) else [source])
-                    if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.config.vocab_size}
+            ids |= {
+                i
+                for i in (source if isinstance(source, list) else [source])
+                if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.config.vocab_size
+            }
         tok = self.tokenizer
         for name in (tok.eos_token, "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
             if name in tok.specials:
@@ -126,7 +129,9 @@ def check_state_dict(model: Llama, state: dict[str, torch.Tensor]) -> None:
         raise UserError(f"checkpoint has unexpected tensor {unexpected[0]!r} (and {len(unexpected) - 1} more)")
     for key, shape in expected.items():
         if tuple(state[key].shape) != shape:
-            raise UserError(f"shape mismatch for {key}: checkpoint has {tuple(state[key].shape)}, config expects {shape}")
+            raise UserError(
+                f"shape mismatch for {key}: checkpoint has {tuple(state[key].shape)}, config expects {shape}"
+            )
 
 
 def check_device(name: str) -> torch.device:

@@ -42,15 +42,22 @@ def model_identity(lm: LoadedModel) -> dict:
     return {"name": lm.name, "config": config, "fingerprint": h.hexdigest()[:32], "dtype": str(lm.model.dtype)}
 
 
-def save_prompt_cache(lm: LoadedModel, cache: KVCache, tokens: list[int], path: str | Path,
-                      logits: torch.Tensor | None = None, extra: dict | None = None) -> int:
+def save_prompt_cache(
+    lm: LoadedModel,
+    cache: KVCache,
+    tokens: list[int],
+    path: str | Path,
+    logits: torch.Tensor | None = None,
+    extra: dict | None = None,
+) -> int:
     """Write the cache (fed `tokens`; `logits` of the last one) atomically; returns the file's bytes.
     Only a missing file or a minillama cache file is replaced (kv/file.py: check_replaceable)."""
     return save(cache, path, tokens, model_identity(lm), logits, extra)
 
 
-def encode_prompt_cache(lm: LoadedModel, cache: KVCache, tokens: list[int], logits: torch.Tensor | None = None,
-                        extra: dict | None = None) -> bytes:
+def encode_prompt_cache(
+    lm: LoadedModel, cache: KVCache, tokens: list[int], logits: torch.Tensor | None = None, extra: dict | None = None
+) -> bytes:
     """The file's bytes, to be written later with kv/file.py's ``write_atomic`` (generate encodes
     the prompt's cache after the prefill and writes it only when the run completes)."""
     return encode(cache, tokens, model_identity(lm), logits, extra)
@@ -65,8 +72,13 @@ class PromptCache:
     file_bytes: int
 
 
-def load_prompt_cache(lm: LoadedModel, path: str | Path | SavedCache, kv: str | None = None,
-                      capacity: int | None = None, on_full: str = "evict") -> PromptCache:
+def load_prompt_cache(
+    lm: LoadedModel,
+    path: str | Path | SavedCache,
+    kv: str | None = None,
+    capacity: int | None = None,
+    on_full: str = "evict",
+) -> PromptCache:
     """The saved cache, checked whole (kv/file.py: read) and against this model and (when given)
     the ``--kv`` spec asked for; CacheFileError with the reason when it cannot be used. `path` may
     be a file already read."""
@@ -119,14 +131,23 @@ class Resumed:
     note: str | None
 
 
-def resume(lm: LoadedModel, path: str | Path | None, spec: KVSpec, prompt: list[int], capacity: int | None = None,
-           on_full: str = "evict") -> Resumed:
+def resume(
+    lm: LoadedModel,
+    path: str | Path | None,
+    spec: KVSpec,
+    prompt: list[int],
+    capacity: int | None = None,
+    on_full: str = "evict",
+) -> Resumed:
     """Start a run over `prompt` from the prompt cache at `path` (None: no file) when it was made by
     this model with this spec -- the longest common prefix is kept -- and from an empty cache
     otherwise, with a note saying why the file was not used (damaged, another model, dtype or spec).
     The file itself is never written here."""
+
     def fresh(note: str | None) -> Resumed:
-        return Resumed(KVCache.for_model(lm.config, spec, capacity, device=lm.model.device, on_full=on_full), 0, None, note)
+        return Resumed(
+            KVCache.for_model(lm.config, spec, capacity, device=lm.model.device, on_full=on_full), 0, None, note
+        )
 
     if path is None or not Path(path).exists():
         return fresh(None)

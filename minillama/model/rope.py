@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from minillama.model.config import LlamaConfig
 from minillama.errors import UserError
+from minillama.model.config import LlamaConfig
 
 
 def inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
@@ -40,7 +40,9 @@ def inverse_frequencies(cfg: LlamaConfig) -> torch.Tensor:
     raise UserError(f"unsupported rope_scaling type {kind!r}: minillama supports linear and llama3")
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for the given absolute positions, each (T, head_dim), computed in float32."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, d/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, d)
@@ -73,7 +75,9 @@ class RotaryTable:
         """(cos, sin), each (n', D) with n' >= n rows."""
         if n > self.cos.shape[0]:
             size = max(n, 2 * self.cos.shape[0], 1024)
-            self.cos, self.sin = rope_tables(self.inv_freq, torch.arange(size, device=self.inv_freq.device), torch.float32)
+            self.cos, self.sin = rope_tables(
+                self.inv_freq, torch.arange(size, device=self.inv_freq.device), torch.float32
+            )
             d = self.cos.shape[1] // 2
             self.half = (self.cos[:, :d].contiguous(), self.sin[:, :d].contiguous())
         return self.cos, self.sin

@@ -23,7 +23,12 @@ class SamplingParams:
 
     def __post_init__(self):
         # Refused here rather than met as "probability tensor contains inf, nan" mid-generation.
-        for name, low, high in (("temperature", 0, None), ("top_p", 0, 1), ("min_p", 0, 1), ("repeat_penalty", 0.01, None)):
+        for name, low, high in (
+            ("temperature", 0, None),
+            ("top_p", 0, 1),
+            ("min_p", 0, 1),
+            ("repeat_penalty", 0.01, None),
+        ):
             value = finite(getattr(self, name), name)
             if value < low or (high is not None and value > high):
                 raise UserError(f"{name} must be in [{low}, {high if high is not None else 'inf'}), not {value}")
@@ -57,8 +62,9 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None,
-           previous: list[int] | None = None) -> int:
+def sample(
+    logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None, previous: list[int] | None = None
+) -> int:
     """One token id from logits (V,)."""
     logits = apply_repeat_penalty(logits.float(), previous or [], p.repeat_penalty)
     if p.temperature <= 0:

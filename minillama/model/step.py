@@ -35,20 +35,39 @@ class NativeStep:
         n = cfg.num_hidden_layers
         self.new_k = torch.empty(n, batch, self.hkv, 1, self.d, dtype=self.dtype)  # (L, B, Hkv, 1, D)
         self.new_v = torch.empty_like(self.new_k)
-        size = lib.step_scratch_bytes(batch, cfg.hidden_size, self.hq, self.hkv, self.d, cfg.intermediate_size,
-                                      DTYPE_CODE[self.dtype])
+        size = lib.step_scratch_bytes(
+            batch, cfg.hidden_size, self.hq, self.hkv, self.d, cfg.intermediate_size, DTYPE_CODE[self.dtype]
+        )
         self.scratch = torch.empty(size, dtype=torch.uint8)
         self.steps = []
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (w_qkv, b_qkv), (w_gu, b_gu) = attn.qkv, mlp.gate_up
-            self.steps.append(LayerStep(
-                B=batch, hidden=cfg.hidden_size, Hq=self.hq, Hkv=self.hkv, D=self.d, I=cfg.intermediate_size,
-                dtype=DTYPE_CODE[self.dtype], eps=layer.input_layernorm.eps, w_in=_ptr(layer.input_layernorm.weight),
-                w_post=_ptr(layer.post_attention_layernorm.weight), w_qkv=_ptr(w_qkv), b_qkv=_ptr(b_qkv),
-                w_o=_ptr(attn.o_proj.weight), b_o=_ptr(attn.o_proj.bias), w_gu=_ptr(w_gu), b_gu=_ptr(b_gu),
-                w_down=_ptr(mlp.down_proj.weight), b_down=_ptr(mlp.down_proj.bias), k_new=_ptr(self.new_k[i]),
-                v_new=_ptr(self.new_v[i]), scratch=_ptr(self.scratch)))
+            self.steps.append(
+                LayerStep(
+                    B=batch,
+                    hidden=cfg.hidden_size,
+                    Hq=self.hq,
+                    Hkv=self.hkv,
+                    D=self.d,
+                    I=cfg.intermediate_size,
+                    dtype=DTYPE_CODE[self.dtype],
+                    eps=layer.input_layernorm.eps,
+                    w_in=_ptr(layer.input_layernorm.weight),
+                    w_post=_ptr(layer.post_attention_layernorm.weight),
+                    w_qkv=_ptr(w_qkv),
+                    b_qkv=_ptr(b_qkv),
+                    w_o=_ptr(attn.o_proj.weight),
+                    b_o=_ptr(attn.o_proj.bias),
+                    w_gu=_ptr(w_gu),
+                    b_gu=_ptr(b_gu),
+                    w_down=_ptr(mlp.down_proj.weight),
+                    b_down=_ptr(mlp.down_proj.bias),
+                    k_new=_ptr(self.new_k[i]),
+                    v_new=_ptr(self.new_v[i]),
+                    scratch=_ptr(self.scratch),
+                )
+            )
 
     def time_phases(self, timing: torch.Tensor | None) -> None:
         """Profiling: every layer call adds the wall seconds of its projections, attention and the
@@ -58,8 +77,9 @@ class NativeStep:
         for step in self.steps:
             step.timing = ptr
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None, rotary=None
-            ) -> torch.Tensor:
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None, rotary=None
+    ) -> torch.Tensor:
         """x (B, 1, hidden) after the embedding -> the last layer's output (B, 1, hidden); the cache
         gets every layer's new keys and values. NotSupported before anything runs when a layer's
         cache has a part no kernel reads."""
@@ -67,8 +87,10 @@ class NativeStep:
         pre = cache is not None and cache.pre_rope
         views = [cache.layer(i) for i in range(len(self.steps))] if cache is not None else [None] * len(self.steps)
         rope = rotary.halves if pre else None
-        plans = [layer_plan(self.lib, view, self.hq // self.hkv, self.d, rope, keep) if view is not None
-                 else LayerPlan() for view in views]  # every plan before any layer runs: all or nothing
+        plans = [
+            layer_plan(self.lib, view, self.hq // self.hkv, self.d, rope, keep) if view is not None else LayerPlan()
+            for view in views
+        ]  # every plan before any layer runs: all or nothing
         x = x.contiguous().clone()  # (B, 1, hidden), updated in place layer by layer
         cos, sin = cos.float().contiguous(), sin.float().contiguous()  # (1, D) each
         for step, plan in zip(self.steps, plans):

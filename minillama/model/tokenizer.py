@@ -126,7 +126,9 @@ def load_tokenizer(folder: Path) -> Tokenizer:
     bos, eos = _content(cfg.get("bos_token")), _content(cfg.get("eos_token"))
     for name, value in (("bos_token", bos), ("eos_token", eos)):
         if value is not None and not isinstance(value, str):
-            raise UserError(f"{cfg_path}: {name} must be a string or an object with a content string, not {shown(value)}")
+            raise UserError(
+                f"{cfg_path}: {name} must be a string or an object with a content string, not {shown(value)}"
+            )
     template = _template(cfg, cfg_path)
     if (folder / "chat_template.jinja").exists():
         template = (folder / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")

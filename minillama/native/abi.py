@@ -46,11 +46,27 @@ FEATURES = {1: "avx2", 2: "bmi2", 4: "avx512", 8: "avx512_bf16", 16: "avx512_vnn
 
 
 class RowSource(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int), ("bits", ctypes.c_int), ("group", ctypes.c_int), ("data", ctypes.c_void_p),
-                ("slots", ctypes.c_int), ("start", ctypes.c_int), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
-                ("sslots", ctypes.c_int), ("sstart", ctypes.c_int), ("codebook", ctypes.c_void_p), ("lo", ctypes.c_void_p),
-                ("span", ctypes.c_void_p), ("levels", ctypes.c_void_p), ("nlevels", ctypes.c_int),
-                ("center", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("pos0", ctypes.c_int)]
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("bits", ctypes.c_int),
+        ("group", ctypes.c_int),
+        ("data", ctypes.c_void_p),
+        ("slots", ctypes.c_int),
+        ("start", ctypes.c_int),
+        ("scale", ctypes.c_void_p),
+        ("zero", ctypes.c_void_p),
+        ("sslots", ctypes.c_int),
+        ("sstart", ctypes.c_int),
+        ("codebook", ctypes.c_void_p),
+        ("lo", ctypes.c_void_p),
+        ("span", ctypes.c_void_p),
+        ("levels", ctypes.c_void_p),
+        ("nlevels", ctypes.c_int),
+        ("center", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("pos0", ctypes.c_int),
+    ]
 
 
 class Part(ctypes.Structure):
@@ -58,21 +74,61 @@ class Part(ctypes.Structure):
 
 
 class LayerPlan(ctypes.Structure):
-    _fields_ = [("B", ctypes.c_int), ("H", ctypes.c_int), ("R", ctypes.c_int), ("D", ctypes.c_int),
-                ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("dtype", ctypes.c_int),
-                ("rotate_k", ctypes.c_int), ("rotate_v", ctypes.c_int), ("k_center", ctypes.c_void_p),
-                ("nk", ctypes.c_int), ("nv", ctypes.c_int), ("kparts", Part * 3), ("vparts", Part * 3),
-                ("out", ctypes.c_void_p)]
+    _fields_ = [
+        ("B", ctypes.c_int),
+        ("H", ctypes.c_int),
+        ("R", ctypes.c_int),
+        ("D", ctypes.c_int),
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+        ("rotate_k", ctypes.c_int),
+        ("rotate_v", ctypes.c_int),
+        ("k_center", ctypes.c_void_p),
+        ("nk", ctypes.c_int),
+        ("nv", ctypes.c_int),
+        ("kparts", Part * 3),
+        ("vparts", Part * 3),
+        ("out", ctypes.c_void_p),
+    ]
 
 
 class LayerStep(ctypes.Structure):
-    _fields_ = [("B", ctypes.c_int), ("hidden", ctypes.c_int), ("Hq", ctypes.c_int), ("Hkv", ctypes.c_int),
-                ("D", ctypes.c_int), ("I", ctypes.c_int), ("dtype", ctypes.c_int), ("eps", ctypes.c_float),
-                *[(name, ctypes.c_void_p) for name in ("w_in", "w_post", "w_qkv", "b_qkv", "w_o", "b_o", "w_gu", "b_gu",
-                                                        "w_down", "b_down", "cos", "sin")],
-                ("pre_rope", ctypes.c_int), ("x", ctypes.c_void_p), ("k_new", ctypes.c_void_p),
-                ("v_new", ctypes.c_void_p), ("attn", ctypes.POINTER(LayerPlan)), ("scratch", ctypes.c_void_p),
-                ("timing", ctypes.POINTER(ctypes.c_double))]
+    _fields_ = [
+        ("B", ctypes.c_int),
+        ("hidden", ctypes.c_int),
+        ("Hq", ctypes.c_int),
+        ("Hkv", ctypes.c_int),
+        ("D", ctypes.c_int),
+        ("I", ctypes.c_int),
+        ("dtype", ctypes.c_int),
+        ("eps", ctypes.c_float),
+        *[
+            (name, ctypes.c_void_p)
+            for name in (
+                "w_in",
+                "w_post",
+                "w_qkv",
+                "b_qkv",
+                "w_o",
+                "b_o",
+                "w_gu",
+                "b_gu",
+                "w_down",
+                "b_down",
+                "cos",
+                "sin",
+            )
+        ],
+        ("pre_rope", ctypes.c_int),
+        ("x", ctypes.c_void_p),
+        ("k_new", ctypes.c_void_p),
+        ("v_new", ctypes.c_void_p),
+        ("attn", ctypes.POINTER(LayerPlan)),
+        ("scratch", ctypes.c_void_p),
+        ("timing", ctypes.POINTER(ctypes.c_double)),
+    ]
 
 
 STRUCTS = [RowSource, Part, LayerPlan, LayerStep]  # minillama_abi_size(i) is the size of STRUCTS[i]

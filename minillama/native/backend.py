@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import os
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 

@@ -30,8 +30,17 @@ SOURCES = sorted(HERE.glob("*.cpp"))
 HEADERS = sorted(HERE.glob("*.h"))  # included by the sources: part of the build's identity
 # Reassociation lets GCC vectorize the float reductions; unlike -ffast-math it does not link
 # crtfastmath, which would flush denormals to zero for the whole Python process.
-COMMON = ["-O3", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fno-math-errno", "-fopenmp",
-          "-shared", "-fPIC", "-std=c++17"]
+COMMON = [
+    "-O3",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fno-math-errno",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 TARGETS = {
     # full-width AVX-512 where the CPU has it (GCC defaults to 256-bit vectors)
@@ -40,8 +49,26 @@ TARGETS = {
     "portable": ["-march=x86-64"] if X86 else [],
 }
 # The instruction-set extensions that decide which code a -march=native build contains.
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-             "avx512_bf16", "avx512_vnni", "avx512vbmi", "avx512_vbmi2", "avx_vnni", "amx_bf16", "asimd", "sve")
+ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "bmi2",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx512vbmi",
+    "avx512_vbmi2",
+    "avx_vnni",
+    "amx_bf16",
+    "asimd",
+    "sve",
+)
 
 
 def cache_dir() -> Path:
@@ -75,7 +102,7 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build(target: str = "native") -> tuple[ctypes.CDLL | None, str]:
     """The kernels compiled for `target` (reused from the cache when built before): (library, "")
     or (None, why not)."""

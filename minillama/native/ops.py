@@ -33,13 +33,18 @@ def gemm_rows(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise NotSupported("gemm_rows: weights must be contiguous")
     x = x.contiguous() if x.dtype in (torch.float32, torch.bfloat16) else x.float().contiguous()
     y = torch.empty(x.shape[0], weight.shape[0])  # (M, N)
-    check(lib.gemm_rows(_p(x), DTYPE_CODE[x.dtype], _p(weight), code, x.shape[0], weight.shape[0], weight.shape[1],
-                        _p(y)), "gemm_rows")
+    check(
+        lib.gemm_rows(
+            _p(x), DTYPE_CODE[x.dtype], _p(weight), code, x.shape[0], weight.shape[0], weight.shape[1], _p(y)
+        ),
+        "gemm_rows",
+    )
     return y
 
 
-def add_rms_norm(lib, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    lib, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, RMSNorm(s) * weight) with s = x + h (or x when h is None); x, h (..., N) float32 or bfloat16,
     rounded where model/llama.py's RMSNorm and residual add round."""
     code = _code(x, "add_rms_norm")
@@ -47,8 +52,20 @@ def add_rms_norm(lib, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Ten
     n = x.shape[-1]
     s = torch.empty_like(x) if h is not None else x
     out = torch.empty_like(x)
-    check(lib.add_rms_norm(_p(x), _p(h.contiguous() if h is not None else None), _p(weight), code, x.numel() // n, n,
-                           eps, _p(s), _p(out)), "add_rms_norm")
+    check(
+        lib.add_rms_norm(
+            _p(x),
+            _p(h.contiguous() if h is not None else None),
+            _p(weight),
+            code,
+            x.numel() // n,
+            n,
+            eps,
+            _p(s),
+            _p(out),
+        ),
+        "add_rms_norm",
+    )
     return s, out
 
 
@@ -58,8 +75,10 @@ def rope_(lib, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     b, h, _, d = x.shape
     if x.stride(-1) != 1 or x.stride(1) != d:
         raise NotSupported("rope_: heads must be contiguous rows of D")
-    check(lib.rope_rows(_p(x), _code(x, "rope_"), b, h, d, x.stride(0), _p(cos.contiguous()), _p(sin.contiguous())),
-          "rope_")
+    check(
+        lib.rope_rows(_p(x), _code(x, "rope_"), b, h, d, x.stride(0), _p(cos.contiguous()), _p(sin.contiguous())),
+        "rope_",
+    )
     return x
 
 
@@ -86,8 +105,9 @@ def prepare_rows(lib, x: torch.Tensor, rotate: bool, center: torch.Tensor | None
     return out
 
 
-def encode_affine(lib, x: torch.Tensor, bits: int, group: int, per_channel: bool, packed_width: int
-                  ) -> dict[str, torch.Tensor]:
+def encode_affine(
+    lib, x: torch.Tensor, bits: int, group: int, per_channel: bool, packed_width: int
+) -> dict[str, torch.Tensor]:
     """x (B, H, T, D) float16 -> codes (B, H, T, packed_width) uint8, scale and zero float16:
     kv/quantize.py's quantize_affine then kv/packing.py's pack, byte for byte."""
     if x.dtype != torch.float16:
@@ -97,8 +117,10 @@ def encode_affine(lib, x: torch.Tensor, bits: int, group: int, per_channel: bool
     codes = torch.empty(b, h, t, packed_width, dtype=torch.uint8)
     rows = (t // group, d) if per_channel else (t, d // group)
     scale, zero = torch.empty(b, h, *rows, dtype=torch.float16), torch.empty(b, h, *rows, dtype=torch.float16)
-    check(lib.encode_affine(_p(x), b * h, t, d, bits, group, int(per_channel), _p(codes), _p(scale), _p(zero)),
-          "encode_affine")
+    check(
+        lib.encode_affine(_p(x), b * h, t, d, bits, group, int(per_channel), _p(codes), _p(scale), _p(zero)),
+        "encode_affine",
+    )
     return {"codes": codes, "scale": scale, "zero": zero}
 
 
@@ -113,14 +135,29 @@ def attend_layer(lib, plan: LayerPlan) -> None:
     check(lib.attend_layer(ctypes.byref(plan)), "attend_layer")
 
 
-def attend_part(lib, values: bool, route: int, x: torch.Tensor, column: int, src: RowSource, r: int, d: int, n: int,
-                ld: int, out: torch.Tensor) -> None:
+def attend_part(
+    lib,
+    values: bool,
+    route: int,
+    x: torch.Tensor,
+    column: int,
+    src: RowSource,
+    r: int,
+    d: int,
+    n: int,
+    ld: int,
+    out: torch.Tensor,
+) -> None:
     """One part through its kernel alone (tests, bench/attention_micro.py): see minillama.h."""
     b, h = x.shape[:2]
     x_ptr = x.data_ptr() + (4 * column if values else 0)
     out_ptr = out.data_ptr() + (0 if values else 4 * column)
-    check(lib.attend_part(int(values), route, ctypes.c_void_p(x_ptr), ctypes.byref(src), b, h, r, d, n, ld,
-                          ctypes.c_void_p(out_ptr)), "attend_part")
+    check(
+        lib.attend_part(
+            int(values), route, ctypes.c_void_p(x_ptr), ctypes.byref(src), b, h, r, d, n, ld, ctypes.c_void_p(out_ptr)
+        ),
+        "attend_part",
+    )
 
 
 def decode_layer(lib, step: LayerStep) -> None:

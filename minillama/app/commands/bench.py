@@ -11,16 +11,30 @@ from minillama.errors import UserError
 @click.command()
 @model_options()
 @click.option("--kv", "kvs", multiple=True, help="KV scheme (repeatable). Default: fp16, kivi4, hadv2.")
-@click.option("--context", "contexts", multiple=True, type=click.IntRange(1), help="Context length (repeatable). Default: 512, 8192.")
-@click.option("--decode-tokens", default=32, show_default=True, type=click.IntRange(1), help="Timed decode steps per row.")
+@click.option(
+    "--context",
+    "contexts",
+    multiple=True,
+    type=click.IntRange(1),
+    help="Context length (repeatable). Default: 512, 8192.",
+)
+@click.option(
+    "--decode-tokens", default=32, show_default=True, type=click.IntRange(1), help="Timed decode steps per row."
+)
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
-@click.option("--fill", type=click.Choice(["prefill", "synthetic"]), default="prefill", show_default=True,
-              help="Fill the cache by a real prefill, or with synthetic K/V written straight in.")
+@click.option(
+    "--fill",
+    type=click.Choice(["prefill", "synthetic"]),
+    default="prefill",
+    show_default=True,
+    help="Fill the cache by a real prefill, or with synthetic K/V written straight in.",
+)
 @text_options(default_dataset="hamlet")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of the table.")
 @click.option("--plot", "plot_path", default=None, help="Write decode ms/token vs context as a PNG (needs matplotlib).")
-def bench(model_name, device, backend, kvs, contexts, decode_tokens, dtype, fill, text_file, dataset, as_json,
-          plot_path):
+def bench(
+    model_name, device, backend, kvs, contexts, decode_tokens, dtype, fill, text_file, dataset, as_json, plot_path
+):
     """Decode speed per KV scheme and context, with bytes read and roofline share.
 
     \b
@@ -44,8 +58,10 @@ def bench(model_name, device, backend, kvs, contexts, decode_tokens, dtype, fill
     if fill == "prefill":
         ids = lm.tokenizer.encode(read_text(text_file, dataset))
         if len(ids) < max(contexts):
-            raise UserError(f"the text has {len(ids)} tokens, fewer than --context {max(contexts)}: "
-                            "use a longer --text or --fill synthetic")
+            raise UserError(
+                f"the text has {len(ids)} tokens, fewer than --context {max(contexts)}: "
+                "use a longer --text or --fill synthetic"
+            )
     else:  # synthetic K/V need no text: decoding starts from one real token of the vocabulary
         ids = lm.tokenizer.encode("The")
     bandwidth = measure_bandwidth()

@@ -6,12 +6,18 @@ import click
 
 from minillama.app.options import DEFAULT_DTYPE, DTYPES, SEED, Finite, load, model_options
 
+
 @click.command()
 @model_options()
 @click.option("--kv", default="fp16", show_default=True, help="KV cache scheme (see `minillama kv --list`).")
 @click.option("--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max).")
-@click.option("--on-full", type=click.Choice(["evict", "stop"]), default="evict", show_default=True,
-              help="When the cache is full: evict the oldest tokens, or stop with a clear message.")
+@click.option(
+    "--on-full",
+    type=click.Choice(["evict", "stop"]),
+    default="evict",
+    show_default=True,
+    help="When the cache is full: evict the oldest tokens, or stop with a clear message.",
+)
 @click.option("--system", default=None, help="System prompt.")
 @click.option("--temperature", type=Finite(0), default=None, help="Default: generation_config, else 0.7.")
 @click.option("--top-k", type=click.IntRange(0), default=None, help="Default: generation_config, else 0 (off).")
@@ -21,11 +27,30 @@ from minillama.app.options import DEFAULT_DTYPE, DTYPES, SEED, Finite, load, mod
 @click.option("--seed", default=0, show_default=True, type=SEED)
 @click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(1), help="Longest reply.")
 @click.option("--dtype", default=DEFAULT_DTYPE, show_default=True, type=DTYPES)
-@click.option("--prompt-cache", default=None,
-              help="Resume the session saved in this file (conversation and cache, no prefill when model and --kv "
-                   "match) and save it there after every reply.")
-def chat(model_name, device, backend, kv, ctx, on_full, system, temperature, top_k, top_p, min_p, repeat_penalty, seed,
-         max_tokens, dtype, prompt_cache):
+@click.option(
+    "--prompt-cache",
+    default=None,
+    help="Resume the session saved in this file (conversation and cache, no prefill when model and --kv "
+    "match) and save it there after every reply.",
+)
+def chat(
+    model_name,
+    device,
+    backend,
+    kv,
+    ctx,
+    on_full,
+    system,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    repeat_penalty,
+    seed,
+    max_tokens,
+    dtype,
+    prompt_cache,
+):
     """Chat with a model; the KV cache is kept across turns and shown by /stats.
 
     \b
@@ -45,8 +70,16 @@ def chat(model_name, device, backend, kv, ctx, on_full, system, temperature, top
     if prompt_cache:
         check_save_target(prompt_cache)  # before the model loads: a file that is not ours is never touched
     lm = load(model_name, dtype, device, backend)
-    overrides = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "repeat_penalty": repeat_penalty}
-    params = sampling_from_generation_config(lm.generation_config, overrides, where=str(lm.path / "generation_config.json"))
+    overrides = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "repeat_penalty": repeat_penalty,
+    }
+    params = sampling_from_generation_config(
+        lm.generation_config, overrides, where=str(lm.path / "generation_config.json")
+    )
     session = ChatSession(lm, spec, ctx, system, params, seed, max_tokens, on_full)
     if prompt_cache:
         from pathlib import Path

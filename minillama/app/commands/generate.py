@@ -33,18 +33,44 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 @click.option("--dtype", default=DEFAULT_DTYPE, show_default=True, type=DTYPES)
 @click.option("--kv", "kv", default="fp16", show_default=True, help="KV cache spec (see `minillama kv --list`).")
 @click.option("--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max).")
-@click.option("--on-full", type=click.Choice(["stop", "evict"]), default="stop", show_default=True,
-              help="A prompt or reply longer than --ctx: stop (a prompt that does not fit is refused), or evict "
-                   "the oldest tokens and go on.")
+@click.option(
+    "--on-full",
+    type=click.Choice(["stop", "evict"]),
+    default="stop",
+    show_default=True,
+    help="A prompt or reply longer than --ctx: stop (a prompt that does not fit is refused), or evict "
+    "the oldest tokens and go on.",
+)
 @click.option("--ignore-eos", is_flag=True, help="Go on past the model's end-of-sequence tokens (as llama.cpp's).")
-@click.option("--prompt-cache", default=None,
-              help="A cache file: reuse its longest common prefix with the prompt when it matches the model and "
-                   "--kv, and write the prompt's cache to it when the run completes. Only a missing file or a "
-                   "minillama cache file is ever replaced.")
+@click.option(
+    "--prompt-cache",
+    default=None,
+    help="A cache file: reuse its longest common prefix with the prompt when it matches the model and "
+    "--kv, and write the prompt's cache to it when the run completes. Only a missing file or a "
+    "minillama cache file is ever replaced.",
+)
 @click.option("--prompt-cache-ro", is_flag=True, help="Use the --prompt-cache file but never write it.")
 @click.option("--raw-special", is_flag=True, help="Parse special-token strings in PROMPT as control tokens.")
-def generate(prompt, prompt_file, model_name, device, backend, max_tokens, temperature, top_k, top_p, seed, dtype, kv,
-             ctx, on_full, ignore_eos, prompt_cache, prompt_cache_ro, raw_special):
+def generate(
+    prompt,
+    prompt_file,
+    model_name,
+    device,
+    backend,
+    max_tokens,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    dtype,
+    kv,
+    ctx,
+    on_full,
+    ignore_eos,
+    prompt_cache,
+    prompt_cache_ro,
+    raw_special,
+):
     """Raw completion of PROMPT, streamed to stdout; stats on stderr. Stops at the model's
     end-of-sequence token (--ignore-eos goes on) or after --max-tokens.
 
@@ -54,9 +80,9 @@ def generate(prompt, prompt_file, model_name, device, backend, max_tokens, tempe
       minillama generate "Once upon a time" --temperature 0.8 --top-p 0.9 --kv hadv2
       minillama generate --prompt-file doc.txt --kv hadv2 --prompt-cache doc.kv   # the second run reuses doc.kv
     """
+    from minillama.kv.cache import ContextFullError
     from minillama.kv.file import check_replaceable, write_atomic
     from minillama.kv.spec import parse_kv
-    from minillama.kv.cache import ContextFullError
     from minillama.model.generate import generate as run
     from minillama.model.generate import prefill
     from minillama.model.prompt_cache import encode_prompt_cache, resume
@@ -79,10 +105,15 @@ def generate(prompt, prompt_file, model_name, device, backend, max_tokens, tempe
     capacity = ctx or lm.config.max_position_embeddings
     if len(ids) > capacity:
         if on_full == "stop":
-            raise UserError(f"the prompt is {len(ids):,} tokens, more than the cache holds (--ctx {capacity:,}): "
-                            "raise --ctx, shorten the prompt, or pass --on-full evict to drop its start")
-        click.echo(f"warning: the prompt is {len(ids):,} tokens and the cache holds {capacity:,}: its first "
-                   f"{len(ids) - capacity:,} or more are evicted (--on-full evict)", err=True)
+            raise UserError(
+                f"the prompt is {len(ids):,} tokens, more than the cache holds (--ctx {capacity:,}): "
+                "raise --ctx, shorten the prompt, or pass --on-full evict to drop its start"
+            )
+        click.echo(
+            f"warning: the prompt is {len(ids):,} tokens and the cache holds {capacity:,}: its first "
+            f"{len(ids) - capacity:,} or more are evicted (--on-full evict)",
+            err=True,
+        )
     start = resume(lm, prompt_cache, spec, ids, capacity, on_full)
     if start.note and not start.reused:  # why the file was not used, before the long prefill
         then = "" if prompt_cache_ro else "; this run's cache replaces it when the run completes"
@@ -93,13 +124,26 @@ def generate(prompt, prompt_file, model_name, device, backend, max_tokens, tempe
         logits = prefill(lm.model, ids[reused:], cache)[0]  # (V,)
     prefill_s = time.perf_counter() - t0
     # The prompt's cache, kept in memory and written (atomically) only once the run completes.
-    pending = encode_prompt_cache(lm, cache, ids, logits) if prompt_cache and not prompt_cache_ro and reused < len(ids) else None
+    pending = (
+        encode_prompt_cache(lm, cache, ids, logits)
+        if prompt_cache and not prompt_cache_ro and reused < len(ids)
+        else None
+    )
     stops = set() if ignore_eos else lm.stop_ids()
     stream = StreamDecoder(tok)
     stats, ended = None, ""
     try:
-        for token, stats in run(lm.model, [], cache, max_tokens, SamplingParams(temperature, top_k, top_p), stops,
-                                torch.Generator(device).manual_seed(seed), history=ids, logits=logits):
+        for token, stats in run(  # noqa: B007 (the last stats are reported after the loop)
+            lm.model,
+            [],
+            cache,
+            max_tokens,
+            SamplingParams(temperature, top_k, top_p),
+            stops,
+            torch.Generator(device).manual_seed(seed),
+            history=ids,
+            logits=logits,
+        ):
             if token in stops:
                 ended = " (end of sequence)"
                 break
@@ -110,7 +154,14 @@ def generate(prompt, prompt_file, model_name, device, backend, max_tokens, tempe
     if pending:
         write_atomic(prompt_cache, pending)
     new = len(ids) - reused
-    speed = f"prefilled {new} at {new / prefill_s:.1f} tok/s" if new and prefill_s else "nothing to prefill (all from the cache)"
+    speed = (
+        f"prefilled {new} at {new / prefill_s:.1f} tok/s"
+        if new and prefill_s
+        else "nothing to prefill (all from the cache)"
+    )
     generated = stats.generated_tokens if stats else 0
-    click.echo((start.note + " | " if start.note and reused else "") + f"prompt {len(ids)} tokens, {speed} | generated "
-               f"{generated} tokens{ended}, {stats.decode_tokens_per_s if stats else float('nan'):.1f} tok/s decode", err=True)
+    click.echo(
+        (start.note + " | " if start.note and reused else "") + f"prompt {len(ids)} tokens, {speed} | generated "
+        f"{generated} tokens{ended}, {stats.decode_tokens_per_s if stats else float('nan'):.1f} tok/s decode",
+        err=True,
+    )

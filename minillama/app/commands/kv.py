@@ -18,12 +18,15 @@ def describe_codecs() -> str:
     lines += ["", f"Codecs (--kv {GRAMMAR}); bits/element (G = group, T = tokens held):"]
     for c in CODECS.values():
         lines.append(f"  {c.name:<7} {c.bits_formula():<58} {c.about}")
-    lines += ["", "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0; center 0; rope post;",
-              "positions absolute; start 0.",
-              "center=1 stores keys minus a per-sequence channel mean (softmax ignores the shift; codes get finer).",
-              "rope=pre stores keys before RoPE and rotates them when read; positions=cache numbers held tokens by slot.",
-              "start=N keeps every token exact until N are held.",
-              "Residual and sink tokens are stored in fp16 (unquantized codecs: in their own dtype)."]
+    lines += [
+        "",
+        "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0; center 0; rope post;",
+        "positions absolute; start 0.",
+        "center=1 stores keys minus a per-sequence channel mean (softmax ignores the shift; codes get finer).",
+        "rope=pre stores keys before RoPE and rotates them when read; positions=cache numbers held tokens by slot.",
+        "start=N keeps every token exact until N are held.",
+        "Residual and sink tokens are stored in fp16 (unquantized codecs: in their own dtype).",
+    ]
     return "\n".join(lines)
 
 

@@ -25,7 +25,9 @@ def numbers(kind):
 @click.option("--kv", "kvs", multiple=True, help="KV scheme (repeatable). Default: fp16, kivi4, hadv2.")
 @click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Prompt lengths in tokens.")
 @click.option("--depths", default="0.1,0.5,0.9", show_default=True, help="Needle depths, 0 (start) to 1 (end).")
-@click.option("--trials", default=1, show_default=True, type=click.IntRange(1), help="Random keys per cell (one batch).")
+@click.option(
+    "--trials", default=1, show_default=True, type=click.IntRange(1), help="Random keys per cell (one batch)."
+)
 @click.option("--task", type=click.Choice(["passkey", "multikey"]), default="passkey", show_default=True)
 @click.option("--haystack", "haystack_file", default=None, help="A UTF-8 text whose sentences replace the filler.")
 @click.option("--ctx", default=None, type=click.IntRange(2), help="Cache capacity; below a length the ring evicts.")
@@ -33,7 +35,9 @@ def numbers(kind):
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of the table.")
 @click.option("--plot", "plot_path", default=None, help="Write the depth x length heatmap as a PNG.")
-def needle(model_name, device, backend, kvs, lengths, depths, trials, task, haystack_file, ctx, seed, dtype, as_json, plot_path):
+def needle(
+    model_name, device, backend, kvs, lengths, depths, trials, task, haystack_file, ctx, seed, dtype, as_json, plot_path
+):
     """Needle-in-a-haystack retrieval through each KV cache: accuracy per length and depth.
 
     \b
@@ -59,21 +63,32 @@ def needle(model_name, device, backend, kvs, lengths, depths, trials, task, hays
     if haystack_file and not haystack:
         raise UserError(f"{haystack_file} has no sentences to use as a haystack")
     if ctx and max(lengths_) > ctx:
-        click.echo(f"note: prompts of {', '.join(str(n) for n in lengths_ if n > ctx)} tokens do not fit --ctx {ctx}: "
-                   "the ring evicts their start, and a needle it dropped cannot be retrieved", err=True)
+        click.echo(
+            f"note: prompts of {', '.join(str(n) for n in lengths_ if n > ctx)} tokens do not fit --ctx {ctx}: "
+            "the ring evicts their start, and a needle it dropped cannot be retrieved",
+            err=True,
+        )
     lm = load(model_name, dtype, device, backend)
     if max(lengths_) > lm.config.max_position_embeddings:
-        click.echo(f"note: {max(lengths_)} tokens is beyond the model's trained context "
-                   f"({lm.config.max_position_embeddings})", err=True)
+        click.echo(
+            f"note: {max(lengths_)} tokens is beyond the model's trained context ({lm.config.max_position_embeddings})",
+            err=True,
+        )
     total = nh.prompt_tokens(specs, lengths_, depths_, trials)
     prompts = len(specs) * len(lengths_) * len(depths_) * trials
-    click.echo(f"needle: {prompts} prompts, about {total:,} tokens to prefill (the bar counts tokens, "
-               "its estimate firms up after the first chunks)", err=True)
+    click.echo(
+        f"needle: {prompts} prompts, about {total:,} tokens to prefill (the bar counts tokens, "
+        "its estimate firms up after the first chunks)",
+        err=True,
+    )
     with click.progressbar(length=total, label="needle", file=sys.stderr, show_pos=True, show_eta=True) as bar:
         rows = nh.run(lm, specs, lengths_, depths_, trials, task, haystack, ctx, seed, bar.update)
     if any(r.evicted for r in rows):
-        click.echo(f"note: the cache evicted tokens (--ctx {ctx} is below a length); "
-                   "a needle the ring dropped cannot be retrieved", err=True)
+        click.echo(
+            f"note: the cache evicted tokens (--ctx {ctx} is below a length); "
+            "a needle the ring dropped cannot be retrieved",
+            err=True,
+        )
     if plot_path:
         nh.plot(rows, plot_path)
     if as_json:

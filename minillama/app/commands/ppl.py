@@ -7,31 +7,79 @@ import click
 from minillama.app.options import DTYPES, load, model_options, read_text, text_options
 from minillama.errors import UserError
 
+
 @click.command()
 @model_options()
 @text_options(default_dataset=None)
 @click.option("--tokens", "n", default=896, show_default=True, type=int, help="Tokens per window (N).")
 @click.option("--prefill", default=128, show_default=True, type=int, help="Tokens prefilled before scoring (P).")
 @click.option("--offset", default=0, show_default=True, type=click.IntRange(0), help="First token of the first window.")
-@click.option("--windows", default=1, show_default=True, type=click.IntRange(1), help="Consecutive windows, run as one batch.")
+@click.option(
+    "--windows", default=1, show_default=True, type=click.IntRange(1), help="Consecutive windows, run as one batch."
+)
 @click.option("--kv", "kvs", multiple=True, help="KV scheme (repeatable). Default: fp16, kivi4, hadv2.")
 @click.option("--dtype", default="float32", show_default=True, type=DTYPES)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of the table.")
 @click.option("--no-blind", is_flag=True, help="Skip the blind (no-cache) pass.")
-@click.option("--chunk", default=1, show_default=True, type=click.IntRange(1),
-              help="Decode K tokens per step (faster, an approximation).")
-@click.option("--ctx", default=None, type=click.IntRange(2),
-              help="Cache capacity below the window: the ring evicts (sinks kept), streaming past the model's context.")
-@click.option("--bucket", default=None, type=click.IntRange(1), help="Also report perplexity per bucket of this many positions.")
+@click.option(
+    "--chunk",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Decode K tokens per step (faster, an approximation).",
+)
+@click.option(
+    "--ctx",
+    default=None,
+    type=click.IntRange(2),
+    help="Cache capacity below the window: the ring evicts (sinks kept), streaming past the model's context.",
+)
+@click.option(
+    "--bucket", default=None, type=click.IntRange(1), help="Also report perplexity per bucket of this many positions."
+)
 @click.option("--frontier", is_flag=True, help="Evaluate every preset (the bits-vs-quality frontier).")
-@click.option("--plot", "plot_path", default=None,
-              help="Write a PNG: with --frontier ppl (or KLD) vs bits/element; with --bucket ppl per range of positions.")
-@click.option("--plot-y", type=click.Choice(["ppl", "kld"]), default="ppl", show_default=True,
-              help="The plot's y axis: perplexity, or mean KL divergence from the exact model.")
-@click.option("--peers", "peers_file", default="bench/results/peers.json", show_default=True,
-              help="Peer points for the plot (from bench/peers.py).")
-def ppl(model_name, device, backend, text_file, dataset, n, prefill, offset, windows, kvs, dtype, as_json, no_blind, chunk,
-        ctx, bucket, frontier, plot_path, plot_y, peers_file):
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    help="Write a PNG: with --frontier ppl (or KLD) vs bits/element; with --bucket ppl per range of positions.",
+)
+@click.option(
+    "--plot-y",
+    type=click.Choice(["ppl", "kld"]),
+    default="ppl",
+    show_default=True,
+    help="The plot's y axis: perplexity, or mean KL divergence from the exact model.",
+)
+@click.option(
+    "--peers",
+    "peers_file",
+    default="bench/results/peers.json",
+    show_default=True,
+    help="Peer points for the plot (from bench/peers.py).",
+)
+def ppl(
+    model_name,
+    device,
+    backend,
+    text_file,
+    dataset,
+    n,
+    prefill,
+    offset,
+    windows,
+    kvs,
+    dtype,
+    as_json,
+    no_blind,
+    chunk,
+    ctx,
+    bucket,
+    frontier,
+    plot_path,
+    plot_y,
+    peers_file,
+):
     """Cached-path perplexity of KV schemes, with KL divergence and top-1 agreement against the
     exact model and the blind (no-cache) perplexity beside it.
 
@@ -46,8 +94,8 @@ def ppl(model_name, device, backend, text_file, dataset, n, prefill, offset, win
     import json
     import sys
 
-    from minillama.kv.spec import PRESETS, parse_kv
     from minillama.eval.perplexity import check_window, evaluate, format_table
+    from minillama.kv.spec import PRESETS, parse_kv
 
     if plot_path and not (frontier or bucket):
         raise UserError("--plot draws the frontier (add --frontier) or the streaming curve (add --bucket N)")
@@ -67,15 +115,20 @@ def ppl(model_name, device, backend, text_file, dataset, n, prefill, offset, win
 
     def progress(label, total):
         if not bars:  # the text held the windows: say how big the job is before it starts
-            click.echo(f"ppl: {len(specs)} scheme(s) x {windows} window(s): {total} decode steps each after a "
-                       f"prefill of {prefill} (one bar per scheme, with its estimate)", err=True)
+            click.echo(
+                f"ppl: {len(specs)} scheme(s) x {windows} window(s): {total} decode steps each after a "
+                f"prefill of {prefill} (one bar per scheme, with its estimate)",
+                err=True,
+            )
         bar = click.progressbar(length=total, label=f"{label:<24}", file=sys.stderr, show_eta=True, show_pos=True)
         bar.__enter__()
         bars.append(bar)
         return bar.update
 
     try:
-        results = evaluate(lm, ids, specs, n, prefill, offset, windows, chunk, not no_blind, dtype, progress, ctx, bucket)
+        results = evaluate(
+            lm, ids, specs, n, prefill, offset, windows, chunk, not no_blind, dtype, progress, ctx, bucket
+        )
     finally:
         for bar in bars:
             bar.__exit__(None, None, None)
