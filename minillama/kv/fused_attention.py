@@ -12,8 +12,10 @@ kernel that reads it:
 * ``TOKEN`` / ``CHANNEL``: per-token or KIVI per-channel codes, exact float kernels (per-channel
   key scales folded into the query, per-token rows scaled in registers);
 * ``INTEGER``: 2-4-bit affine codes scored against an int8 query and weighted by byte weights
-  (``native/int_attention.cpp``; approximate, with a stated bound; the ``kernels-exact``
-  backend keeps the exact kernels);
+  (``native/int_attention.cpp``, AVX-512 VNNI in ``fast_attention.cpp``; approximate, with a
+  stated bound; the ``kernels-exact`` backend keeps the exact kernels). Taken only where it is
+  the faster route: on a CPU without VNNI the exact SIMD kernels read the common rows faster
+  (``ops.exact_is_faster``), and the integer kernels serve the rows they alone read;
 * ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their positions)
   and calibrated codecs (``native/row_attention.cpp``).
 
@@ -81,7 +83,11 @@ def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> 
         chosen = Route.ROWS
     elif kind == RowKind.FLOAT:
         chosen = Route.FLOAT
-    elif not backend.exact_attention() and ops.route_supported(lib, Route.INTEGER, values, src, r, d) == 0:
+    elif (
+        not backend.exact_attention()
+        and not ops.exact_is_faster(lib, values, src, d)
+        and ops.route_supported(lib, Route.INTEGER, values, src, r, d) == 0
+    ):
         return Route.INTEGER
     else:
         chosen = Route.CHANNEL if kind == RowKind.CHANNEL else Route.TOKEN
@@ -154,13 +160,15 @@ def fused_decode_attention(
     return out
 
 
-def attend_one_part(lib, values: bool, part: PartView, x: torch.Tensor, out: torch.Tensor) -> Route:
-    """One held part alone through the kernel attend_layer would route it to (tests and
-    bench/attention_micro.py): scores of x = q (B, H, R, D) into out (B, H, R, n), or p = x (B, H, R, n)
-    weighting the part's rows, added to out (B, H, R, D). Returns the route taken."""
+def attend_one_part(
+    lib, values: bool, part: PartView, x: torch.Tensor, out: torch.Tensor, via: Route | None = None
+) -> Route:
+    """One held part alone through the kernel attend_layer would route it to, or through `via`
+    (tests and bench/attention_micro.py): scores of x = q (B, H, R, D) into out (B, H, R, n), or
+    p = x (B, H, R, n) weighting the part's rows, added to out (B, H, R, D). Returns the route taken."""
     keep: list = []
     src = row_source(part, None, None, keep)
     r, d = x.shape[2], out.shape[-1] if values else x.shape[-1]
-    chosen = route(lib, values, part, src, r, d)
+    chosen = route(lib, values, part, src, r, d) if via is None else via
     ops.attend_part(lib, values, chosen, x, 0, src, r, d, part.n, part.n, out)
     return chosen

@@ -676,6 +676,8 @@ bool score_fast(SCORE_ARGS, Prep& prep) {
     return D == 64 ? score_fast<4>(s, bh, R, q, i0, n, out, ls, prep) : score_fast<8>(s, bh, R, q, i0, n, out, ls, prep);
 }
 
+bool fast_reads(const RowSource& s, int D, bool values) { return fast_kind(s, D, values); }
+
 bool value_fast(VALUE_ARGS) {
     if (R > 16 || !fast_kind(s, D, true)) return false;
     return D == 64 ? value_fast<4>(s, bh, R, p, lp, i0, n, acc) : value_fast<8>(s, bh, R, p, lp, i0, n, acc);
@@ -732,8 +734,11 @@ bool score_vnni(SCORE_ARGS, Prep& prep) {
 
 #else
 
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))  // else avx2_attention.cpp has them
 bool score_fast(SCORE_ARGS, Prep&) { return false; }
 bool value_fast(VALUE_ARGS) { return false; }
+bool fast_reads(const RowSource&, int, bool) { return false; }
+#endif
 bool vnni_keys(const RowSource&, int) { return false; }
 bool score_vnni(SCORE_ARGS, Prep&) { return false; }
 bool vnni_values(const RowSource&, int) { return false; }

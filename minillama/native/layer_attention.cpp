@@ -63,8 +63,19 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
     }
 }
 
-// The block kernel a route names (rows.h): the AVX-512 kernels where they apply (fast_attention.cpp:
-// exact float math, or on the integer route VNNI for 4-bit keys), else the generic one.
+// Whether the exact SIMD kernels read these rows faster than the integer route would: where no
+// VNNI kernel reads them (AVX2 CPUs, codebooks) but score_fast / value_fast do. Measured on a
+// Zen 3 (AVX2, docs/speed.md): the AVX2 integer kernels' byte unpacking, query rounding and
+// error-diffused weights cost more than widening 4 or 2 codes to floats.
+extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
+    const RowSource& s = *src;
+    if (values ? vnni_values(s, D) : vnni_keys(s, D)) return 0;
+    return fast_reads(s, D, values) ? 1 : 0;
+}
+
+// The block kernel a route names (rows.h): the SIMD kernels where they apply (exact float math in
+// fast_attention.cpp for AVX-512 and avx2_attention.cpp for AVX2, or on the integer route VNNI),
+// else the generic one.
 static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
     if (route == ROUTE_INTEGER ? score_vnni(s, bh, R, D, q, i0, n, out, ls, prep)
                                : route != ROUTE_ROWS && score_fast(s, bh, R, D, q, i0, n, out, ls, prep))
@@ -79,7 +90,7 @@ static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
 }
 
 static inline void value_block(int route, VALUE_ARGS) {
-    if (route == ROUTE_INTEGER ? value_vnni(s, bh, R, D, p, lp, i0, n, acc) || value_fast(s, bh, R, D, p, lp, i0, n, acc)
+    if (route == ROUTE_INTEGER ? value_vnni(s, bh, R, D, p, lp, i0, n, acc)
                                : route != ROUTE_ROWS && value_fast(s, bh, R, D, p, lp, i0, n, acc))
         return;
     switch (route) {

@@ -119,6 +119,8 @@ int attend_part(int values, int route, const float* x, const RowSource* src, int
                 int ld, float* out);
 // Whether `route` reads `src` (as values, or as keys) for R query heads per KV head of size D: 0 or a status.
 int route_supported(int route, int values, const RowSource* src, int R, int D);
+// 1 when the exact kernels read `src` faster than the integer route would on this build, else 0.
+int exact_is_faster(int values, const RowSource* src, int D);
 
 // Projections (linear.cpp): y (M, N) float32 = x (M, K) @ W (N, K)^T; x and W float32 or bfloat16
 // (dtype codes), M <= 16.

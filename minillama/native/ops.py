@@ -130,6 +130,12 @@ def route_supported(lib, route: int, values: bool, src: RowSource, r: int, d: in
     return lib.route_supported(route, int(values), ctypes.byref(src), r, d)
 
 
+def exact_is_faster(lib, values: bool, src: RowSource, d: int) -> bool:
+    """Whether this build's exact kernels read `src` faster than its integer route would (no VNNI
+    kernel for these rows, and a SIMD exact one: AVX2 CPUs, codebooks)."""
+    return bool(lib.exact_is_faster(int(values), ctypes.byref(src), d))
+
+
 def attend_layer(lib, plan: LayerPlan) -> None:
     """One layer's decode attention as described by `plan` (kv/fused_attention.py builds it)."""
     check(lib.attend_layer(ctypes.byref(plan)), "attend_layer")

@@ -265,9 +265,12 @@ struct Prep {
     int group;  // per-channel keys: the group of tokens the folded query is for (-1: none yet)
     alignas(64) unsigned char bytes[20 * 1024];
 };
-// fast_attention.cpp: the same math for the common rows with AVX-512; false when it does not apply.
+// fast_attention.cpp (AVX-512) or avx2_attention.cpp (AVX2): the same math for the common rows;
+// false when it does not apply.
 bool score_fast(SCORE_ARGS, Prep& prep);
 bool value_fast(VALUE_ARGS);
+// Whether score_fast (values = false) or value_fast (true) reads these rows on this build.
+bool fast_reads(const RowSource& s, int D, bool values);
 // Integer (VNNI) scores of 4-bit keys; vnni_keys: whether score_vnni reads these rows.
 bool vnni_keys(const RowSource& s, int D);
 bool score_vnni(SCORE_ARGS, Prep& prep);

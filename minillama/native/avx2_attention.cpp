@@ -1,0 +1,367 @@
+// AVX2 block kernels for the rows most caches hold: exact float math, every row read once for
+// all R query heads that share it, eight lanes at a time. The AVX2 twin of fast_attention.cpp
+// (AVX-512), for CPUs without AVX-512 (Zen 2/3, most laptops); same idea, half the width:
+//
+//   decode    a row becomes NV = D / 8 registers of floats without a trip through memory: fp16
+//             by vcvtph2ps, bf16 by a shift, codes by a zero-extension of 8 bytes and a shift
+//             and mask per field, then vcvtdq2ps, or a lookup (vpermps; two and a blend for 16
+//             levels) for codebook codes. The codes are not interleaved back into channel
+//             order: 4-bit codes come out as (even, odd) channels of each 16, 2-bit codes as
+//             channels 4j + k of each 32 (the "decode order", channel_of below); 3- and 8-bit
+//             codes are in channel order. The query is permuted once into the same order (q.k
+//             is a sum) and values are summed in decode order and put back once per block.
+//   scores    per token and query head NV fused multiply-adds leave one register of 8 partial
+//             sums; eight tokens' registers are reduced together by a transposing vhaddps tree
+//             (hsum8: 10 instructions for 8 dot products). Per-token scales and zeros are
+//             applied after the sum, eight tokens at a time, q.k_t = s_t (q . c_t) + z_t sum(q),
+//             when one scale covers the row; narrower groups scale the row in registers first
+//             (each register's lanes lie in one group: groups are multiples of its span).
+//             KIVI's per-channel scales are folded into the query once per group of tokens:
+//             q.k_t = (q s_g) . c_t + q . z_g.
+//   values    eight decoded rows form a tile in L1; each query head's output registers take
+//             w_t x row_t from it, w_t = p_t s_t when one scale covers the row (its zero adds
+//             z_t sum(p) once).
+//
+// Everything else -- keys before RoPE, calibrated codecs, trits, per-channel values, other head
+// sizes -- returns false and the generic kernels (decode_attention.cpp) run. The specification
+// is model/attention.py; tests/test_attention_routes.py holds every route to it.
+
+#include "rows.h"
+
+#include <cmath>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
+#include <immintrin.h>
+
+namespace {
+
+constexpr int PREFETCH = 16;  // rows ahead: 2 KB of fp16 rows at head_dim 64
+
+// The channel that decode position `pos` holds for rows of this order (0: natural order).
+inline int channel_of(int order, int pos) {
+    const int k = pos / 8, j = pos % 8;
+    if (order == 4) return 16 * (k / 2) + 2 * j + (k % 2);
+    if (order == 2) return 32 * (k / 4) + 4 * j + (k % 4);
+    return pos;
+}
+
+// The code width that permutes channels (4 or 2), or 0 for rows decoded in channel order.
+inline int order_of(const RowSource& s) { return s.kind == ROW_FLOAT ? 0 : (s.bits == 4 || s.bits == 2 ? s.bits : 0); }
+
+// How many consecutive channels one decode register's lanes come from.
+inline int span_of(int order) { return order == 4 ? 16 : order == 2 ? 32 : 8; }
+
+inline int row_bytes_of(const RowSource& s, int D) { return s.kind == ROW_FLOAT ? D * (s.bits == 0 ? 4 : 2) : D * s.bits / 8; }
+
+// Whether these kernels read rows of this kind: float rows, or 2/3/4/8-bit codes per token
+// (affine or codebook, groups a multiple of a register's span) or per channel (keys only).
+inline bool fast_kind(const RowSource& s, int D, bool values) {
+    if ((D != 64 && D != 128) || s.cos || s.center) return false;
+    if (s.kind == ROW_FLOAT) return s.bits >= 0 && s.bits <= 2;
+    if (!(s.bits == 2 || s.bits == 3 || s.bits == 4 || s.bits == 8)) return false;
+    if (s.kind == ROW_TOKEN)
+        return s.group > 0 && D % s.group == 0 && s.group % span_of(order_of(s)) == 0 && (!s.codebook || s.bits <= 4);
+    return s.kind == ROW_CHANNEL && !values && s.group > 0 && !s.codebook;
+}
+
+// Ask for the row `ahead` slots after this one now, so that it arrives while this one is used.
+inline void prefetch_row(const RowSource& s, int64_t bh, int slot, int row_bytes) {
+    const int target = slot + PREFETCH < s.slots ? slot + PREFETCH : slot + PREFETCH - s.slots;
+    if (target < 0 || target >= s.slots) return;
+    const char* p = (const char*)s.data + (bh * s.slots + target) * (int64_t)row_bytes;
+    for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// A codebook of up to 16 levels in two registers (levels 0-7, 8-15).
+struct Levels {
+    __m256 lo, hi;
+    bool book, wide;
+    Levels(const float* codebook, int bits) : lo(_mm256_setzero_ps()), hi(_mm256_setzero_ps()), book(codebook), wide(bits > 3) {
+        if (!codebook) return;
+        alignas(32) float t[16] = {0.f};
+        std::memcpy(t, codebook, sizeof(float) << bits);
+        lo = _mm256_load_ps(t), hi = _mm256_load_ps(t + 8);
+    }
+    // codes (0 .. 2^bits - 1 per lane) -> floats: the codes themselves, or their levels
+    inline __m256 operator()(__m256i c) const {
+        if (!book) return _mm256_cvtepi32_ps(c);
+        const __m256 a = _mm256_permutevar8x32_ps(lo, c);
+        if (!wide) return a;  // up to 8 levels: one lookup
+        return _mm256_blendv_ps(a, _mm256_permutevar8x32_ps(hi, c), _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+    }
+};
+
+inline __m256i bytes8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+
+// The row formats these kernels decode, each its own instantiation so that the decode of a
+// row compiles to straight-line code and the row stays in registers.
+enum Format { F32, F16, BF16, CODE2, CODE3, CODE4, CODE8 };
+
+inline int format_of(const RowSource& s) {
+    if (s.kind == ROW_FLOAT) return s.bits == 0 ? F32 : s.bits == 1 ? F16 : BF16;
+    return s.bits == 2 ? CODE2 : s.bits == 3 ? CODE3 : s.bits == 4 ? CODE4 : CODE8;
+}
+
+// One stored row (slot) of a head as NV registers in decode order: float values, or codes
+// (levels for codebooks), not yet scaled.
+template <int FMT, int NV>
+inline void decode(const RowSource& s, int64_t slot, const Levels& levels, __m256* v) {
+    constexpr int D = 8 * NV;
+    if (FMT == F32) {
+        const float* x = (const float*)s.data + slot * D;
+        for (int k = 0; k < NV; k++) v[k] = _mm256_loadu_ps(x + 8 * k);
+    } else if (FMT == F16) {
+        const uint16_t* x = (const uint16_t*)s.data + slot * D;
+        for (int k = 0; k < NV; k++) v[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + 8 * k)));
+    } else if (FMT == BF16) {
+        const uint16_t* x = (const uint16_t*)s.data + slot * D;
+        for (int k = 0; k < NV; k++)
+            v[k] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + 8 * k))), 16));
+    } else if (FMT == CODE4) {  // byte j: channel 2j in the low nibble, 2j + 1 in the high one
+        const uint8_t* row = (const uint8_t*)s.data + slot * (D / 2);
+        for (int m = 0; m < NV / 2; m++) {
+            const __m256i b = bytes8(row + 8 * m);
+            v[2 * m] = levels(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+            v[2 * m + 1] = levels(_mm256_srli_epi32(b, 4));
+        }
+    } else if (FMT == CODE2) {  // byte j: channels 4j .. 4j + 3, two bits each from the lowest
+        const uint8_t* row = (const uint8_t*)s.data + slot * (D / 4);
+        const __m256i m2 = _mm256_set1_epi32(3);
+        for (int m = 0; m < NV / 4; m++) {
+            const __m256i b = bytes8(row + 8 * m);
+            v[4 * m] = levels(_mm256_and_si256(b, m2));
+            v[4 * m + 1] = levels(_mm256_and_si256(_mm256_srli_epi32(b, 2), m2));
+            v[4 * m + 2] = levels(_mm256_and_si256(_mm256_srli_epi32(b, 4), m2));
+            v[4 * m + 3] = levels(_mm256_srli_epi32(b, 6));
+        }
+    } else if (FMT == CODE8) {
+        const uint8_t* row = (const uint8_t*)s.data + slot * D;
+        for (int k = 0; k < NV; k++) v[k] = levels(bytes8(row + 8 * k));
+    } else {  // 3-bit: codes 8k .. 8k + 7 are the 24-bit word at byte 3k, lowest bits first
+        const uint8_t* row = (const uint8_t*)s.data + slot * (3 * D / 8);
+        const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21), m3 = _mm256_set1_epi32(7);
+        for (int k = 0; k < NV; k++) {
+            uint32_t w;  // four bytes from 3k; the last word is read from 3k - 1 so as not to pass the row's end
+            if (k + 1 < NV) {
+                std::memcpy(&w, row + 3 * k, 4);
+            } else {
+                std::memcpy(&w, row + 3 * k - 1, 4);
+                w >>= 8;
+            }
+            v[k] = levels(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), m3));
+        }
+    }
+}
+
+// Lane t of the result = the sum of the eight lanes of v[t].
+inline __m256 hsum8(const __m256* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Per-token groups narrower than the row: the group of each decode register (its lanes share one).
+template <int NV>
+struct RegisterGroups {
+    int of[NV];
+    RegisterGroups(int order, int group) {
+        for (int k = 0; k < NV; k++) of[k] = group > 0 ? channel_of(order, 8 * k) / group : 0;
+    }
+};
+
+// Scale a decoded row by its groups' scales and zeros (fp16, NG of them), in registers.
+template <int NV>
+inline void scale_groups(const RowSource& s, int64_t slot, int NG, const RegisterGroups<NV>& groups, __m256* v) {
+    float sc[16], zc[16];
+    for (int g = 0; g < NG; g++)
+        sc[g] = half_to_float(s.scale[slot * NG + g]), zc[g] = s.zero ? half_to_float(s.zero[slot * NG + g]) : 0.f;
+    for (int k = 0; k < NV; k++)
+        v[k] = _mm256_fmadd_ps(v[k], _mm256_set1_ps(sc[groups.of[k]]), _mm256_set1_ps(zc[groups.of[k]]));
+}
+
+// score_fast's per-head state (Prep): the queries in decode order, folded with a group's scales
+// for per-channel keys, and what the zeros add.
+template <int NV>
+struct FastQuery {
+    alignas(32) float qd[16][8 * NV];  // [head][decode position]
+    alignas(32) float qs[16][8 * NV];  // per-channel keys: qd times this group's scales
+    float qsum[16], qz[16];            // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
+};
+
+template <int FMT, int NV>
+bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
+    constexpr int D = 8 * NV;
+    static_assert(sizeof(FastQuery<NV>) <= sizeof(Prep::bytes), "Prep is too small");
+    FastQuery<NV>& st = *reinterpret_cast<FastQuery<NV>*>(prep.bytes);
+    const int order = order_of(s);
+    if (!prep.ready) {
+        for (int r = 0; r < R; r++) {
+            __m256 sum = _mm256_setzero_ps();
+            for (int pos = 0; pos < D; pos++) st.qd[r][pos] = q[r * D + channel_of(order, pos)];
+            for (int k = 0; k < NV; k++) sum = _mm256_add_ps(sum, _mm256_loadu_ps(q + r * D + 8 * k));
+            st.qsum[r] = hsum(sum);
+        }
+        prep.ready = true, prep.group = -1;
+    }
+    const bool channel = s.kind == ROW_CHANNEL, one_group = s.kind == ROW_TOKEN && s.group == D;
+    const int NG = s.kind == ROW_TOKEN ? D / s.group : 0, row_bytes = row_bytes_of(s, D);
+    const RegisterGroups<NV> groups(order, s.kind == ROW_TOKEN ? s.group : 0);
+    const Levels levels(s.codebook, s.bits);
+    alignas(32) __m256 part[16][8];  // [head][token of the chunk]
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        int len = std::min(8, i0 + n - i);
+        if (channel) {  // a chunk never straddles two groups of tokens
+            const int g = i / s.group;
+            len = std::min(len, (g + 1) * s.group - i);
+            if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz
+                prep.group = g;
+                const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
+                alignas(32) float sd[D];  // the scales in decode order
+                for (int pos = 0; pos < D; pos++) sd[pos] = half_to_float(s.scale[row + channel_of(order, pos)]);
+                for (int r = 0; r < R; r++) {
+                    __m256 z = _mm256_setzero_ps();
+                    for (int k = 0; k < NV; k++) {
+                        _mm256_store_ps(&st.qs[r][8 * k], _mm256_mul_ps(_mm256_load_ps(&st.qd[r][8 * k]), _mm256_load_ps(sd + 8 * k)));
+                        const __m256 zk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.zero + row + 8 * k)));
+                        z = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + 8 * k), zk, z);
+                    }
+                    st.qz[r] = hsum(z);
+                }
+            }
+        }
+        alignas(32) float tscale[8] = {0.f}, tzero[8] = {0.f};
+        for (int t = 0; t < 8; t++) {
+            if (t >= len) {
+                for (int r = 0; r < R; r++) part[r][t] = _mm256_setzero_ps();
+                continue;
+            }
+            const int64_t slot = bh * s.slots + at.slot;
+            prefetch_row(s, bh, at.slot, row_bytes);
+            at.next();
+            __m256 v[NV];
+            decode<FMT, NV>(s, slot, levels, v);
+            if (one_group) {  // applied after the sum
+                tscale[t] = half_to_float(s.scale[slot]);
+                tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
+            } else if (s.kind == ROW_TOKEN) {  // narrower groups: scale the row first
+                scale_groups<NV>(s, slot, NG, groups, v);
+            }
+            for (int r = 0; r < R; r++) {
+                const float* qr = channel ? st.qs[r] : st.qd[r];
+                __m256 a0 = _mm256_mul_ps(v[0], _mm256_load_ps(qr)), a1 = _mm256_mul_ps(v[1], _mm256_load_ps(qr + 8));
+                for (int k = 2; k < NV; k += 2) {  // two chains: the FMA latency is hidden
+                    a0 = _mm256_fmadd_ps(v[k], _mm256_load_ps(qr + 8 * k), a0);
+                    a1 = _mm256_fmadd_ps(v[k + 1], _mm256_load_ps(qr + 8 * k + 8), a1);
+                }
+                part[r][t] = _mm256_add_ps(a0, a1);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            __m256 dots = hsum8(part[r]);
+            if (one_group)
+                dots = _mm256_fmadd_ps(_mm256_load_ps(tscale), dots, _mm256_mul_ps(_mm256_load_ps(tzero), _mm256_set1_ps(st.qsum[r])));
+            else if (channel)
+                dots = _mm256_add_ps(dots, _mm256_set1_ps(st.qz[r]));
+            float* o = out + (int64_t)r * ls + (i - i0);
+            if (len == 8) {
+                _mm256_storeu_ps(o, dots);
+            } else {
+                alignas(32) float x[8];
+                _mm256_store_ps(x, dots);
+                std::memcpy(o, x, sizeof(float) * len);
+            }
+        }
+        i += len;
+    }
+    return true;
+}
+
+template <int FMT, int NV>
+bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
+    constexpr int D = 8 * NV, KB = NV < 8 ? NV : 8;  // KB: output registers a head keeps live at once
+    const int order = order_of(s);
+    const bool one_group = s.kind == ROW_TOKEN && s.group == D;
+    const int NG = s.kind == ROW_TOKEN ? D / s.group : 0, row_bytes = row_bytes_of(s, D);
+    const RegisterGroups<NV> groups(order, s.kind == ROW_TOKEN ? s.group : 0);
+    const Levels levels(s.codebook, s.bits);
+    alignas(32) float acc[16][D];  // [head][decode position]
+    float zsum[16] = {0.f};        // one_group: sum_t p_t z_t per head
+    std::memset(acc, 0, sizeof(float) * R * D);
+    alignas(32) __m256 tile[8][NV];
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n; i += 8) {
+        const int len = std::min(8, i0 + n - i);
+        float tscale[8], tzero[8];
+        for (int t = 0; t < len; t++) {
+            const int64_t slot = bh * s.slots + at.slot;
+            prefetch_row(s, bh, at.slot, row_bytes);
+            at.next();
+            decode<FMT, NV>(s, slot, levels, tile[t]);
+            if (one_group) {
+                tscale[t] = half_to_float(s.scale[slot]);
+                tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
+            } else if (s.kind == ROW_TOKEN) {
+                scale_groups<NV>(s, slot, NG, groups, tile[t]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float* pr = p + (int64_t)r * lp + (i - i0);
+            float w[8];
+            for (int t = 0; t < len; t++) w[t] = one_group ? pr[t] * tscale[t] : pr[t];
+            for (int k0 = 0; k0 < NV; k0 += KB) {
+                __m256 a[KB];
+                for (int k = 0; k < KB; k++) a[k] = _mm256_load_ps(&acc[r][8 * (k0 + k)]);
+                for (int t = 0; t < len; t++) {
+                    const __m256 wt = _mm256_set1_ps(w[t]);
+                    for (int k = 0; k < KB; k++) a[k] = _mm256_fmadd_ps(wt, tile[t][k0 + k], a[k]);
+                }
+                for (int k = 0; k < KB; k++) _mm256_store_ps(&acc[r][8 * (k0 + k)], a[k]);
+            }
+            if (one_group)
+                for (int t = 0; t < len; t++) zsum[r] += pr[t] * tzero[t];
+        }
+    }
+    for (int r = 0; r < R; r++) {  // back to channel order, into the caller's sums
+        float* o = acc_out + (size_t)r * D;
+        for (int pos = 0; pos < D; pos++) o[channel_of(order, pos)] += acc[r][pos] + zsum[r];
+    }
+    return true;
+}
+
+// One instantiation per row format and head size.
+#define BY_FORMAT(fn, ...)                                                                       \
+    do {                                                                                         \
+        switch (format_of(s)) {                                                                  \
+            case F32: return D == 64 ? fn<F32, 8>(__VA_ARGS__) : fn<F32, 16>(__VA_ARGS__);       \
+            case F16: return D == 64 ? fn<F16, 8>(__VA_ARGS__) : fn<F16, 16>(__VA_ARGS__);       \
+            case BF16: return D == 64 ? fn<BF16, 8>(__VA_ARGS__) : fn<BF16, 16>(__VA_ARGS__);    \
+            case CODE2: return D == 64 ? fn<CODE2, 8>(__VA_ARGS__) : fn<CODE2, 16>(__VA_ARGS__); \
+            case CODE3: return D == 64 ? fn<CODE3, 8>(__VA_ARGS__) : fn<CODE3, 16>(__VA_ARGS__); \
+            case CODE4: return D == 64 ? fn<CODE4, 8>(__VA_ARGS__) : fn<CODE4, 16>(__VA_ARGS__); \
+            default: return D == 64 ? fn<CODE8, 8>(__VA_ARGS__) : fn<CODE8, 16>(__VA_ARGS__);    \
+        }                                                                                        \
+    } while (0)
+
+}  // namespace
+
+bool score_fast(SCORE_ARGS, Prep& prep) {
+    if (R > 16 || !fast_kind(s, D, false)) return false;
+    BY_FORMAT(score_fast, s, bh, R, q, i0, n, out, ls, prep);
+}
+
+bool fast_reads(const RowSource& s, int D, bool values) { return fast_kind(s, D, values); }
+
+bool value_fast(VALUE_ARGS) {
+    if (R > 16 || !fast_kind(s, D, true)) return false;
+    BY_FORMAT(value_fast, s, bh, R, p, lp, i0, n, acc);
+}
+
+#endif
