@@ -25,8 +25,9 @@
 //             w_t = p_t s_t when one scale covers the row (its zero adds z_t sum(p)).
 //
 // Everything else -- keys before RoPE, calibrated codecs, trits, per-channel values, other
-// head sizes, CPUs without AVX-512 -- returns false and the generic kernels run. The
-// specification is model/attention.py; tests/test_fused.py holds this file to it.
+// head sizes -- returns false and the generic kernels run; CPUs without AVX-512 take the AVX2
+// twin of these kernels (avx2_attention.cpp). The specification is model/attention.py;
+// tests/test_fused.py and tests/test_attention_routes.py hold this file to it.
 
 #include "rows.h"
 
