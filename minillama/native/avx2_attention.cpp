@@ -36,7 +36,7 @@
 
 namespace {
 
-constexpr int PREFETCH = 16;  // rows ahead: 2 KB of fp16 rows at head_dim 64
+constexpr int PREFETCH = 48;  // rows ahead: 6 KB of fp16 rows at head_dim 64
 
 // The channel that decode position `pos` holds for rows of this order (0: natural order).
 inline int channel_of(int order, int pos) {
@@ -65,12 +65,14 @@ inline bool fast_kind(const RowSource& s, int D, bool values) {
     return s.kind == ROW_CHANNEL && !values && s.group > 0 && !s.codebook;
 }
 
-// Ask for the row `ahead` slots after this one now, so that it arrives while this one is used.
-inline void prefetch_row(const RowSource& s, int64_t bh, int slot, int row_bytes) {
-    const int target = slot + PREFETCH < s.slots ? slot + PREFETCH : slot + PREFETCH - s.slots;
-    if (target < 0 || target >= s.slots) return;
-    const char* p = (const char*)s.data + (bh * s.slots + target) * (int64_t)row_bytes;
-    for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+// Ask now for the eight rows PREFETCH slots after this chunk's first, so that they arrive while
+// this chunk is computed on (one call per chunk: per row, the address arithmetic cost more than
+// the prefetches on short code rows). Near the ring's end the hardware prefetcher has it.
+inline void prefetch_chunk(const RowSource& s, int64_t bh, int slot, int row_bytes) {
+    const int first = slot + PREFETCH;
+    if (first + 8 > s.slots) return;
+    const char* p = (const char*)s.data + (bh * s.slots + first) * (int64_t)row_bytes;
+    for (int b = 0; b < 8 * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
 // A codebook of up to 16 levels in two registers (levels 0-7, 8-15).
@@ -186,6 +188,19 @@ inline void scale_groups(const RowSource& s, int64_t slot, int NG, const Registe
         v[k] = _mm256_fmadd_ps(v[k], _mm256_set1_ps(sc[groups.of[k]]), _mm256_set1_ps(zc[groups.of[k]]));
 }
 
+// The decode-order gather indices of a row of this order: register k takes channels idx[k].
+template <int NV>
+struct DecodeIndex {
+    __m256i idx[NV];
+    explicit DecodeIndex(int order) {
+        for (int k = 0; k < NV; k++) {
+            alignas(32) int t[8];
+            for (int j = 0; j < 8; j++) t[j] = channel_of(order, 8 * k + j);
+            idx[k] = _mm256_load_si256((const __m256i*)t);
+        }
+    }
+};
+
 // score_fast's per-head state (Prep): the queries in decode order, folded with a group's scales
 // for per-channel keys, and what the zeros add.
 template <int NV>
@@ -201,10 +216,11 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     static_assert(sizeof(FastQuery<NV>) <= sizeof(Prep::bytes), "Prep is too small");
     FastQuery<NV>& st = *reinterpret_cast<FastQuery<NV>*>(prep.bytes);
     const int order = order_of(s);
+    const DecodeIndex<NV> decode_index(order);
     if (!prep.ready) {
         for (int r = 0; r < R; r++) {
             __m256 sum = _mm256_setzero_ps();
-            for (int pos = 0; pos < D; pos++) st.qd[r][pos] = q[r * D + channel_of(order, pos)];
+            for (int k = 0; k < NV; k++) _mm256_store_ps(&st.qd[r][8 * k], _mm256_i32gather_ps(q + r * D, decode_index.idx[k], 4));
             for (int k = 0; k < NV; k++) sum = _mm256_add_ps(sum, _mm256_loadu_ps(q + r * D + 8 * k));
             st.qsum[r] = hsum(sum);
         }
@@ -224,12 +240,14 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz
                 prep.group = g;
                 const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
-                alignas(32) float sd[D];  // the scales in decode order
-                for (int pos = 0; pos < D; pos++) sd[pos] = half_to_float(s.scale[row + channel_of(order, pos)]);
+                alignas(32) float sc[D];  // the group's scales, in channel order, then gathered into decode order
+                for (int k = 0; k < NV; k++) _mm256_store_ps(sc + 8 * k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.scale + row + 8 * k))));
+                __m256 sd[NV];
+                for (int k = 0; k < NV; k++) sd[k] = _mm256_i32gather_ps(sc, decode_index.idx[k], 4);
                 for (int r = 0; r < R; r++) {
                     __m256 z = _mm256_setzero_ps();
                     for (int k = 0; k < NV; k++) {
-                        _mm256_store_ps(&st.qs[r][8 * k], _mm256_mul_ps(_mm256_load_ps(&st.qd[r][8 * k]), _mm256_load_ps(sd + 8 * k)));
+                        _mm256_store_ps(&st.qs[r][8 * k], _mm256_mul_ps(_mm256_load_ps(&st.qd[r][8 * k]), sd[k]));
                         const __m256 zk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.zero + row + 8 * k)));
                         z = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + 8 * k), zk, z);
                     }
@@ -237,6 +255,7 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 }
             }
         }
+        prefetch_chunk(s, bh, at.slot, row_bytes);
         alignas(32) float tscale[8] = {0.f}, tzero[8] = {0.f};
         for (int t = 0; t < 8; t++) {
             if (t >= len) {
@@ -244,7 +263,6 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 continue;
             }
             const int64_t slot = bh * s.slots + at.slot;
-            prefetch_row(s, bh, at.slot, row_bytes);
             at.next();
             __m256 v[NV];
             decode<FMT, NV>(s, slot, levels, v);
@@ -299,10 +317,10 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
     Cursor at(s.start, i0, s.slots);
     for (int i = i0; i < i0 + n; i += 8) {
         const int len = std::min(8, i0 + n - i);
-        float tscale[8], tzero[8];
+        prefetch_chunk(s, bh, at.slot, row_bytes);
+        alignas(32) float tscale[8], tzero[8];
         for (int t = 0; t < len; t++) {
             const int64_t slot = bh * s.slots + at.slot;
-            prefetch_row(s, bh, at.slot, row_bytes);
             at.next();
             decode<FMT, NV>(s, slot, levels, tile[t]);
             if (one_group) {
@@ -314,8 +332,13 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         }
         for (int r = 0; r < R; r++) {
             const float* pr = p + (int64_t)r * lp + (i - i0);
-            float w[8];
-            for (int t = 0; t < len; t++) w[t] = one_group ? pr[t] * tscale[t] : pr[t];
+            alignas(32) float w[8];  // the tokens' weights, times their row scales (one group)
+            if (len == 8) {  // in registers: a scalar loop here compiled to rep movs, 30+ cycles a call
+                const __m256 pv = _mm256_loadu_ps(pr);
+                _mm256_store_ps(w, one_group ? _mm256_mul_ps(pv, _mm256_load_ps(tscale)) : pv);
+            } else {
+                for (int t = 0; t < len; t++) w[t] = one_group ? pr[t] * tscale[t] : pr[t];
+            }
             for (int k0 = 0; k0 < NV; k0 += KB) {
                 __m256 a[KB];
                 for (int k = 0; k < KB; k++) a[k] = _mm256_load_ps(&acc[r][8 * (k0 + k)]);
