@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -149,3 +152,18 @@ def test_bench_plot_is_written(tiny_dir, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_attention_rounds_prints_one_line_per_spec_with_its_ratio():
+    """bench/attention_rounds.py (specs timed in turn, medians): a row per spec, the first at 1.00x."""
+    script = Path(__file__).parent.parent / "bench" / "attention_rounds.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "40", "fp16;k=int4c,v=int2h,group=32,residual=8", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.strip().splitlines()[1:]
+    assert len(rows) == 2 and rows[0].startswith("fp16") and rows[0].endswith("1.00x")
+    assert rows[1].startswith("k=int4c,v=int2h") and rows[1].endswith("x")

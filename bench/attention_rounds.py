@@ -1,0 +1,60 @@
+"""One layer's decode attention per KV spec, the specs timed in turn, round after round.
+
+    python bench/attention_rounds.py 8192 "fp16;kivi4;hadv2;k4v3hc;k4v3lmc;k3v2lm"
+    python bench/attention_rounds.py 8192 "fp16;k=int4c,v=fp16,group=32,residual=32"   # one side alone
+
+On a shared 2-core VM a single timing moves by 30% from one minute to the next, so a ratio of
+two separate runs says little. Here every spec's 30-layer cache is built first (synthetic fill,
+the default model's shape: 3 KV heads, 3 query heads each, head_dim 64), then each round times
+one pass of ``attend_layer`` over all 30 layers (each reads its K/V from memory, as a decode
+step does) for every spec in turn; the median per spec and its ratio to the first spec are
+printed, with the quartiles. Specs are separated by ';' (a spec itself holds commas).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from minillama.eval.synthetic import fill_synthetic
+from minillama.kv.cache import KVCache
+from minillama.kv.fused_attention import decode_plan
+from minillama.kv.spec import parse_kv
+from minillama.native import backend, ops
+
+LAYERS, H, R, D = 30, 3, 3, 64
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+    specs = (sys.argv[2] if len(sys.argv) > 2 else "fp16;kivi4;hadv2").split(";")
+    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 30
+    lib = backend.library()
+    if lib is None:
+        sys.exit(f"the kernels are not in use: {backend.describe()}")
+    q, k, v = torch.randn(1, H * R, 1, D), torch.randn(1, H, 1, D), torch.randn(1, H, 1, D)
+    out, keep, plans = torch.empty_like(q), [], {}
+    for kv in specs:
+        cache = KVCache(parse_kv(kv), n_layers=LAYERS, n_kv_heads=H, head_dim=D, capacity=n + 64)
+        fill_synthetic(cache, n)
+        keep.append(cache)
+        plans[kv] = [decode_plan(lib, q, k, v, out, cache.layer(i), None, keep) for i in range(LAYERS)]
+    times: dict[str, list[float]] = {kv: [] for kv in specs}
+    for _ in range(rounds):
+        for kv in specs:
+            t0 = time.perf_counter()
+            for plan in plans[kv]:
+                ops.attend_layer(lib, plan)
+            times[kv].append((time.perf_counter() - t0) / LAYERS)
+    print(f"{backend.describe()}; {n} tokens; median of {rounds} rounds, one layer")
+    first = statistics.median(times[specs[0]])
+    for kv in specs:
+        median, (q1, _, q3) = statistics.median(times[kv]), statistics.quantiles(times[kv], n=4)
+        print(f"{kv:40s} {median * 1e6:7.0f} us (quartiles {q1 * 1e6:.0f}-{q3 * 1e6:.0f})  {median / first:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
