@@ -373,6 +373,147 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         }                                                                                        \
     } while (0)
 
+// Integer scores of 4-bit keys (KIVI per-channel codes, or per-token codes with one scale per
+// row), as llama.cpp's q4 x q8 dot products: the codes stay bytes. A row of D codes is D / 2
+// bytes; its low nibbles are the even channels and its high nibbles the odd ones, so the query
+// is rounded to int8 once per head (per group of tokens for KIVI, whose scales are folded in
+// first) and laid out the same way, even channels then odd. vpmaddubsw multiplies the unsigned
+// codes by the signed query bytes and adds neighbours (at most 2 * 15 * 127 per int16, the two
+// halves' sum at most 7620: no saturation), vpmaddwd with ones widens to 32 bits: lane l then
+// holds channels 8l .. 8l + 7, and each lane has its own step a_l = max |x| / 127 over those
+// eight channels (the folded KIVI query mixes channel scales that differ by 100x). Lanes become
+// floats times their steps, and eight tokens' registers are reduced by one transposing tree.
+// Error: |q_d - a q8_d| <= a/2, so a score is off by at most sum_d a_l(d) / 2 * c_td times the
+// row's scale (per-token) -- the bound tests/test_integer_attention.py holds every integer
+// kernel to.
+template <int NV>
+struct Int4Query {
+    alignas(32) int8_t qe[16][4 * NV];  // [head][byte]: the even channels' int8 query, byte j = channel 2j
+    alignas(32) int8_t qo[16][4 * NV];  // the odd channels, byte j = channel 2j + 1
+    alignas(32) float qa[16][NV];       // [head][lane]: the int8 step of channels 8l .. 8l + 7
+    float qsum[16], qz[16];             // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
+};
+
+// x (D = 8 NV floats) -> Int4Query's bytes and steps of head r, eight channels per register:
+// KIVI queries are rounded again for every group of tokens, so this is vectorized.
+template <int NV>
+inline void round_query(const float* x, Int4Query<NV>& st, int r) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i dword_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                                              0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256i q32[NV];
+    for (int l = 0; l < NV; l++) {  // lane block l: channels 8l .. 8l + 7, one step
+        const __m256 v = _mm256_loadu_ps(x + 8 * l);
+        __m256 m = _mm256_and_ps(v, absmask);
+        m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));  // every lane: the block's max |x|
+        const __m256 a = _mm256_blendv_ps(_mm256_mul_ps(m, _mm256_set1_ps(1.f / 127.f)), _mm256_set1_ps(1.f),
+                                          _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_EQ_OQ));
+        st.qa[r][l] = _mm256_cvtss_f32(a);
+        q32[l] = _mm256_cvtps_epi32(_mm256_div_ps(v, a));  // round to nearest even, |q| <= 127
+    }
+    for (int c = 0; c < NV / 4; c++) {  // 32 channels: int32 -> int8 in channel order, then even | odd
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q32[4 * c], q32[4 * c + 1]),
+                                             _mm256_packs_epi32(q32[4 * c + 2], q32[4 * c + 3]));
+        const __m256i split = _mm256_permute4x64_epi64(
+            _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(w, dword_order), even_odd), 0xD8);
+        _mm_store_si128((__m128i*)(st.qe[r] + 16 * c), _mm256_castsi256_si128(split));      // channels 32c + 0, 2, .. 30
+        _mm_store_si128((__m128i*)(st.qo[r] + 16 * c), _mm256_extracti128_si256(split, 1));  // 32c + 1, 3, .. 31
+    }
+}
+
+template <int NV>
+bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
+    constexpr int D = 8 * NV, NB = D / 64;  // NB: 32-byte loads per row
+    static_assert(sizeof(Int4Query<NV>) <= sizeof(Prep::bytes), "Prep is too small");
+    Int4Query<NV>& st = *reinterpret_cast<Int4Query<NV>*>(prep.bytes);
+    const bool channel = s.kind == ROW_CHANNEL;
+    if (!prep.ready) {
+        if (!channel)
+            for (int r = 0; r < R; r++) {
+                round_query<NV>(q + r * D, st, r);
+                float sum = 0.f;
+                for (int d = 0; d < D; d++) sum += q[r * D + d];
+                st.qsum[r] = sum;
+            }
+        prep.ready = true, prep.group = -1;
+    }
+    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    alignas(32) __m256 part[16][8];  // [head][token of the chunk]
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        int len = std::min(8, i0 + n - i);
+        if (channel) {  // a chunk never straddles two groups of tokens
+            const int g = i / s.group;
+            len = std::min(len, (g + 1) * s.group - i);
+            if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz
+                prep.group = g;
+                const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
+                for (int r = 0; r < R; r++) {
+                    alignas(32) float x[D];
+                    __m256 z = _mm256_setzero_ps();
+                    for (int k = 0; k < NV; k++) {
+                        const __m256 qk = _mm256_loadu_ps(q + r * D + 8 * k);
+                        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.scale + row + 8 * k)));
+                        const __m256 zc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.zero + row + 8 * k)));
+                        _mm256_store_ps(x + 8 * k, _mm256_mul_ps(qk, sc));
+                        z = _mm256_fmadd_ps(qk, zc, z);
+                    }
+                    round_query<NV>(x, st, r);
+                    st.qz[r] = hsum(z);
+                }
+            }
+        }
+        prefetch_chunk(s, bh, at.slot, D / 2);
+        alignas(32) float tscale[8] = {0.f}, tzero[8] = {0.f};
+        for (int t = 0; t < 8; t++) {
+            if (t >= len) {
+                for (int r = 0; r < R; r++) part[r][t] = _mm256_setzero_ps();
+                continue;
+            }
+            const int64_t slot = bh * s.slots + at.slot;
+            at.next();
+            const uint8_t* rowp = (const uint8_t*)s.data + slot * (D / 2);
+            __m256i lo[NB], hi[NB];
+            for (int b = 0; b < NB; b++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i*)(rowp + 32 * b));
+                lo[b] = _mm256_and_si256(x, nib);
+                hi[b] = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+            }
+            if (!channel) tscale[t] = half_to_float(s.scale[slot]), tzero[t] = half_to_float(s.zero[slot]);
+            for (int r = 0; r < R; r++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int b = 0; b < NB; b++) {
+                    const __m256i e = _mm256_maddubs_epi16(lo[b], _mm256_load_si256((const __m256i*)(st.qe[r] + 32 * b)));
+                    const __m256i o = _mm256_maddubs_epi16(hi[b], _mm256_load_si256((const __m256i*)(st.qo[r] + 32 * b)));
+                    const __m256i lanes = _mm256_madd_epi16(_mm256_add_epi16(e, o), ones);  // lane l: channels 64b + 8l ..
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_load_ps(st.qa[r] + 8 * b), acc);
+                }
+                part[r][t] = acc;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            __m256 dots = hsum8(part[r]);
+            if (channel)
+                dots = _mm256_add_ps(dots, _mm256_set1_ps(st.qz[r]));
+            else
+                dots = _mm256_fmadd_ps(_mm256_load_ps(tscale), dots, _mm256_mul_ps(_mm256_load_ps(tzero), _mm256_set1_ps(st.qsum[r])));
+            float* o = out + (int64_t)r * ls + (i - i0);
+            if (len == 8) {
+                _mm256_storeu_ps(o, dots);
+            } else {
+                alignas(32) float x[8];
+                _mm256_store_ps(x, dots);
+                std::memcpy(o, x, sizeof(float) * len);
+            }
+        }
+        i += len;
+    }
+    return true;
+}
+
 }  // namespace
 
 bool score_fast(SCORE_ARGS, Prep& prep) {
@@ -382,9 +523,25 @@ bool score_fast(SCORE_ARGS, Prep& prep) {
 
 bool fast_reads(const RowSource& s, int D, bool values) { return fast_kind(s, D, values); }
 
+bool int4_keys(const RowSource& s, int D) {
+    if ((D != 64 && D != 128) || s.bits != 4 || s.cos || s.center || s.codebook || !s.zero) return false;
+    if (s.kind == ROW_CHANNEL) return s.group > 0;
+    return s.kind == ROW_TOKEN && s.group == D;
+}
+
+bool score_int4(SCORE_ARGS, Prep& prep) {
+    if (R > 16 || !int4_keys(s, D)) return false;
+    return D == 64 ? score_int4<8>(s, bh, R, q, i0, n, out, ls, prep) : score_int4<16>(s, bh, R, q, i0, n, out, ls, prep);
+}
+
 bool value_fast(VALUE_ARGS) {
     if (R > 16 || !fast_kind(s, D, true)) return false;
     BY_FORMAT(value_fast, s, bh, R, p, lp, i0, n, acc);
 }
+
+#else
+
+bool int4_keys(const RowSource&, int) { return false; }
+bool score_int4(SCORE_ARGS, Prep&) { return false; }
 
 #endif

@@ -46,7 +46,7 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
             return s.kind == ROW_CHANNEL && code_bits && s.bits != 5 && s.group > 0 ? MINILLAMA_OK : MINILLAMA_E_CODES;
         case ROUTE_INTEGER:
             if (!int_attention_available()) return MINILLAMA_E_CODES;
-            if (values ? vnni_values(s, D) : vnni_keys(s, D)) return MINILLAMA_OK;  // AVX-512 VNNI (fast_attention.cpp)
+            if (values ? vnni_values(s, D) : vnni_keys(s, D) || int4_keys(s, D)) return MINILLAMA_OK;  // SIMD integer kernels
             if (R > 8) return MINILLAMA_E_GQA;
             if (D % 32 || D > 128) return MINILLAMA_E_HEAD_DIM;
             if (!(s.bits >= 2 && s.bits <= 4) || !s.zero || s.codebook) return MINILLAMA_E_CODES;
@@ -69,7 +69,7 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
 // error-diffused weights cost more than widening 4 or 2 codes to floats.
 extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
     const RowSource& s = *src;
-    if (values ? vnni_values(s, D) : vnni_keys(s, D)) return 0;
+    if (values ? vnni_values(s, D) : vnni_keys(s, D) || int4_keys(s, D)) return 0;
     return fast_reads(s, D, values) ? 1 : 0;
 }
 
@@ -77,7 +77,7 @@ extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
 // fast_attention.cpp for AVX-512 and avx2_attention.cpp for AVX2, or on the integer route VNNI),
 // else the generic one.
 static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
-    if (route == ROUTE_INTEGER ? score_vnni(s, bh, R, D, q, i0, n, out, ls, prep)
+    if (route == ROUTE_INTEGER ? score_vnni(s, bh, R, D, q, i0, n, out, ls, prep) || score_int4(s, bh, R, D, q, i0, n, out, ls, prep)
                                : route != ROUTE_ROWS && score_fast(s, bh, R, D, q, i0, n, out, ls, prep))
         return;
     switch (route) {

@@ -271,6 +271,9 @@ bool score_fast(SCORE_ARGS, Prep& prep);
 bool value_fast(VALUE_ARGS);
 // Whether score_fast (values = false) or value_fast (true) reads these rows on this build.
 bool fast_reads(const RowSource& s, int D, bool values);
+// Integer scores of 4-bit keys on AVX2 CPUs (avx2_attention.cpp); int4_keys: whether score_int4 reads them.
+bool int4_keys(const RowSource& s, int D);
+bool score_int4(SCORE_ARGS, Prep& prep);
 // Integer (VNNI) scores of 4-bit keys; vnni_keys: whether score_vnni reads these rows.
 bool vnni_keys(const RowSource& s, int D);
 bool score_vnni(SCORE_ARGS, Prep& prep);
