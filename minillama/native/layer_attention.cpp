@@ -64,9 +64,10 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
 }
 
 // Whether the exact SIMD kernels read these rows faster than the integer route would: where no
-// VNNI kernel reads them (AVX2 CPUs, codebooks) but score_fast / value_fast do. Measured on a
-// Zen 3 (AVX2, docs/speed.md): the AVX2 integer kernels' byte unpacking, query rounding and
-// error-diffused weights cost more than widening 4 or 2 codes to floats.
+// SIMD integer kernel reads them (VNNI on AVX-512, score_int4 for 4-bit keys on AVX2) but
+// score_fast / value_fast do. Measured on a Zen 3 (AVX2, docs/speed.md): the generic AVX2
+// integer kernels' byte unpacking, query rounding and error-diffused weights cost more than
+// widening 4 or 2 codes to floats.
 extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
     const RowSource& s = *src;
     if (values ? vnni_values(s, D) : vnni_keys(s, D) || int4_keys(s, D)) return 0;
