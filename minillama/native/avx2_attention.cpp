@@ -169,6 +169,25 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
+// One head's scores of a chunk: the eight tokens' partial-sum registers reduced, then per-token
+// scales and zeros applied (tscale non-null: q.k_t = s_t (q . c_t) + z_t sum(q)) or the
+// per-channel zeros' constant added (qz non-null: q . z_g), and the chunk's `len` scores stored.
+inline void finish_scores(const __m256* part, const float* tscale, const float* tzero, float qsum, const float* qz, float* o,
+                          int len) {
+    __m256 dots = hsum8(part);
+    if (tscale)
+        dots = _mm256_fmadd_ps(_mm256_load_ps(tscale), dots, _mm256_mul_ps(_mm256_load_ps(tzero), _mm256_set1_ps(qsum)));
+    else if (qz)
+        dots = _mm256_add_ps(dots, _mm256_set1_ps(*qz));
+    if (len == 8) {
+        _mm256_storeu_ps(o, dots);
+    } else {
+        alignas(32) float x[8];
+        _mm256_store_ps(x, dots);
+        std::memcpy(o, x, sizeof(float) * len);
+    }
+}
+
 // Per-token groups narrower than the row: the group of each decode register (its lanes share one).
 template <int NV>
 struct RegisterGroups {
@@ -282,21 +301,9 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 part[r][t] = _mm256_add_ps(a0, a1);
             }
         }
-        for (int r = 0; r < R; r++) {
-            __m256 dots = hsum8(part[r]);
-            if (one_group)
-                dots = _mm256_fmadd_ps(_mm256_load_ps(tscale), dots, _mm256_mul_ps(_mm256_load_ps(tzero), _mm256_set1_ps(st.qsum[r])));
-            else if (channel)
-                dots = _mm256_add_ps(dots, _mm256_set1_ps(st.qz[r]));
-            float* o = out + (int64_t)r * ls + (i - i0);
-            if (len == 8) {
-                _mm256_storeu_ps(o, dots);
-            } else {
-                alignas(32) float x[8];
-                _mm256_store_ps(x, dots);
-                std::memcpy(o, x, sizeof(float) * len);
-            }
-        }
+        for (int r = 0; r < R; r++)
+            finish_scores(part[r], one_group ? tscale : nullptr, tzero, st.qsum[r], channel ? &st.qz[r] : nullptr,
+                          out + (int64_t)r * ls + (i - i0), len);
         i += len;
     }
     return true;
@@ -494,21 +501,9 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 part[r][t] = acc;
             }
         }
-        for (int r = 0; r < R; r++) {
-            __m256 dots = hsum8(part[r]);
-            if (channel)
-                dots = _mm256_add_ps(dots, _mm256_set1_ps(st.qz[r]));
-            else
-                dots = _mm256_fmadd_ps(_mm256_load_ps(tscale), dots, _mm256_mul_ps(_mm256_load_ps(tzero), _mm256_set1_ps(st.qsum[r])));
-            float* o = out + (int64_t)r * ls + (i - i0);
-            if (len == 8) {
-                _mm256_storeu_ps(o, dots);
-            } else {
-                alignas(32) float x[8];
-                _mm256_store_ps(x, dots);
-                std::memcpy(o, x, sizeof(float) * len);
-            }
-        }
+        for (int r = 0; r < R; r++)
+            finish_scores(part[r], channel ? nullptr : tscale, tzero, st.qsum[r], channel ? &st.qz[r] : nullptr,
+                          out + (int64_t)r * ls + (i - i0), len);
         i += len;
     }
     return true;
