@@ -74,8 +74,8 @@ VALUE_SPECS = [
 ]
 
 
-def filled(spec: str, n: int, batch: int, capacity: int = 1200):
-    cache = KVCache(parse_kv(spec), n_layers=1, n_kv_heads=2, head_dim=64, capacity=capacity, batch=batch)
+def filled(spec: str, n: int, batch: int, capacity: int = 1200, head_dim: int = 64):
+    cache = KVCache(parse_kv(spec), n_layers=1, n_kv_heads=2, head_dim=head_dim, capacity=capacity, batch=batch)
     fill_synthetic(cache, n, chunk=13)
     return cache
 
@@ -109,15 +109,13 @@ def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
-@pytest.mark.parametrize("spec", VALUE_SPECS)
-@pytest.mark.parametrize("n, batch", [(77, 1), (333, 3), (1000, 1)])
-def test_integer_values_are_within_the_byte_weight_bound(lib, spec, n, batch):
-    cache = filled(spec, n, batch)
+def check_value_bound(lib, spec: str, n: int, batch: int, r: int = 3, d: int = 64) -> None:
+    cache = filled(spec, n, batch, head_dim=d)
     store = cache.layers[0][1]
     codes, parts = body(store)
-    m, d, g = store.n_body, store.head_dim, store.group
-    p = torch.softmax(torch.randn(batch, 2, 3, m) * 3, -1)  # peaked attention weights
-    got = torch.zeros(batch, 2, 3, d)
+    m, g = store.n_body, store.group
+    p = torch.softmax(torch.randn(batch, 2, r, m) * 3, -1)  # peaked attention weights
+    got = torch.zeros(batch, 2, r, d)
     integer_call(lib, cache, True, p, got)
     exact = p @ store.codec.decode(parts, g, d)
     scale = parts["scale"].float().repeat_interleave(g, dim=-1)  # (B, H, m, D): each channel's scale
@@ -131,6 +129,21 @@ def test_integer_values_are_within_the_byte_weight_bound(lib, spec, n, batch):
         steps = (c[..., 1:, :] - c[..., :-1, :]).abs().sum(2) + c[..., -1, :]  # (B, H, D)
         bound += b / 2 * steps.unsqueeze(2)
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+
+
+@pytest.mark.parametrize("spec", VALUE_SPECS)
+@pytest.mark.parametrize("n, batch", [(77, 1), (333, 3), (1000, 1)])
+def test_integer_values_are_within_the_byte_weight_bound(lib, spec, n, batch):
+    check_value_bound(lib, spec, n, batch)
+
+
+@pytest.mark.parametrize("spec", ["k=int4c,v=int2,group=32,residual=0", "k=int4c,v=int4,vgroup=64,residual=0", "kivi4"])
+@pytest.mark.parametrize("r, d", [(1, 64), (2, 128), (5, 64), (8, 128), (16, 64), (16, 128)])
+def test_integer_values_hold_the_bound_for_every_gqa_and_head_size(lib, spec, r, d):
+    """The SIMD value kernels keep several heads' sums in registers and step up to 64 weight
+    chains (head x channel group) eight at a time: every grouping of heads, one or two 64-channel
+    chunks, and an odd number of tokens (a last token without a partner)."""
+    check_value_bound(lib, spec, 301, 1, r, d)
 
 
 def test_integer_values_keep_the_mass_of_a_long_tail(lib):
@@ -187,15 +200,15 @@ def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n
 
 
 def test_the_integer_route_is_taken_only_where_no_exact_kernel_is_faster(lib):
-    """KIVI 4-bit keys go the integer way on every CPU with AVX2 (VNNI or vpmaddubsw); 2-bit
-    values only with VNNI: without it the exact SIMD kernels read them faster (docs/speed.md),
-    so attend_layer routes them there."""
-    cache = filled("hadv2", 100, 1)
-    k_body, v_body = body_part(cache, False), body_part(cache, True)
+    """KIVI 4-bit keys and 2- or 4-bit values go the integer way on every CPU with AVX2 (VNNI, or
+    vpmaddubsw: score_int4, value_bytes); 3-bit values only with VNNI: without it the exact SIMD
+    kernels read them faster (docs/speed.md), so attend_layer routes them there."""
+    hadv2, k4v3hc = filled("hadv2", 100, 1), filled("k4v3hc", 100, 1)
     vnni = "avx512_vnni" in abi.features(lib)
     for values, part, expected in (
-        (False, k_body, Route.INTEGER),
-        (True, v_body, Route.INTEGER if vnni else Route.TOKEN),
+        (False, body_part(hadv2, False), Route.INTEGER),
+        (True, body_part(hadv2, True), Route.INTEGER),
+        (True, body_part(k4v3hc, True), Route.INTEGER if vnni else Route.TOKEN),
     ):
         chosen = route(lib, values, part, row_source(part, None, None, []), 3, 64)
         assert chosen == expected, (values, chosen)

@@ -13,9 +13,10 @@ kernel that reads it:
   key scales folded into the query, per-token rows scaled in registers);
 * ``INTEGER``: 2-4-bit affine codes scored against an int8 query and weighted by byte weights
   (``native/int_attention.cpp``, AVX-512 VNNI in ``fast_attention.cpp``, AVX2 4-bit keys in
-  ``avx2_attention.cpp``; approximate, with a stated bound; the ``kernels-exact`` backend keeps
-  the exact kernels). Taken only where it is the faster route: on a CPU without VNNI the exact
-  SIMD kernels read most rows faster (``ops.exact_is_faster``);
+  ``avx2_attention.cpp``, AVX2 2- and 4-bit values in ``avx2_int_values.cpp``; approximate, with
+  a stated bound; the ``kernels-exact`` backend keeps the exact kernels). Taken only where it is
+  the faster route: on a CPU without VNNI the exact SIMD kernels read the other rows (3-bit
+  values, narrow groups) faster (``ops.exact_is_faster``);
 * ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their positions)
   and calibrated codecs (``native/row_attention.cpp``).
 

@@ -46,7 +46,7 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
             return s.kind == ROW_CHANNEL && code_bits && s.bits != 5 && s.group > 0 ? MINILLAMA_OK : MINILLAMA_E_CODES;
         case ROUTE_INTEGER:
             if (!int_attention_available()) return MINILLAMA_E_CODES;
-            if (values ? vnni_values(s, D) : vnni_keys(s, D) || int4_keys(s, D)) return MINILLAMA_OK;  // SIMD integer kernels
+            if (values ? vnni_values(s, D) || byte_values(s, D) : vnni_keys(s, D) || int4_keys(s, D)) return MINILLAMA_OK;  // SIMD integer kernels
             if (R > 8) return MINILLAMA_E_GQA;
             if (D % 32 || D > 128) return MINILLAMA_E_HEAD_DIM;
             if (!(s.bits >= 2 && s.bits <= 4) || !s.zero || s.codebook) return MINILLAMA_E_CODES;
@@ -64,13 +64,13 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
 }
 
 // Whether the exact SIMD kernels read these rows faster than the integer route would: where no
-// SIMD integer kernel reads them (VNNI on AVX-512, score_int4 for 4-bit keys on AVX2) but
-// score_fast / value_fast do. Measured on a Zen 3 (AVX2, docs/speed.md): the generic AVX2
-// integer kernels' byte unpacking, query rounding and error-diffused weights cost more than
-// widening 4 or 2 codes to floats.
+// SIMD integer kernel reads them (VNNI on AVX-512; on AVX2 score_int4 for 4-bit keys and
+// value_bytes for 2- and 4-bit values) but score_fast / value_fast do. Measured on a Zen 3
+// (AVX2, docs/speed.md): the generic AVX2 integer kernels' byte unpacking through memory and
+// scalar weights cost more than widening the codes to floats.
 extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
     const RowSource& s = *src;
-    if (values ? vnni_values(s, D) : vnni_keys(s, D) || int4_keys(s, D)) return 0;
+    if (values ? vnni_values(s, D) || byte_values(s, D) : vnni_keys(s, D) || int4_keys(s, D)) return 0;
     return fast_reads(s, D, values) ? 1 : 0;
 }
 
@@ -91,7 +91,7 @@ static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
 }
 
 static inline void value_block(int route, VALUE_ARGS) {
-    if (route == ROUTE_INTEGER ? value_vnni(s, bh, R, D, p, lp, i0, n, acc)
+    if (route == ROUTE_INTEGER ? value_vnni(s, bh, R, D, p, lp, i0, n, acc) || value_bytes(s, bh, R, D, p, lp, i0, n, acc)
                                : route != ROUTE_ROWS && value_fast(s, bh, R, D, p, lp, i0, n, acc))
         return;
     switch (route) {
