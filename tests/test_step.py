@@ -118,3 +118,43 @@ def test_without_a_cache_the_step_attends_to_its_own_token(model_dir):
         with backend.using("kernels"):
             native = lm.model(x)
     assert torch.allclose(native, reference, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+def test_a_dtype_change_between_steps_rebuilds_what_the_step_points_at(model_dir):
+    """``.to()`` gives the weights new storage. The fused projections and the native step's
+    weight pointers are derived from it and are made again: after bfloat16 -> float32 the step
+    computes what the plain PyTorch model computes, and back in bfloat16 what it did before
+    (rather than reading the old fused weights, or memory the conversion freed)."""
+    lm = load_model(str(model_dir), "bfloat16")
+    with backend.using("kernels-exact"):
+        before = decode_logits(lm, "fp16", 1)  # builds the bfloat16 step
+        lm.model.float()
+        as_float = decode_logits(lm, "fp16", 1)
+    with backend.using("reference"):
+        reference = decode_logits(lm, "fp16", 1)
+    assert torch.allclose(as_float, reference, atol=1e-3, rtol=1e-4)
+    lm.model.bfloat16()
+    with backend.using("kernels-exact"):
+        again = decode_logits(lm, "fp16", 1)
+    assert torch.allclose(again, before, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("assign", [False, True])
+def test_weights_loaded_between_steps_are_the_weights_the_step_uses(model_dir, assign):
+    """load_state_dict copies into the parameters the step points at (or, with assign=True,
+    replaces them and the step is rebuilt): the next steps use the new weights."""
+    lm = load_model(str(model_dir), "float32")
+    g = torch.Generator().manual_seed(7)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in lm.model.state_dict().items()}
+    with backend.using("kernels-exact"):
+        old = decode_logits(lm, "fp16", 1)
+        lm.model.load_state_dict(state, assign=assign)
+        new = decode_logits(lm, "fp16", 1)
+    fresh = load_model(str(model_dir), "float32")
+    fresh.model.load_state_dict(state, assign=assign)
+    with backend.using("reference"):
+        expected = decode_logits(fresh, "fp16", 1)
+    assert not torch.allclose(new, old, atol=1e-2)
+    assert torch.allclose(new, expected, atol=1e-3, rtol=1e-4)

@@ -147,6 +147,34 @@ class Llama(nn.Module):
             mlp.gate_up = concat_rows([mlp.gate_proj, mlp.up_proj])
         return self
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.float()``, ``.bfloat16()`` ... give the parameters new storage. The fused
+        projections and the native step's weight pointers are derived from it, so they are made
+        again from the converted parameters rather than left behind (stale weights, or pointers
+        into freed memory); RoPE's speeds are not weights and stay float32."""
+        fused = any(layer.self_attn.qkv is not None for layer in self.model.layers)
+        inv_freq = self.inv_freq  # (D/2,) float32
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)  # RoPE speeds stay float32 in any dtype, as loaded
+        self._derived_changed(fused)
+        return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``nn.Module``'s. A plain load copies into the existing parameters, which the fused
+        weights share and the native step points at; ``assign=True`` replaces them, so what is
+        derived from them is made again."""
+        fused = any(layer.self_attn.qkv is not None for layer in self.model.layers)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            self._derived_changed(fused)
+        return result
+
+    def _derived_changed(self, fused: bool) -> None:
+        self._native_steps.clear()  # rebuilt on the next step from the parameters as they are now
+        self.rotary = None
+        if fused:
+            self.fuse_projections()
+
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -169,7 +197,9 @@ class Llama(nn.Module):
 
     def native_step(self, lib, batch: int) -> NativeStep:
         """The layers described to the native decode step for this batch size, built on first use
-        (pointers to the weights, which inference never changes; derived data, not state)."""
+        (pointers to the weights: derived data, made again when ``.to()`` or an assigning
+        ``load_state_dict`` gives the weights new storage; the step keeps the tensors it points
+        at alive, so a pointer never outlives its memory)."""
         key = (id(lib), batch, self.dtype)
         if key not in self._native_steps:
             self._native_steps[key] = NativeStep(self, lib, batch)

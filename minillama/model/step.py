@@ -39,10 +39,14 @@ class NativeStep:
             batch, cfg.hidden_size, self.hq, self.hkv, self.d, cfg.intermediate_size, DTYPE_CODE[self.dtype]
         )
         self.scratch = torch.empty(size, dtype=torch.uint8)
+        self.weights: list[torch.Tensor] = []  # every tensor a LayerStep points at, kept alive with it
         self.steps = []
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (w_qkv, b_qkv), (w_gu, b_gu) = attn.qkv, mlp.gate_up
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            self.weights += [t for t in (*norms, w_qkv, b_qkv, attn.o_proj.weight, attn.o_proj.bias) if t is not None]
+            self.weights += [t for t in (w_gu, b_gu, mlp.down_proj.weight, mlp.down_proj.bias) if t is not None]
             self.steps.append(
                 LayerStep(
                     B=batch,
