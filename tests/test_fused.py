@@ -7,6 +7,8 @@ an AVX-512 machine too; targets the CPU cannot run are skipped with the reason.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -145,6 +147,24 @@ def test_bf16_skinny_product_kernel_equals_float_math(lib, n_out, n_in, bias, ro
     # Both round the float32 result to bf16 once: within one bf16 ulp of exact float math.
     assert torch.allclose(fast.float(), reference, rtol=2**-7, atol=1e-3)
     assert torch.allclose(fast.float(), torch_bf16.float(), rtol=2**-6, atol=2e-3)
+
+
+FRESH = itertools.count()
+
+
+def test_a_projection_the_kernel_does_not_take_is_recorded_as_a_fallback(lib):
+    """float16 weights: the skinny-product kernel refuses them, F.linear computes the product, and
+    the reason is recorded (shown by --debug, bench's fallbacks and chat's /stats), not swallowed."""
+    from minillama.model.linear import DecodeLinear
+
+    n_out = 32 + next(FRESH)  # a reason is recorded once: each build target's run gets its own shape
+    layer = DecodeLinear(64, n_out, bias=False).to(torch.float16)
+    x = torch.randn(1, 1, 64).to(torch.float16)
+    seen = len(backend.fallbacks())
+    with torch.no_grad():
+        y = layer(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, layer.weight))
+    assert any(f"projection ({n_out}, 64) torch.float16" in reason for reason in backend.fallbacks()[seen:])
 
 
 @pytest.mark.parametrize("n_out,n_in", [(7, 576), (1029, 100), (5, 3)])

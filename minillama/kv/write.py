@@ -28,8 +28,8 @@ def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dty
     if lib is not None and dtype == torch.float16:
         try:
             return ops.prepare_rows(lib, x, codec.rotate, center)
-        except NotSupported:
-            pass  # non-finite input or an unsupported dtype: the reference below (it names the problem)
+        except NotSupported as e:  # non-finite input or an unsupported dtype: the reference below names it
+            backend.fallback(f"cache write of {codec.name} (rotation/centering): {e}")
     y = codec.to_space(x)  # (L, B, H, n, D), rotated in the model's dtype
     if center is not None:
         y = y.float() - center.float()

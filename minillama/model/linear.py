@@ -30,8 +30,9 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if lib is not None and rows <= MAX_ROWS and not torch.is_grad_enabled():
         try:
             y = ops.gemm_rows(lib, x.reshape(rows, -1), weight)  # (M, out) float32
-        except NotSupported:
-            return F.linear(x, weight, bias)  # float16 weights, a strided view: the reference
+        except NotSupported as e:  # float16 weights, a strided view: the reference, recorded
+            backend.fallback(f"projection {tuple(weight.shape)} {weight.dtype}: {e}")
+            return F.linear(x, weight, bias)
         if bias is not None:
             y += bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # (..., out), rounded once like torch's linear
