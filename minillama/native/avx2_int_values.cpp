@@ -192,6 +192,10 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
             for (int g = 0; g < NG; g++) {
                 const int c = r * NG + g;
                 for (int k = 0; k < NB; k++) {
+                    if (k * SB >= len) {  // past the last token: no weights (its scales were never read)
+                        std::memset(wq[c] + k * SB, 0, sizeof(float) * SB);
+                        continue;
+                    }
                     __m256 w[SB / 8], m = _mm256_setzero_ps();
                     for (int e = 0; e < SB / 8; e++) {
                         const int t = k * SB + 8 * e;
