@@ -13,7 +13,8 @@ agree, as llama.cpp's ``llama-perplexity --kl-divergence`` reports them: perplex
 averages errors away, KLD does not.
 
 Windows: W consecutive, non-overlapping windows of N tokens starting at token O, run
-as one batch of W through a batch-W cache. Each window scores its tokens P..N-1; the
+as one batch of W through a batch-W cache; the S schemes of a run are rows of that batch too
+(S x W rows, one cache per scheme: kv/group.py), so each step reads the weights once for all. Each window scores its tokens P..N-1; the
 reported perplexity is exp(mean NLL) over all scored tokens of all windows. If the
 tokenizer adds a BOS by default, each window gets it prepended as an unscored token.
 
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 
 from minillama.errors import UserError
 from minillama.kv.cache import KVCache
+from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache
 from minillama.kv.spec import KVSpec
 from minillama.model.generate import prefill
@@ -141,6 +143,13 @@ class CachedScores:
     evicted: list[int]  # the cache's evicted count after each scored token's step
     decode_s: float
 
+    def rows(self, rows: slice, share: int) -> CachedScores:
+        """The scores of some batch rows: one scheme of a batch of `share` schemes, which the
+        decode time is split between (each row costs the same)."""
+        kld = self.kld[rows] if self.kld is not None else None
+        top1 = self.top1[rows] if self.top1 is not None else None
+        return CachedScores(self.nll[rows], kld, top1, self.evicted, self.decode_s / share)
+
 
 @torch.inference_mode()
 def cached_scores(
@@ -237,20 +246,34 @@ def evaluate(
     streaming = ctx is not None and ctx < seq.shape[1]
     # The exact model on the same tokens: one no-cache forward, hidden states kept for KLD.
     exact = None if streaming else lm.model.hidden(seq[:, :-1])  # (W, L-1, hidden)
+    steps = seq.shape[1] - first
+    caches = [
+        KVCache.for_model(
+            lm.config, spec, max(ctx or seq.shape[1], spec.sinks + spec.residual + spec.unit), windows, lm.model.device
+        )
+        for spec in specs
+    ]
+    if streaming:  # each cache evicts on its own schedule: one scheme at a time
+        scored = [
+            cached_scores(lm.model, seq, first, cache, chunk, exact, progress(str(spec), steps) if progress else None)
+            for spec, cache in zip(specs, caches)
+        ]
+    else:  # every scheme a row block of one batch: each step reads the weights once for all (kv/group.py)
+        group = CacheGroup(caches)
+        on_step = progress(f"{len(specs)} scheme(s)", steps) if progress else None
+        both = cached_scores(
+            lm.model, seq.repeat(len(specs), 1), first, group, chunk, exact.repeat(len(specs), 1, 1), on_step
+        )
+        scored = [both.rows(slice(i * windows, (i + 1) * windows), len(specs)) for i in range(len(specs))]
     results: list[PplResult] = []
     blinds: list[float] = []
-    for spec in specs:
-        capacity = max(ctx or seq.shape[1], spec.sinks + spec.residual + spec.unit)
-        cache = KVCache.for_model(lm.config, spec, capacity, batch=windows, device=lm.model.device)
-        on_step = progress(str(spec), seq.shape[1] - first) if progress else None
-        scores = cached_scores(lm.model, seq, first, cache, chunk, exact, on_step)
+    for spec, cache, scores in zip(specs, caches, scored):
         ppl = math.exp(float(scores.nll.mean()))
         ppl_blind = None
         if blind and not streaming:
-            blind_cache = KVCache.for_model(lm.config, spec, capacity, batch=windows, device=lm.model.device)
+            blind_cache = KVCache.for_model(lm.config, spec, cache.capacity, batch=windows, device=lm.model.device)
             ppl_blind = math.exp(float(blind_nll(lm.model, seq, first, blind_cache).mean()))
             blinds.append(ppl_blind)
-        steps = seq.shape[1] - first
         results.append(
             PplResult(
                 kv=str(spec),

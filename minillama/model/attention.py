@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from minillama.kv.codecs import CODECS, Codec
 from minillama.kv.fused_attention import fused_decode_attention
+from minillama.kv.group import GroupView
 from minillama.kv.interface import LayerView
 from minillama.model.rope import RotaryTable, apply_rope
 from minillama.native import backend
@@ -113,6 +114,8 @@ def attend_cache(
     cache in place; anything else reads the past (dequantized, in storage space) and attends by
     ``attend``. Keys stored before RoPE are first turned back into plain keys and rotated for
     their positions (``rotary``: model/rope.py: RotaryTable)."""
+    if isinstance(view, GroupView):  # several caches as one batch: each attended alone (kv/group.py)
+        return torch.cat([attend_cache(q[rows], k[rows], v[rows], sub, rotary) for rows, sub in view.splits()])
     lib = backend.library(q.device)
     if q.shape[2] == 1 and lib is not None:
         try:
