@@ -45,6 +45,9 @@ class KVSpec:
     start: int = 0  # every token stays exact until this many are held
     kfirst: Codec | None = None  # the key codec of the first `first` layers (per-layer bits), else k
     first: int = 0
+    # Every layer's (K, V) codecs, overriding k, v and kfirst: mixed precision by layer (the
+    # sensitivity map quantizes one tensor of one layer; eval/sensitivity.py). Not in the grammar.
+    layer_codecs: tuple[tuple[Codec, Codec], ...] = ()
 
     @property
     def quantized(self) -> bool:
@@ -53,11 +56,15 @@ class KVSpec:
     @property
     def unit(self) -> int:
         """Eviction unit: whole groups whenever a tensor of any layer is per-channel."""
-        keys = [self.k] + ([self.kfirst] if self.kfirst else [])
-        return max(self.v.unit(self.vgroup), *(k.unit(self.kgroup) for k in keys))
+        keys = [self.k] + ([self.kfirst] if self.kfirst else []) + [k for k, _ in self.layer_codecs]
+        values = [self.v] + [v for _, v in self.layer_codecs]
+        return max(*(v.unit(self.vgroup) for v in values), *(k.unit(self.kgroup) for k in keys))
 
     def tensors(self, layer: int = -1) -> list[tuple[Codec, int, bool]]:
         """(codec, group, centered) for K, then V, of this layer (-1: past the first layers)."""
+        if self.layer_codecs and 0 <= layer < len(self.layer_codecs):
+            k, v = self.layer_codecs[layer]
+            return [(k, self.kgroup, self.center), (v, self.vgroup, False)]
         k = self.kfirst if self.kfirst is not None and 0 <= layer < self.first else self.k
         return [(k, self.kgroup, self.center), (self.v, self.vgroup, False)]
 
@@ -66,8 +73,11 @@ class KVSpec:
             raise UserError(
                 f"--kv first={self.first} names more layers than the model's {n_layers}: give first=1..{n_layers}"
             )
-        self.v.validate(head_dim, self.vgroup)
-        for k in [self.k] + ([self.kfirst] if self.kfirst else []):
+        if n_layers is not None and self.layer_codecs and len(self.layer_codecs) != n_layers:
+            raise UserError(f"{self} gives codecs for {len(self.layer_codecs)} layers; the model has {n_layers}")
+        for v in [self.v] + [v for _, v in self.layer_codecs]:
+            v.validate(head_dim, self.vgroup)
+        for k in [self.k] + ([self.kfirst] if self.kfirst else []) + [k for k, _ in self.layer_codecs]:
             k.validate(head_dim, self.kgroup)
             if self.rope == "pre" and k.rotate:
                 raise UserError(
@@ -91,6 +101,7 @@ class KVSpec:
             ("positions=cache", self.positions == "cache"),
             (f"start={self.start}", self.start > 0),
             (f"kfirst={self.kfirst.name if self.kfirst else ''},first={self.first}", self.kfirst is not None),
+            ("layers=" + ";".join(f"{k.name}/{v.name}" for k, v in self.layer_codecs), bool(self.layer_codecs)),
         ]
         return text + "".join("," + e for e, on in extras if on)
 

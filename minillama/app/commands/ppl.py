@@ -39,6 +39,11 @@ from minillama.errors import UserError
 )
 @click.option("--frontier", is_flag=True, help="Evaluate every preset (the bits-vs-quality frontier).")
 @click.option(
+    "--sensitivity",
+    is_flag=True,
+    help="Where one --kv scheme loses: each layer's K or V quantized alone, the rest float32 (2L + 3 variants).",
+)
+@click.option(
     "--plot",
     "plot_path",
     default=None,
@@ -76,6 +81,7 @@ def ppl(
     ctx,
     bucket,
     frontier,
+    sensitivity,
     plot_path,
     plot_y,
     peers_file,
@@ -90,6 +96,7 @@ def ppl(
       minillama ppl --dataset wikitext2 --windows 4 --frontier --plot frontier.png   # needs the HF hub once
       minillama ppl --dataset hamlet --tokens 8192 --prefill 7168 --kv fp16 --kv hadv2 --no-blind
       minillama ppl --dataset hamlet --tokens 20000 --ctx 1024 --bucket 1024 --kv k=fp16,v=fp16,sinks=4 --plot stream.png
+      minillama ppl --dataset hamlet --sensitivity --kv k3v2lm --plot k3v2lm_map.png
     """
     import json
     import sys
@@ -97,8 +104,15 @@ def ppl(
     from minillama.eval.perplexity import check_window, evaluate, format_table
     from minillama.kv.spec import PRESETS, parse_kv
 
-    if plot_path and not (frontier or bucket):
-        raise UserError("--plot draws the frontier (add --frontier) or the streaming curve (add --bucket N)")
+    if plot_path and not (frontier or bucket or sensitivity):
+        raise UserError(
+            "--plot draws the frontier (add --frontier), the streaming curve (add --bucket N) "
+            "or the sensitivity map (add --sensitivity)"
+        )
+    if sensitivity and (len(kvs) != 1 or frontier or ctx or bucket or chunk > 1):
+        raise UserError(
+            "--sensitivity maps one scheme: give exactly one --kv, without --frontier, --ctx, --bucket or --chunk"
+        )
     names = list(PRESETS) if frontier else list(kvs or ("fp16", "kivi4", "hadv2"))
     if frontier and "fp16" in names:
         names.insert(0, names.pop(names.index("fp16")))  # the baseline row first
@@ -116,8 +130,8 @@ def ppl(
     def progress(label, total):
         if not bars:  # the text held the windows: say how big the job is before it starts
             click.echo(
-                f"ppl: {len(specs)} scheme(s) x {windows} window(s): {total} decode steps each after a "
-                f"prefill of {prefill} (one bar per scheme, with its estimate)",
+                f"ppl: {label} x {windows} window(s): {total} decode steps after a prefill of {prefill} "
+                f"(the schemes decode together as one batch unless --ctx streams)",
                 err=True,
             )
         bar = click.progressbar(length=total, label=f"{label:<24}", file=sys.stderr, show_eta=True, show_pos=True)
@@ -126,12 +140,23 @@ def ppl(
         return bar.update
 
     try:
-        results = evaluate(
-            lm, ids, specs, n, prefill, offset, windows, chunk, not no_blind, dtype, progress, ctx, bucket
-        )
+        if sensitivity:
+            from minillama.eval.sensitivity import format_map, plot_map
+            from minillama.eval.sensitivity import sensitivity as sensitivity_map
+
+            rows = sensitivity_map(lm, ids, specs[0], n, prefill, offset, windows, dtype, progress)
+        else:
+            results = evaluate(
+                lm, ids, specs, n, prefill, offset, windows, chunk, not no_blind, dtype, progress, ctx, bucket
+            )
     finally:
         for bar in bars:
             bar.__exit__(None, None, None)
+    if sensitivity:
+        if plot_path:
+            plot_map(rows, plot_path)
+        click.echo(json.dumps(rows, indent=2) if as_json else format_map(rows))
+        return
     if plot_path:
         from pathlib import Path
 
