@@ -1,6 +1,7 @@
 """Peers measured on this machine beside minillama: transformers and llama.cpp.
 
     python bench/peers.py --context 512 --context 8192 --json bench/results/peers.json
+    python bench/peers.py --context 512 --rounds 7     # minillama / llama.cpp, timed in turn: the ratio
 
 For each peer: decode tokens/s at each context (cache filled by a chunked prefill of the
 evaluation text, median of timed steps after a warm-up) and cached-path perplexity on the
@@ -27,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -154,6 +156,97 @@ def llama_cpp_rows(
     return rows
 
 
+def interleave(runs: dict[str, Callable[[], float]], rounds: int) -> dict:
+    """Time engines in turn, round after round (a, b, a, b, ...): each call returns one round's
+    tokens/s. On a VM whose speed moves 30% from minute to minute two separate runs say little
+    about a ratio; rounds taken side by side do. Returns each engine's median tokens/s and the
+    ratio of the first to the second per round: median, min and max."""
+    if rounds < 1 or len(runs) != 2:
+        raise ValueError("interleave times two engines for at least one round")
+    seen: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            seen[name].append(run())
+    first, second = seen.values()
+    ratios = [a / b for a, b in zip(first, second)]
+    return {
+        **{f"{name}_tokens_per_s": statistics.median(v) for name, v in seen.items()},
+        "rounds": rounds,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+
+
+def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, room: int):
+    """A bf16, fp16-KV minillama prefilled with ids[:context]; each call decodes `steps` greedy
+    tokens and returns their median tokens/s (the cache grows by `steps` per call, within `room`)."""
+    from minillama.kv.cache import KVCache
+    from minillama.kv.spec import parse_kv
+    from minillama.model.generate import decode_step, prefill
+    from minillama.model.loader import load_model
+
+    lm = load_model(str(folder), "bfloat16")
+    cache = KVCache.for_model(lm.config, parse_kv("fp16"), context + room)
+    state = {"token": int(prefill(lm.model, ids[:context], cache)[0].argmax())}
+
+    def run() -> float:
+        times = []
+        for i in range(WARMUP + steps):
+            t0 = time.perf_counter()
+            logits = decode_step(lm.model, state["token"], cache)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t0)
+            state["token"] = int(logits.argmax())
+        return 1 / statistics.median(times)
+
+    return run
+
+
+def llama_cpp_decoder(gguf: Path, ids: list[int], context: int, steps: int, room: int, kv: str = "f16"):
+    """The same for llama.cpp on a GGUF (K/V in `kv`), or None without llama-cpp-python."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("skipping llama.cpp: pip install llama-cpp-python to include it", file=sys.stderr)
+        return None
+    t = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}[kv]
+    llm = llama_cpp.Llama(
+        model_path=str(gguf), n_ctx=context + room, n_batch=512, flash_attn=True, type_k=t, type_v=t,
+        logits_all=False, verbose=False, n_threads=2,
+    )  # fmt: skip
+    llm.eval(ids[:context])
+    state = {"token": int(last_logits(llm).argmax())}
+
+    def run() -> float:
+        times = []
+        for i in range(WARMUP + steps):
+            t0 = time.perf_counter()
+            llm.eval([state["token"]])
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t0)
+            state["token"] = int(last_logits(llm).argmax())
+        return 1 / statistics.median(times)
+
+    return run
+
+
+def pair_rows(folder: Path, gguf: Path, ids: list[int], contexts: list[int], steps: int, rounds: int) -> list[dict]:
+    """minillama (bf16 weights, fp16 KV) against llama.cpp (the same weights as a BF16 GGUF, f16
+    KV), interleaved round by round at each context: the ratio a target is judged on."""
+    rows = []
+    for context in contexts:
+        room = (WARMUP + steps) * rounds + 64
+        other = llama_cpp_decoder(gguf, ids, context, steps, room)
+        if other is None:
+            return rows
+        pair = {"minillama": minillama_decoder(folder, ids, context, steps, room), "llama_cpp": other}
+        row = {"pair": "minillama fp16 / llama.cpp-bf16w-f16", "context": context, **interleave(pair, rounds)}
+        print(json.dumps(row), file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
 def last_logits(llm):
     """Logits of the last evaluated token (llama-cpp-python keeps no copy without logits_all)."""
     import numpy as np
@@ -194,6 +287,13 @@ def main() -> None:
         "--llama-kv", default="f16,q8_0,q4_0", help="llama.cpp K/V types to run, comma-separated (f16, q8_0, q4_0)"
     )
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="instead of the peer table: minillama and llama.cpp (same bf16 weights, fp16/f16 KV) timed in turn "
+        "for this many rounds at each --context; the median ratio and its spread",
+    )
+    ap.add_argument(
         "--hf-dtype",
         action="append",
         default=None,
@@ -211,17 +311,19 @@ def main() -> None:
 
     folder = fetch_default()
     ids = load_tokenizer(folder).encode(read_text(args.text, args.dataset))
+    bf16 = Path("weights") / "smollm2-135m-instruct.bf16.gguf"
+    if not bf16.exists() and (args.rounds or ("llama.cpp" not in args.skip and "bf16" in args.llama_weights)):
+        subprocess.run([sys.executable, str(Path(__file__).with_name("bf16_gguf.py")), str(bf16)], check=True)
     rows = []
-    if "transformers" not in args.skip:
+    if args.rounds:
+        rows = pair_rows(folder, bf16, ids, contexts, args.decode_tokens, args.rounds)
+    elif "transformers" not in args.skip:
         dtypes = [getattr(torch, d) for d in (args.hf_dtype or ["float32", "bfloat16"])]
         rows += hf_rows(folder, ids, contexts, args.decode_tokens, dtypes)
-    if "llama.cpp" not in args.skip:
+    if "llama.cpp" not in args.skip and not args.rounds:
         if "q4_1" in args.llama_weights:
             rows += llama_cpp_rows(find_gguf(install=False), ids, contexts, args.decode_tokens, kv_types=kv_types)
         if "bf16" in args.llama_weights:  # the very bf16 weights minillama decodes with (bench/bf16_gguf.py)
-            bf16 = Path("weights") / "smollm2-135m-instruct.bf16.gguf"
-            if not bf16.exists():
-                subprocess.run([sys.executable, str(Path(__file__).with_name("bf16_gguf.py")), str(bf16)], check=True)
             rows += llama_cpp_rows(bf16, ids, contexts, args.decode_tokens, label="bf16w-", kv_types=kv_types)
     text = json.dumps(rows, indent=2)
     if args.json:

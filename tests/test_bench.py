@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -167,3 +168,16 @@ def test_attention_rounds_prints_one_line_per_spec_with_its_ratio():
     rows = done.stdout.strip().splitlines()[1:]
     assert len(rows) == 2 and rows[0].startswith("fp16") and rows[0].endswith("1.00x")
     assert rows[1].startswith("k=int4c,v=int2h") and rows[1].endswith("x")
+
+
+def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread():
+    """bench/peers.py --rounds: a, b, a, b, ... and per round a / b (median, min, max), so a target
+    ratio is judged on rounds taken side by side, not on two runs minutes apart."""
+    spec = importlib.util.spec_from_file_location("peers", Path(__file__).parent.parent / "bench" / "peers.py")
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    calls, a, b = [], iter([10.0, 30.0, 20.0]), iter([10.0, 10.0, 10.0])
+    row = peers.interleave({"a": lambda: calls.append("a") or next(a), "b": lambda: calls.append("b") or next(b)}, 3)
+    assert calls == ["a", "b"] * 3
+    assert row["a_tokens_per_s"] == 20.0 and row["b_tokens_per_s"] == 10.0
+    assert (row["ratio_median"], row["ratio_min"], row["ratio_max"], row["rounds"]) == (2.0, 1.0, 3.0, 3)
