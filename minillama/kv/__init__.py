@@ -3,7 +3,9 @@
 Read bottom-up: ``packing`` (bits into bytes) and ``quantize`` (pure quantizers) ->
 ``codecs`` (what one tensor stores, and the ``--kv`` spec) -> ``ring`` (a fixed FIFO in a
 preallocated buffer) -> ``store`` (sinks | quantized body | residual of one tensor) ->
-``cache`` (every layer's keys and values, positions and byte counters) -> ``budget``
-(byte budgets, measured and closed form) and ``fused_attention`` + ``kernels/`` (decode
-attention straight over packed codes). Imports nothing from the wings above it.
+``cache`` (every layer's keys and values, positions and byte counters; ``write`` encodes what
+it appends) -> ``group`` (several caches as one batch), ``file`` (a cache saved and loaded),
+``budget`` (byte budgets, measured and closed form) and ``fused_attention`` (a layer's packed
+parts described to the kernels of ``minillama.native``, the wing below). Imports nothing from
+the wings above it.
 """

@@ -1,7 +1,9 @@
 """The model wing: a Llama that takes its KV cache as an argument, and what it needs.
 
 ``config`` (HF config.json) -> ``rope`` -> ``attention`` (the reference attention over the
-cache) -> ``linear`` -> ``llama`` (the model) -> ``loader`` / ``fetch`` / ``tokenizer``
-(getting a model and its text in) -> ``sampling`` and ``generate`` (prefill, decode step,
-generation). Imports only from ``minillama.kv`` below it.
+cache) -> ``linear`` -> ``llama`` (the model; ``step``: its decode step as one native call
+per layer) -> ``loader`` / ``gguf`` / ``tokenizer`` (getting a model and its text in) ->
+``sampling`` and ``generate`` (prefill, decode step, generation) -> ``prompt_cache`` (a
+prompt's cache saved and reused). Imports only from ``minillama.kv`` and ``minillama.native``
+below it.
 """

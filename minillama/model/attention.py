@@ -12,8 +12,8 @@ blocks of QUERY_BLOCK queries, so a no-cache forward over 8k tokens never holds 
 8k x 8k score matrix per head.
 
 With the kernels backend (native/backend.py) chunks go to PyTorch's fused
-``scaled_dot_product_attention`` (``fast=True``: about 4x faster for a 512-token chunk over
-4k of past on a 2-core CPU, no score matrix in memory) and single decode tokens to the C++
+``scaled_dot_product_attention`` (``fast=True``: no score matrix in memory, and several times
+faster for long chunks) and single decode tokens to the C++
 kernels over the packed cache (kv/fused_attention.py); tests hold both to the explicit path.
 """
 
