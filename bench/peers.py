@@ -2,6 +2,7 @@
 
     python bench/peers.py --context 512 --context 8192 --json bench/results/peers.json
     python bench/peers.py --context 512 --rounds 7     # minillama / llama.cpp, timed in turn: the ratio
+    python bench/peers.py --context 8192 --rounds 7 --pairs fp16:f16,hadv2:q4_0,k4v3hc:q4_0
 
 For each peer: decode tokens/s at each context (cache filled by a chunked prefill of the
 evaluation text, median of timed steps after a warm-up) and cached-path perplexity on the
@@ -178,16 +179,17 @@ def interleave(runs: dict[str, Callable[[], float]], rounds: int) -> dict:
     }
 
 
-def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, room: int):
-    """A bf16, fp16-KV minillama prefilled with ids[:context]; each call decodes `steps` greedy
-    tokens and returns their median tokens/s (the cache grows by `steps` per call, within `room`)."""
+def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, room: int, kv: str = "fp16"):
+    """A bf16-weights minillama with a `kv` cache prefilled with ids[:context]; each call decodes
+    `steps` greedy tokens and returns their median tokens/s (the cache grows by `steps` per call,
+    within `room`)."""
     from minillama.kv.cache import KVCache
     from minillama.kv.spec import parse_kv
     from minillama.model.generate import decode_step, prefill
     from minillama.model.loader import load_model
 
     lm = load_model(str(folder), "bfloat16")
-    cache = KVCache.for_model(lm.config, parse_kv("fp16"), context + room)
+    cache = KVCache.for_model(lm.config, parse_kv(kv), context + room)
     state = {"token": int(prefill(lm.model, ids[:context], cache)[0].argmax())}
 
     def run() -> float:
@@ -231,19 +233,24 @@ def llama_cpp_decoder(gguf: Path, ids: list[int], context: int, steps: int, room
     return run
 
 
-def pair_rows(folder: Path, gguf: Path, ids: list[int], contexts: list[int], steps: int, rounds: int) -> list[dict]:
-    """minillama (bf16 weights, fp16 KV) against llama.cpp (the same weights as a BF16 GGUF, f16
-    KV), interleaved round by round at each context: the ratio a target is judged on."""
+def pair_rows(
+    folder: Path, gguf: Path, ids: list[int], contexts: list[int], steps: int, rounds: int, pairs: list[tuple[str, str]]
+) -> list[dict]:
+    """minillama (bf16 weights, --kv A) against llama.cpp (the same weights as a BF16 GGUF, K/V
+    type B) for each pair (A, B), interleaved round by round at each context: the ratio a target
+    is judged on."""
     rows = []
     for context in contexts:
         room = (WARMUP + steps) * rounds + 64
-        other = llama_cpp_decoder(gguf, ids, context, steps, room)
-        if other is None:
-            return rows
-        pair = {"minillama": minillama_decoder(folder, ids, context, steps, room), "llama_cpp": other}
-        row = {"pair": "minillama fp16 / llama.cpp-bf16w-f16", "context": context, **interleave(pair, rounds)}
-        print(json.dumps(row), file=sys.stderr)
-        rows.append(row)
+        for ours, theirs in pairs:
+            other = llama_cpp_decoder(gguf, ids, context, steps, room, theirs)
+            if other is None:
+                return rows
+            pair = {"minillama": minillama_decoder(folder, ids, context, steps, room, ours), "llama_cpp": other}
+            row = {"pair": f"minillama {ours} / llama.cpp-bf16w-{theirs}", "context": context}
+            row.update(interleave(pair, rounds))
+            print(json.dumps(row), file=sys.stderr)
+            rows.append(row)
     return rows
 
 
@@ -290,8 +297,13 @@ def main() -> None:
         "--rounds",
         type=int,
         default=0,
-        help="instead of the peer table: minillama and llama.cpp (same bf16 weights, fp16/f16 KV) timed in turn "
-        "for this many rounds at each --context; the median ratio and its spread",
+        help="instead of the peer table: minillama and llama.cpp (same bf16 weights) timed in turn for this "
+        "many rounds at each --context and --pairs; the median ratio and its spread",
+    )
+    ap.add_argument(
+        "--pairs",
+        default="fp16:f16",
+        help="with --rounds: minillama --kv and llama.cpp K/V type to pair, e.g. fp16:f16,hadv2:q4_0",
     )
     ap.add_argument(
         "--hf-dtype",
@@ -316,7 +328,10 @@ def main() -> None:
         subprocess.run([sys.executable, str(Path(__file__).with_name("bf16_gguf.py")), str(bf16)], check=True)
     rows = []
     if args.rounds:
-        rows = pair_rows(folder, bf16, ids, contexts, args.decode_tokens, args.rounds)
+        pairs = [tuple(p.split(":")) for p in args.pairs.split(",")]
+        if any(len(p) != 2 or p[1] not in ("f16", "q8_0", "q4_0") for p in pairs):
+            ap.error(f"--pairs {args.pairs!r}: give KV:TYPE pairs, TYPE one of f16, q8_0, q4_0")
+        rows = pair_rows(folder, bf16, ids, contexts, args.decode_tokens, args.rounds, pairs)
     elif "transformers" not in args.skip:
         dtypes = [getattr(torch, d) for d in (args.hf_dtype or ["float32", "bfloat16"])]
         rows += hf_rows(folder, ids, contexts, args.decode_tokens, dtypes)
