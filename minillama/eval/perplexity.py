@@ -164,7 +164,8 @@ def cached_scores(
     """Prefill seq[:, :first] in chunks, then feed the rest `chunk` tokens at a time (teacher forcing).
 
     ``exact_hidden`` (W, L-1, hidden), the exact model's final hidden states at every position,
-    turns on KLD and top-1 agreement against it.
+    turns on KLD and top-1 agreement against it; with seq of S x W rows (S schemes as one batch)
+    each scheme's rows are compared with the same W.
     """
     logits = prefill(model, seq[:, :first], cache)[:, None]  # (W, 1, V): in chunks, each reading the stored past
     nll, kld, top1, evicted = [], [], [], []
@@ -175,8 +176,9 @@ def cached_scores(
         if not targets.shape[1]:
             return
         nll.append(token_nll(logits, targets))
-        if exact_hidden is not None:
-            k, t = kl_and_top1(model.lm_head(exact_hidden[:, at : at + targets.shape[1]]), logits)
+        if exact_hidden is not None:  # its rows once; a batch of S schemes x W windows repeats them S times
+            exact_logits = model.lm_head(exact_hidden[:, at : at + targets.shape[1]])  # (W, k, V)
+            k, t = kl_and_top1(exact_logits.repeat(logits.shape[0] // exact_logits.shape[0], 1, 1), logits)
             kld.append(k)
             top1.append(t)
         evicted.extend([cache.evicted] * targets.shape[1])
@@ -261,9 +263,7 @@ def evaluate(
     else:  # every scheme a row block of one batch: each step reads the weights once for all (kv/group.py)
         group = CacheGroup(caches)
         on_step = progress(f"{len(specs)} scheme(s)", steps) if progress else None
-        both = cached_scores(
-            lm.model, seq.repeat(len(specs), 1), first, group, chunk, exact.repeat(len(specs), 1, 1), on_step
-        )
+        both = cached_scores(lm.model, seq.repeat(len(specs), 1), first, group, chunk, exact, on_step)
         scored = [both.rows(slice(i * windows, (i + 1) * windows), len(specs)) for i in range(len(specs))]
     results: list[PplResult] = []
     blinds: list[float] = []
