@@ -83,17 +83,29 @@ def hf_fill(model, kind, batch: torch.Tensor, n, chunk=256):
     return cache, out
 
 
-def hf_decode(model, kind, ids, context, steps) -> float:
-    cache, out = hf_fill(model, kind, torch.tensor([ids]), context)
-    token = out.logits[0, -1].argmax()
+def decode_rate(
+    run: Callable[[int], object], pick: Callable[[object], int], token: int, steps: int
+) -> tuple[float, int]:
+    """Greedy decoding from `token`: run(token) is timed, pick(its result) gives the next token
+    (not timed); WARMUP untimed steps first. Returns (tokens/s from the median step, the token to
+    continue from)."""
     times = []
     for i in range(WARMUP + steps):
         t0 = time.perf_counter()
-        out = model(token.view(1, 1), past_key_values=cache, use_cache=True)
+        out = run(token)
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
-        token = out.logits[0, -1].argmax()
-    return 1 / statistics.median(times)
+        token = pick(out)
+    return 1 / statistics.median(times), token
+
+
+def hf_decode(model, kind, ids, context, steps) -> float:
+    cache, out = hf_fill(model, kind, torch.tensor([ids]), context)
+
+    def run(token: int):
+        return model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+
+    return decode_rate(run, lambda out: int(out.logits[0, -1].argmax()), int(out.logits[0, -1].argmax()), steps)[0]
 
 
 def hf_ppl(model, kind, ids, n=896, p=128, windows=4) -> float:
@@ -117,41 +129,18 @@ def llama_cpp_rows(
     kv_types: tuple[str, ...] = ("f16", "q8_0", "q4_0"),
 ) -> list[dict]:
     """Rows for llama.cpp on one GGUF with each of `kv_types` for K/V; `label` names the weights in the row."""
-    try:
-        import llama_cpp
-    except ImportError:
-        print("skipping llama.cpp: pip install llama-cpp-python to include it", file=sys.stderr)
-        return []
-    types = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
     bits = {"f16": 16, "q8_0": 8.5, "q4_0": 4.5}
     rows = []
     for name in kv_types:
-        t = types[name]
         row = {"peer": f"llama.cpp-{label}{name}", "kv_bits": bits[name]}
-        llm = llama_cpp.Llama(
-            model_path=str(gguf),
-            n_ctx=max(*contexts, 896) + 64,
-            n_batch=512,
-            flash_attn=True,
-            type_k=t,
-            type_v=t,
-            logits_all=False,
-            verbose=False,
-            n_threads=2,
-        )
+        llm = open_llama(gguf, max(*contexts, 896) + 64, name)
+        if llm is None:
+            return []
         row["ppl"] = llama_cpp_ppl(llm, ids)
         for context in contexts:
             llm.reset()
             llm.eval(ids[:context])
-            token = int(last_logits(llm).argmax())
-            times = []
-            for i in range(WARMUP + decode_tokens):
-                t0 = time.perf_counter()
-                llm.eval([token])
-                if i >= WARMUP:
-                    times.append(time.perf_counter() - t0)
-                token = int(last_logits(llm).argmax())
-            row[f"decode_tokens_per_s_{context}"] = 1 / statistics.median(times)
+            row[f"decode_tokens_per_s_{context}"] = llama_cpp_rate(llm, decode_tokens)
         print(json.dumps(row), file=sys.stderr)
         rows.append(row)
     return rows
@@ -181,7 +170,7 @@ def interleave(runs: dict[str, Callable[[], float]], rounds: int) -> dict:
 
 def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, room: int, kv: str = "fp16"):
     """A bf16-weights minillama with a `kv` cache prefilled with ids[:context]; each call decodes
-    `steps` greedy tokens and returns their median tokens/s (the cache grows by `steps` per call,
+    `steps` greedy tokens and returns their tokens/s (the cache grows by `steps` per call,
     within `room`)."""
     from minillama.kv.cache import KVCache
     from minillama.kv.spec import parse_kv
@@ -193,44 +182,45 @@ def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, ro
     state = {"token": int(prefill(lm.model, ids[:context], cache)[0].argmax())}
 
     def run() -> float:
-        times = []
-        for i in range(WARMUP + steps):
-            t0 = time.perf_counter()
-            logits = decode_step(lm.model, state["token"], cache)
-            if i >= WARMUP:
-                times.append(time.perf_counter() - t0)
-            state["token"] = int(logits.argmax())
-        return 1 / statistics.median(times)
+        rate, state["token"] = decode_rate(
+            lambda t: decode_step(lm.model, t, cache), lambda logits: int(logits.argmax()), state["token"], steps
+        )
+        return rate
 
     return run
 
 
-def llama_cpp_decoder(gguf: Path, ids: list[int], context: int, steps: int, room: int, kv: str = "f16"):
-    """The same for llama.cpp on a GGUF (K/V in `kv`), or None without llama-cpp-python."""
+def open_llama(gguf: Path, n_ctx: int, kv: str):
+    """llama.cpp on a GGUF with K/V stored as `kv` (f16, q8_0, q4_0), two threads, flash
+    attention; None (and a note) without llama-cpp-python."""
     try:
         import llama_cpp
     except ImportError:
         print("skipping llama.cpp: pip install llama-cpp-python to include it", file=sys.stderr)
         return None
     t = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}[kv]
-    llm = llama_cpp.Llama(
-        model_path=str(gguf), n_ctx=context + room, n_batch=512, flash_attn=True, type_k=t, type_v=t,
+    return llama_cpp.Llama(
+        model_path=str(gguf), n_ctx=n_ctx, n_batch=512, flash_attn=True, type_k=t, type_v=t,
         logits_all=False, verbose=False, n_threads=2,
     )  # fmt: skip
+
+
+def llama_cpp_rate(llm, steps: int) -> float:
+    """Tokens/s of `steps` greedy tokens decoded after what llm has evaluated."""
+
+    def greedy(_) -> int:
+        return int(last_logits(llm).argmax())
+
+    return decode_rate(lambda token: llm.eval([token]), greedy, greedy(None), steps)[0]
+
+
+def llama_cpp_decoder(gguf: Path, ids: list[int], context: int, steps: int, room: int, kv: str = "f16"):
+    """minillama_decoder's twin for llama.cpp on a GGUF (K/V in `kv`), or None without llama-cpp-python."""
+    llm = open_llama(gguf, context + room, kv)
+    if llm is None:
+        return None
     llm.eval(ids[:context])
-    state = {"token": int(last_logits(llm).argmax())}
-
-    def run() -> float:
-        times = []
-        for i in range(WARMUP + steps):
-            t0 = time.perf_counter()
-            llm.eval([state["token"]])
-            if i >= WARMUP:
-                times.append(time.perf_counter() - t0)
-            state["token"] = int(last_logits(llm).argmax())
-        return 1 / statistics.median(times)
-
-    return run
+    return lambda: llama_cpp_rate(llm, steps)
 
 
 def pair_rows(
