@@ -14,9 +14,10 @@ averages errors away, KLD does not.
 
 Windows: W consecutive, non-overlapping windows of N tokens starting at token O, run
 as one batch of W through a batch-W cache; the S schemes of a run are rows of that batch too
-(S x W rows, one cache per scheme: kv/group.py), so each step reads the weights once for all. Each window scores its tokens P..N-1; the
-reported perplexity is exp(mean NLL) over all scored tokens of all windows. If the
-tokenizer adds a BOS by default, each window gets it prepended as an unscored token.
+(S x W rows, one cache per scheme: kv/group.py), so each step reads the weights once for all.
+Each window scores its tokens P..N-1; the reported perplexity is exp(mean NLL) over all
+scored tokens of all windows. If the tokenizer adds a BOS by default, each window gets it
+prepended as an unscored token.
 
 Streaming (``ctx`` below the window): the cache holds ``ctx`` tokens and the ring evicts
 the oldest non-sink tokens, StreamingLLM-style, so a window can be longer than the

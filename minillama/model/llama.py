@@ -152,7 +152,7 @@ class Llama(nn.Module):
         projections and the native step's weight pointers are derived from it, so they are made
         again from the converted parameters rather than left behind (stale weights, or pointers
         into freed memory); RoPE's speeds are not weights and stay float32."""
-        fused = any(layer.self_attn.qkv is not None for layer in self.model.layers)
+        fused = self._fused()
         inv_freq = self.inv_freq  # (D/2,) float32
         super()._apply(fn, recurse)
         self.inv_freq = inv_freq.to(self.inv_freq.device)  # RoPE speeds stay float32 in any dtype, as loaded
@@ -163,11 +163,14 @@ class Llama(nn.Module):
         """As ``nn.Module``'s. A plain load copies into the existing parameters, which the fused
         weights share and the native step points at; ``assign=True`` replaces them, so what is
         derived from them is made again."""
-        fused = any(layer.self_attn.qkv is not None for layer in self.model.layers)
+        fused = self._fused()
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:
             self._derived_changed(fused)
         return result
+
+    def _fused(self) -> bool:
+        return any(layer.self_attn.qkv is not None for layer in self.model.layers)
 
     def _derived_changed(self, fused: bool) -> None:
         self._native_steps.clear()  # rebuilt on the next step from the parameters as they are now

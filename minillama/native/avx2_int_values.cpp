@@ -38,7 +38,8 @@ constexpr int SB = 32;  // tokens per block of byte weights
 // fields 0, 1 come from bytes 0-7 | 16-23 by unpacklo per 128-bit lane, 2, 3 from 8-15 | 24-31):
 // channel 2 (i + 16h + 8 (e / 2)) + e % 2. 2-bit rows (byte b holds 4b .. 4b + 3; the halves
 // hold bytes 0-7 | 8-15, field e is the e-th code of each byte): channel 4 (i + 8h) + e.
-// Two tokens' rows -> four registers of byte pairs (c_t,d, c_t+1,d) for 64 channels.
+//
+// pair_codes: two tokens' rows -> four field registers of byte pairs (c_t,d, c_t+1,d), 64 channels.
 template <int BITS>
 inline void pair_codes(const uint8_t* x, const uint8_t* y, __m256i* f) {
     if (BITS == 4) {  // fields 0, 1: unpacklo's low and high nibbles; 2, 3: unpackhi's

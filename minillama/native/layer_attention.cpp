@@ -27,6 +27,12 @@
 #include <cmath>
 #include <omp.h>
 
+// Whether a SIMD integer kernel reads these rows on this build: VNNI (AVX-512) keys and values,
+// or on AVX2 score_int4 (4-bit keys) and value_bytes (2- and 4-bit values).
+static bool simd_integer_reads(int values, const RowSource& s, int D) {
+    return values ? vnni_values(s, D) || byte_values(s, D) : vnni_keys(s, D) || int4_keys(s, D);
+}
+
 // Whether `route` can read rows described by `src` (values = 1: as values, 0: as keys) for R
 // query heads per KV head of size D. The float and exact kernels take any R; their row buffers
 // hold D <= 512 floats. The integer kernels (int_attention.cpp) keep per-head arrays for R <= 8
@@ -46,7 +52,7 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
             return s.kind == ROW_CHANNEL && code_bits && s.bits != 5 && s.group > 0 ? MINILLAMA_OK : MINILLAMA_E_CODES;
         case ROUTE_INTEGER:
             if (!int_attention_available()) return MINILLAMA_E_CODES;
-            if (values ? vnni_values(s, D) || byte_values(s, D) : vnni_keys(s, D) || int4_keys(s, D)) return MINILLAMA_OK;  // SIMD integer kernels
+            if (simd_integer_reads(values, s, D)) return MINILLAMA_OK;
             if (R > 8) return MINILLAMA_E_GQA;
             if (D % 32 || D > 128) return MINILLAMA_E_HEAD_DIM;
             if (!(s.bits >= 2 && s.bits <= 4) || !s.zero || s.codebook) return MINILLAMA_E_CODES;
@@ -70,7 +76,7 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
 // scalar weights cost more than widening the codes to floats.
 extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
     const RowSource& s = *src;
-    if (values ? vnni_values(s, D) || byte_values(s, D) : vnni_keys(s, D) || int4_keys(s, D)) return 0;
+    if (simd_integer_reads(values, s, D)) return 0;
     return fast_reads(s, D, values) ? 1 : 0;
 }
 
