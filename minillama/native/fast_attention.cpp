@@ -413,11 +413,70 @@ inline void quantize_chunks(const float* x, int32_t* qw, float* qa, float* offse
     *offset = off;
 }
 
+// The rows of 16 consecutive tokens (NC dwords each: two rows per register for NC = 8, one for
+// NC = 16) turned into NC registers, register c holding dword c of every token (lane t = token t):
+// the layout vpdpbusd wants, without a gather (a 16-lane gather is a micro-coded 16 loads; at
+// NC gathers per 16 tokens it cost more than the integer arithmetic). log2(NC) + 1 stages of
+// two-source permutes: each merges two registers that hold the same chunks of different tokens
+// and splits the union into its lower and upper chunks. The index vectors are worked out once,
+// by following where every (token, chunk) element goes.
+template <int NC>
+struct Transpose16 {
+    static constexpr int STAGES = NC == 8 ? 3 : 4;
+    alignas(64) int32_t idx[STAGES][NC][16];  // output o of a stage, lane l: lane of a (< 16) or b (16 +)
+    int src[STAGES][NC][2];                   // the two registers output o is made from
+    int order[NC];                            // the register that ends holding chunk c
+    Transpose16() {
+        int at[NC][16][2];  // [register][lane]: (token, chunk)
+        for (int r = 0; r < NC; r++)
+            for (int l = 0; l < 16; l++) {
+                const int t = NC == 8 ? 2 * r + l / 8 : r, c = NC == 8 ? l % 8 : l;
+                at[r][l][0] = t, at[r][l][1] = c;
+            }
+        for (int st = 0; st < STAGES; st++) {
+            int next[NC][16][2], used[NC] = {0}, o = 0;
+            for (int a = 0; a < NC; a++) {  // a's partner: the next register with the same chunks
+                if (used[a]) continue;
+                int b = a + 1;
+                while (used[b] || at[b][0][1] != at[a][0][1]) b++;
+                used[a] = used[b] = 1;
+                int lanes[32];  // a's and b's lanes, sorted by (chunk, token)
+                for (int l = 0; l < 32; l++) lanes[l] = l;
+                auto key = [&](int l) { const int* e = l < 16 ? at[a][l] : at[b][l - 16]; return e[1] * 64 + e[0]; };
+                std::sort(lanes, lanes + 32, [&](int x, int y) { return key(x) < key(y); });
+                for (int h = 0; h < 2; h++, o++) {
+                    src[st][o][0] = a, src[st][o][1] = b;
+                    for (int l = 0; l < 16; l++) {
+                        const int from = lanes[16 * h + l];
+                        idx[st][o][l] = from;
+                        const int* e = from < 16 ? at[a][from] : at[b][from - 16];
+                        next[o][l][0] = e[0], next[o][l][1] = e[1];
+                    }
+                }
+            }
+            std::memcpy(at, next, sizeof(at));
+        }
+        for (int r = 0; r < NC; r++) order[at[r][0][1]] = r;
+    }
+    // 16 rows from `rows` (16 NC consecutive dwords) -> w[c].
+    void operator()(const int32_t* rows, __m512i* w) const {
+        __m512i x[NC], y[NC];
+        for (int r = 0; r < NC; r++) x[r] = _mm512_loadu_si512(rows + 16 * r);
+        for (int st = 0; st < STAGES; st++) {
+            for (int o = 0; o < NC; o++)
+                y[o] = _mm512_permutex2var_epi32(x[src[st][o][0]], _mm512_load_si512(idx[st][o]), x[src[st][o][1]]);
+            for (int o = 0; o < NC; o++) x[o] = y[o];
+        }
+        for (int c = 0; c < NC; c++) w[c] = x[order[c]];
+    }
+};
+
 template <int NC>
 bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
     constexpr int D = 8 * NC, NV = D / 16;
     static_assert(sizeof(VnniQuery<NC>) <= sizeof(Prep::bytes), "Prep is too small");
     VnniQuery<NC>& st = *reinterpret_cast<VnniQuery<NC>*>(prep.bytes);
+    static const Transpose16<NC> transpose;
     const bool channel = s.kind == ROW_CHANNEL, book = s.codebook != nullptr;
     __m512i lut = _mm512_setzero_si512();
     float level_step = 1.f;  // a codebook level is level_step * L8
@@ -467,9 +526,17 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         }
         prefetch_rows(s, bh, at.slot, 32, 16, D / 2, channel ? 0 : 1);  // two chunks ahead
         // Where each of the 16 tokens' rows starts, in 4-byte words (a short chunk repeats a row).
-        __m512i base;
+        __m512i base = _mm512_setzero_si512();
         alignas(64) float tscale[16] = {0.f}, tzero[16] = {0.f};
-        if (at.slot + len <= s.slots) {
+        const bool whole = len == 16 && at.slot + 16 <= s.slots;  // 16 consecutive rows: transposed, not gathered
+        const int64_t whole_first = bh * s.slots + at.slot;
+        if (whole) {
+            if (!channel) {
+                _mm512_store_ps(tscale, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.scale + whole_first))));
+                if (s.zero) _mm512_store_ps(tzero, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + whole_first))));
+            }
+            for (int t = 0; t < 16; t++) at.next();
+        } else if (at.slot + len <= s.slots) {
             const int64_t first = bh * s.slots + at.slot;
             base = _mm512_mullo_epi32(_mm512_min_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                        _mm512_set1_epi32(len - 1)), _mm512_set1_epi32(words));
@@ -491,9 +558,10 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             at.next();
             base = _mm512_load_si512(index);
         }
-        __m512i lo[NC], hi[NC];
+        __m512i lo[NC], hi[NC], rows[NC];
+        if (whole) transpose((const int32_t*)s.data + whole_first * words, rows);
         for (int c = 0; c < NC; c++) {
-            const __m512i w = _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
+            const __m512i w = whole ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
             lo[c] = _mm512_and_si512(w, nib);
             hi[c] = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
             if (book) lo[c] = _mm512_shuffle_epi8(lut, lo[c]), hi[c] = _mm512_shuffle_epi8(lut, hi[c]);
@@ -520,16 +588,17 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     return true;
 }
 
-// Integer values for 2/3/4/8-bit per-token codes (affine, or a codebook as int8 levels) with
-// groups of 16 channels or more: o_d = sum_t w_tg c_td + sum_t p_t z_tg, w_tg = p_t s_tg.
+// Integer values for 2/3/4/8-bit affine per-token codes with groups of 16 channels or more:
+// o_d = sum_t w_tg c_td + sum_t p_t z_tg, w_tg = p_t s_tg.
 //
 // Per sub-block of 32 tokens, each head's weights w_tg become int16, w ~= b w16 with b =
 // max_t w_tg / 32767 per head and group (plain rounding: a weight is off by at most b/2, which is
 // max w / 65534 -- the softmax's long tail is kept, no error diffusion needed at this width). Two
-// tokens' codes of one channel share a 32-bit lane as int16 (c_t | c_t+1 << 16), so vpdpwssd with
-// the broadcast (w16_t | w16_t+1 << 16) adds both tokens' products into the channel's lane:
-// no horizontal sums, 32 multiply-adds per instruction. The int32 sums (at most 32 tokens x
-// 255 x 32767) become floats once per sub-block, times b.
+// tokens' codes of one channel share a 32-bit lane as int16 (c_t | c_t+1 << 16), made from the
+// packed bytes without unpacking a row (pair_fields), so vpdpwssd with the pair's weight dword
+// (w16_t | w16_t+1 << 16) adds both tokens' products into the channel's lane: no horizontal
+// sums, 32 multiply-adds per instruction. The int32 sums (at most 32 tokens x 255 x 32767)
+// become floats once per sub-block, times b; the channels come back in order once per call.
 template <int BITS>
 inline void unpack_codes(const uint8_t* row, int D, uint8_t* __restrict__ out) {  // D codes -> D bytes, channel order
     if (BITS == 8) {
@@ -596,76 +665,160 @@ inline float weights16(const float* p, const float* sc, const float* zc, int len
     return b;
 }
 
+// Two tokens' packed rows (2 NV BITS bytes each) -> NV registers of int16 pairs (c_t,d | c_t+1,d << 16),
+// straight from the packed bytes: 16-byte piece m of both rows is interleaved byte by byte and
+// widened (dword j = bytes j of x and y), then its F = 8 / BITS fields are split by shift and mask.
+// Register K = F m + k, lane j holds channel (16 m + j) F + k: the decode order of channel_of for
+// 2- and 4-bit codes, natural order for bytes.
+template <int BITS, int NV>
+inline void pair_fields(const uint8_t* x, const uint8_t* y, __m512i* f) {
+    constexpr int F = 8 / BITS, NP = NV / F;
+    const __m512i mask = _mm512_set1_epi16((1 << BITS) - 1);
+    for (int m = 0; m < NP; m++) {
+        const __m128i a = _mm_loadu_si128((const __m128i*)(x + 16 * m)), b = _mm_loadu_si128((const __m128i*)(y + 16 * m));
+        const __m512i z = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+        for (int k = 0; k < F; k++) f[F * m + k] = BITS == 8 ? z : _mm512_and_si512(_mm512_srli_epi16(z, BITS * k), mask);
+    }
+}
+
+// acc[r][K] += pairs x the head's pair weights for RT query heads from r, their accumulators in
+// registers (a runtime head count leaves them in memory: a load and a store per multiply-add).
+// wq[r] holds pair i's weight dwords at i NG (one per group); piece m's lanes take their group's (gidx[m]),
+// one permute per piece, head and pair, shared by the piece's F registers. Then out += acc b.
+template <int NV, int F, int RT>
+inline void pair_heads(const __m512i (*pairs)[NV], int npairs, const int32_t (*wq)[8 * 16 + 16], int NG,
+                       const float (*b)[16], const __m512i* gidx, __m512 (*out)[NV]) {
+    constexpr int NP = NV / F;
+    __m512i acc[RT][NV];
+    for (int r = 0; r < RT; r++)
+        for (int k = 0; k < NV; k++) acc[r][k] = _mm512_setzero_si512();
+    for (int i = 0; i < npairs; i++)
+        for (int m = 0; m < NP; m++) {
+            __m512i w[RT];
+            for (int r = 0; r < RT; r++) w[r] = _mm512_permutexvar_epi32(gidx[m], _mm512_loadu_si512(wq[r] + i * NG));
+            for (int k = 0; k < F; k++) {
+                const __m512i x = _mm512_load_si512(&pairs[i][F * m + k]);
+                for (int r = 0; r < RT; r++) acc[r][F * m + k] = _mm512_dpwssd_epi32(acc[r][F * m + k], x, w[r]);
+            }
+        }
+    for (int r = 0; r < RT; r++)
+        for (int m = 0; m < NP; m++) {
+            const __m512 bm = _mm512_permutexvar_ps(gidx[m], _mm512_loadu_ps(b[r]));
+            for (int k = 0; k < F; k++)
+                out[r][F * m + k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][F * m + k]), bm, out[r][F * m + k]);
+        }
+}
+
+// Every head through pair_heads, in tiles of up to 29 / (NV + 1) heads (the accumulators and one
+// weight register per head, of 32 registers).
+template <int NV, int F>
+inline void pair_all(const __m512i (*pairs)[NV], int npairs, const int32_t (*wq)[8 * 16 + 16], int NG,
+                     const float (*b)[16], const __m512i* gidx, __m512 (*out)[NV], int R) {
+    constexpr int T = 29 / (NV + 1);
+    int r = 0;
+    for (; r + T <= R; r += T) pair_heads<NV, F, T>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+    switch (R - r) {
+        case 0: return;
+        case 1: return pair_heads<NV, F, 1>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+        case 2: return pair_heads<NV, F, (T > 2 ? 2 : 1)>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+        case 3: return pair_heads<NV, F, (T > 3 ? 3 : 1)>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+        default: return pair_heads<NV, F, (T > 4 ? 4 : 1)>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+    }
+}
+
+// BITS: the stored code width; 3-bit rows are unpacked to bytes first and paired as 8-bit ones.
 template <int BITS, int NV>
 bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
-    constexpr int D = 16 * NV, SB = 32;
+    constexpr int D = 16 * NV, SB = 32, PB = BITS == 3 ? 8 : BITS, F = 8 / PB, NP = NV / F;
     const int G = s.group, NG = D / G;
-    const bool book = s.codebook != nullptr;
-    __m128i lut = _mm_setzero_si128();
-    float level_step = 1.f;
-    if (book) {
-        float big = 0.f;
-        for (int l = 0; l < 16 && l < (1 << BITS); l++) big = std::max(big, std::fabs(s.codebook[l]));
-        level_step = big > 0.f ? big / 127.f : 1.f;
-        alignas(16) int8_t t[16] = {0};
-        for (int l = 0; l < 16 && l < (1 << BITS); l++) t[l] = (int8_t)std::nearbyint(s.codebook[l] / level_step);
-        lut = _mm_load_si128((const __m128i*)t);
+    __m512i gidx[NP];  // lane j of piece m: the group of its channels
+    for (int m = 0; m < NP; m++) {
+        alignas(64) int32_t t[16];
+        for (int j = 0; j < 16; j++) t[j] = (16 * m + j) * F / G;
+        gidx[m] = _mm512_load_si512(t);
     }
-    alignas(64) __m512 out[16][NV];  // [head][16 channels], float
-    float zsum[16][8] = {{0.f}};     // [head][group]: sum_t p_t z_tg
+    alignas(64) __m512 out[16][NV];  // [head][register]: float sums in decode order
+    alignas(64) float zsum[16][16] = {{0.f}};  // [head][group]: sum_t p_t z_tg
     for (int r = 0; r < R; r++)
         for (int k = 0; k < NV; k++) out[r][k] = _mm512_setzero_ps();
-    alignas(64) uint8_t rows[SB][128];
-    alignas(64) int16_t w16[16][8][SB];  // [head][group][token]
-    float b[16][8];                      // [head][group]: the int16 step
+    alignas(64) uint8_t rows[SB][128];      // 3-bit rows unpacked to bytes
+    alignas(64) __m512i pairs[SB / 2][NV];  // pair_fields of tokens 2i, 2i + 1
+    alignas(64) int16_t w16[16][8][SB];     // [head][group][token]
+    alignas(64) int32_t wq[16][8 * SB / 2 + 16];  // [head][pair q][group g] at q NG + g: the pair's weight dword
+    alignas(64) float b[16][16] = {{0.f}};  // [head][group]: the int16 step
+    constexpr int RB = D * BITS / 8;
     Cursor at(s.start, i0, s.slots);
     for (int i = i0; i < i0 + n; i += SB) {
         const int len = std::min(SB, i0 + n - i);
-        prefetch_rows(s, bh, at.slot, SB, SB, D * BITS / 8, NG);  // the next sub-block
-        alignas(64) float sc[8][SB] = {{0.f}}, zc[8][SB] = {{0.f}};  // [group][token]
-        for (int t = 0; t < len; t++) {
-            const int64_t slot = bh * s.slots + at.slot;
-            at.next();
-            unpack_codes<BITS>((const uint8_t*)s.data + slot * (D * BITS / 8), D, rows[t]);
-            if (book)
-                for (int c = 0; c < D; c += 16)
-                    _mm_storeu_si128((__m128i*)(rows[t] + c), _mm_shuffle_epi8(lut, _mm_loadu_si128((const __m128i*)(rows[t] + c))));
-            for (int g = 0; g < NG; g++) {
-                sc[g][t] = half_to_float(s.scale[slot * NG + g]);
-                zc[g][t] = s.zero ? half_to_float(s.zero[slot * NG + g]) : 0.f;
+        prefetch_rows(s, bh, at.slot, SB, SB, RB, NG);  // the next sub-block
+        alignas(64) float sc[8][SB], zc[8][SB];         // [group][token], zero past len
+        const int64_t first = bh * s.slots + at.slot;
+        const bool straight = at.slot + len <= s.slots;  // the sub-block's rows are consecutive slots
+        if (straight && NG <= 2 && len == SB) {  // 16 tokens' NG scales at a time, split by group
+            const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+            const uint16_t* src[2] = {s.scale + first * NG, s.zero + first * NG};
+            for (int m = 0; m < 2; m++) {
+                float(*dst)[SB] = m ? zc : sc;
+                for (int h = 0; h < SB; h += 16) {
+                    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src[m] + NG * h)));
+                    if (NG == 1) {
+                        _mm512_store_ps(dst[0] + h, a);
+                        continue;
+                    }
+                    const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src[m] + NG * h + 16)));
+                    _mm512_store_ps(dst[0] + h, _mm512_permutex2var_ps(a, even, c));
+                    _mm512_store_ps(dst[1] + h, _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), c));
+                }
+            }
+        } else {
+            Cursor c = at;
+            for (int t = 0; t < SB; t++) {
+                const int64_t slot = bh * s.slots + c.slot;
+                if (t < len) c.next();
+                for (int g = 0; g < NG; g++)
+                    sc[g][t] = t < len ? half_to_float(s.scale[slot * NG + g]) : 0.f, zc[g][t] = t < len ? half_to_float(s.zero[slot * NG + g]) : 0.f;
             }
         }
-        if (len % 2) std::memset(rows[len], 0, D);  // an odd last token pairs with zero codes
-        for (int r = 0; r < R; r++)
+        const uint8_t* row[SB + 1];  // each token's packed row; an odd last token pairs with zeros
+        for (int t = 0; t < len; t++) {
+            row[t] = (const uint8_t*)s.data + (bh * s.slots + at.slot) * RB;
+            at.next();
+            if (BITS == 3) unpack_codes<3>(row[t], D, rows[t]), row[t] = rows[t];
+        }
+        if (len % 2) std::memset(rows[len], 0, D), row[len] = rows[len];
+        for (int r = 0; r < R; r++) {
             for (int g = 0; g < NG; g++)
                 b[r][g] = weights16(p + (int64_t)r * lp + (i - i0), sc[g], zc[g], len, w16[r][g], &zsum[r][g]);
-        __m512i acc[16][NV];
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < NV; k++) acc[r][k] = _mm512_setzero_si512();
-        for (int t = 0; t < len; t += 2) {
-            __m512i pair[NV];  // (c_t,d | c_t+1,d << 16) for 16 channels each
-            for (int k = 0; k < NV; k++) {
-                const __m128i x = _mm_loadu_si128((const __m128i*)(rows[t] + 16 * k));
-                const __m128i y = _mm_loadu_si128((const __m128i*)(rows[t + 1] + 16 * k));
-                const __m256i xy = _mm256_set_m128i(_mm_unpackhi_epi8(x, y), _mm_unpacklo_epi8(x, y));
-                pair[k] = book ? _mm512_cvtepi8_epi16(xy) : _mm512_cvtepu8_epi16(xy);
+            int32_t* dst = wq[r];  // pair q's dword of group g at q NG + g
+            if (NG == 1) {
+                std::memcpy(dst, w16[r][0], 2 * SB);
+            } else if (NG == 2) {
+                const __m512i a = _mm512_load_si512(w16[r][0]), c = _mm512_load_si512(w16[r][1]);
+                _mm512_store_si512(dst, _mm512_unpacklo_epi32(a, c));  // per 128-bit lane: pairs 4l, 4l + 1
+                _mm512_store_si512(dst + 16, _mm512_unpackhi_epi32(a, c));
+                const __m512i lo = _mm512_load_si512(dst), hi = _mm512_load_si512(dst + 16);
+                const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+                _mm512_store_si512(dst, _mm512_permutex2var_epi32(lo, first, hi));
+                _mm512_store_si512(dst + 16, _mm512_permutex2var_epi32(lo, _mm512_add_epi32(first, _mm512_set1_epi32(8)), hi));
+            } else {
+                for (int q = 0; q < SB / 2; q++)
+                    for (int g = 0; g < NG; g++) std::memcpy(dst + q * NG + g, &w16[r][g][2 * q], 4);
             }
-            for (int r = 0; r < R; r++)
-                for (int k = 0; k < NV; k++) {
-                    int32_t wpair;
-                    std::memcpy(&wpair, &w16[r][16 * k / G][t], 4);
-                    acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], pair[k], _mm512_set1_epi32(wpair));
-                }
         }
-        for (int r = 0; r < R; r++)
-            for (int k = 0; k < NV; k++)
-                out[r][k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][k]), _mm512_set1_ps(b[r][16 * k / G] * level_step), out[r][k]);
+        for (int t = 0; t < len; t += 2) pair_fields<PB, NV>(row[t], row[t + 1], pairs[t / 2]);
+        pair_all<NV, F>(pairs, (len + 1) / 2, wq, NG, b, gidx, out, R);
     }
-    for (int r = 0; r < R; r++)
-        for (int k = 0; k < NV; k++) {
-            float* o = acc_out + (size_t)r * D + 16 * k;
-            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_add_ps(out[r][k], _mm512_set1_ps(zsum[r][16 * k / G]))));
+    for (int r = 0; r < R; r++) {  // back to channel order, with the zeros' share
+        alignas(64) float o[NV][16];
+        for (int m = 0; m < NP; m++) {
+            const __m512 z = _mm512_permutexvar_ps(gidx[m], _mm512_loadu_ps(zsum[r]));
+            for (int k = 0; k < F; k++) _mm512_store_ps(o[F * m + k], _mm512_add_ps(out[r][F * m + k], z));
         }
+        float* dst = acc_out + (size_t)r * D;
+        for (int m = 0; m < NP; m++)
+            for (int k = 0; k < F; k++)
+                for (int j = 0; j < 16; j++) dst[(16 * m + j) * F + k] += o[F * m + k][j];
+    }
     return true;
 }
 #endif
