@@ -25,6 +25,7 @@ from minillama.eval.synthetic import fill_synthetic
 from minillama.kv import packing
 from minillama.kv.cache import KVCache
 from minillama.kv.codecs import ChannelAffine
+from minillama.kv.quantize import gaussian_codebook
 from minillama.kv.fused_attention import attend_one_part, fused_decode_attention, route, row_source
 from minillama.kv.spec import parse_kv
 from minillama.native import abi, backend
@@ -152,6 +153,40 @@ def test_integer_values_hold_the_bound_where_a_target_reads_them(lib, spec, d):
         check_value_bound(lib, spec, 301, 1, 3, d)
     except NotSupported as e:
         pytest.skip(f"this target's integer route does not read {spec} ({e})")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_codebook_values_hold_the_int16_level_bound_where_a_target_reads_them(lib, bits, d):
+    """Lloyd-Max values on the integer route: levels become int16, L16 = round(L 2047 / max |L|),
+    so a level is off by at most max |L| / 4094 (int8 levels moved the small ones by 3%), and
+    the weights p s become int16 per block of 32 tokens (off by at most max w / 65534). The
+    error of each output is bounded by the sum of both."""
+    spec = f"k=int4c,v=lm{bits}h,group=32,residual=0"
+    cache = filled(spec, 301, 1, head_dim=d)
+    store = cache.layers[0][1]
+    codes, parts = body(store)  # (B, H, m, D)
+    m, g = store.n_body, store.group
+    p = torch.softmax(torch.randn(1, 2, 3, m) * 3, -1)  # (B, H, R, m): peaked attention weights
+    got = torch.zeros(1, 2, 3, d)
+    try:
+        integer_call(lib, cache, True, p, got)
+    except NotSupported as e:
+        pytest.skip(f"this target's integer route does not read codebook values ({e})")
+    exact = p @ store.codec.decode(parts, g, d)  # (B, H, R, D)
+    book = gaussian_codebook(bits)
+    levels = book[codes.long()]  # (B, H, m, D)
+    scale = parts["scale"].float().repeat_interleave(g, dim=-1)  # (B, H, m, D)
+    w = p.unsqueeze(-1) * scale.unsqueeze(2)  # (B, H, R, m, D): each code's weight
+    level_error = w.sum(3) * book.abs().max() / 4094  # (B, H, R, D)
+    blocks = torch.arange(m) // 32
+    weight_error = torch.zeros_like(exact)
+    for k in range(int(blocks.max()) + 1):
+        sel = blocks == k
+        b = w[..., sel, :].amax(dim=3) / 32767  # (B, H, R, D): the block's int16 weight step
+        weight_error += b / 2 * (levels[..., sel, :].abs().sum(2) * 1.001).unsqueeze(2)
+    assert ((got - exact).abs() <= (level_error + weight_error) * (1 + 1e-4) + 1e-6).all()
+    assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
 @pytest.mark.parametrize("spec", ["k=int4c,v=int2,group=32,residual=0", "k=int4c,v=int4,vgroup=64,residual=0", "kivi4"])

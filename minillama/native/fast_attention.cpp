@@ -588,8 +588,9 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     return true;
 }
 
-// Integer values for 2/3/4/8-bit affine per-token codes with groups of 16 channels or more:
-// o_d = sum_t w_tg c_td + sum_t p_t z_tg, w_tg = p_t s_tg.
+// Integer values for 2/3/4/8-bit affine per-token codes, or codebooks of up to 16 levels, with
+// groups of 16 channels or more: o_d = sum_t w_tg c_td + sum_t p_t z_tg, w_tg = p_t s_tg (c the
+// code, or its level L16 for a codebook, which has no zeros).
 //
 // Per sub-block of 32 tokens, each head's weights w_tg become int16, w ~= b w16 with b =
 // max_t w_tg / 32767 per head and group (plain rounding: a weight is off by at most b/2, which is
@@ -599,6 +600,22 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
 // (w16_t | w16_t+1 << 16) adds both tokens' products into the channel's lane: no horizontal
 // sums, 32 multiply-adds per instruction. The int32 sums (at most 32 tokens x 255 x 32767)
 // become floats once per sub-block, times b; the channels come back in order once per call.
+#if MINILLAMA_VBMI
+// 64 3-bit codes (24 bytes, 8 codes per 3 bytes, lowest bits first) -> 64 bytes, channel order:
+// qword j gets bytes 3j .. 3j + 2 (vpermb), then vpmultishiftqb takes the 8 bits at offsets
+// 0, 3, .., 21 of it into bytes (the same steps as unpack_codes<3>, kept in a register).
+inline __m512i codes3(const uint8_t* row) {
+    alignas(64) static const uint8_t spread[64] = {
+        0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 0, 0, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0, 9, 10, 11, 0, 0, 0, 0, 0,
+        12, 13, 14, 0, 0, 0, 0, 0, 15, 16, 17, 0, 0, 0, 0, 0, 18, 19, 20, 0, 0, 0, 0, 0, 21, 22, 23, 0, 0, 0, 0, 0};
+    const __m512i shifts = _mm512_set1_epi64(0x1512'0F0C'0906'0300ll);  // 21, 18, .., 0
+    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFF, row);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(_mm512_load_si512(spread), bytes)),
+                            _mm512_set1_epi8(7));
+}
+
+#endif
+
 template <int BITS>
 inline void unpack_codes(const uint8_t* row, int D, uint8_t* __restrict__ out) {  // D codes -> D bytes, channel order
     if (BITS == 8) {
@@ -626,20 +643,9 @@ inline void unpack_codes(const uint8_t* row, int D, uint8_t* __restrict__ out) {
         }
     } else {  // 3-bit: 8 codes per 3 bytes, lowest bits first
 #if MINILLAMA_VBMI
-        // Qword j gets bytes 3j .. 3j + 2 (vpermb), then vpmultishiftqb takes the 8 bits at offsets
-        // 0, 3, .., 21 of it into bytes: 64 codes in 4 instructions. (BMI2's pdep would do 8 codes
-        // at a time, but it measured ~100 cycles per call on this project's VMs.)
-        alignas(64) static const uint8_t spread[64] = {
-            0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 0, 0, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0, 9, 10, 11, 0, 0, 0, 0, 0,
-            12, 13, 14, 0, 0, 0, 0, 0, 15, 16, 17, 0, 0, 0, 0, 0, 18, 19, 20, 0, 0, 0, 0, 0, 21, 22, 23, 0, 0, 0, 0, 0};
-        const __m512i idx = _mm512_load_si512(spread);
-        const __m512i shifts = _mm512_set1_epi64(0x1512'0F0C'0906'0300ll);  // 21, 18, .., 0
-        for (int c = 0; c < D; c += 64) {
-            const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFF, row + 3 * c / 8);
-            const __m512i codes = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(idx, bytes)),
-                                                   _mm512_set1_epi8(7));
-            _mm512_storeu_si512(out + c, codes);
-        }
+        // BMI2's pdep would do 8 codes at a time, but it measured ~100 cycles per call on this
+        // project's VMs; codes3 does 64 in four instructions.
+        for (int c = 0; c < D; c += 64) _mm512_storeu_si512(out + c, codes3(row + 3 * c / 8));
 #else
         for (int j = 0; j < D / 8; j++) {
             const uint32_t w = row[3 * j] | (row[3 * j + 1] << 8) | (row[3 * j + 2] << 16);
@@ -681,6 +687,26 @@ inline void pair_fields(const uint8_t* x, const uint8_t* y, __m512i* f) {
     }
 }
 
+#if MINILLAMA_VBMI
+// Two tokens' 3-bit rows -> NV pair registers as pair_fields<8> makes them from bytes (register
+// m, lane j: channel 16 m + j), each by one two-source byte permute with the odd bytes zeroed.
+template <int NV>
+inline void pair_codes3(const uint8_t* x, const uint8_t* y, __m512i* f) {
+    alignas(64) static const struct Index {
+        uint8_t b[4][64];
+        Index() {
+            for (int m = 0; m < 4; m++)
+                for (int j = 0; j < 16; j++) b[m][4 * j] = (uint8_t)(16 * m + j), b[m][4 * j + 2] = (uint8_t)(64 + 16 * m + j), b[m][4 * j + 1] = b[m][4 * j + 3] = 0;
+        }
+    } index;
+    for (int h = 0; h < NV / 4; h++) {  // 64 channels at a time
+        const __m512i a = codes3(x + 24 * h), c = codes3(y + 24 * h);
+        for (int m = 0; m < 4; m++)
+            f[4 * h + m] = _mm512_maskz_permutex2var_epi8((__mmask64)0x5555555555555555ull, a, _mm512_load_si512(index.b[m]), c);
+    }
+}
+#endif
+
 // acc[r][K] += pairs x the head's pair weights for RT query heads from r, their accumulators in
 // registers (a runtime head count leaves them in memory: a load and a store per multiply-add).
 // wq[r] holds pair i's weight dwords at i NG (one per group); piece m's lanes take their group's (gidx[m]),
@@ -692,15 +718,24 @@ inline void pair_heads(const __m512i (*pairs)[NV], int npairs, const int32_t (*w
     __m512i acc[RT][NV];
     for (int r = 0; r < RT; r++)
         for (int k = 0; k < NV; k++) acc[r][k] = _mm512_setzero_si512();
-    for (int i = 0; i < npairs; i++)
+    for (int i = 0; i < npairs; i++) {
+        __m512i w[RT];
+        if (NG == 1) {  // one group per row: one broadcast per head serves every piece
+            for (int r = 0; r < RT; r++) w[r] = _mm512_set1_epi32(wq[r][i]);
+            for (int k = 0; k < NV; k++) {
+                const __m512i x = _mm512_load_si512(&pairs[i][k]);
+                for (int r = 0; r < RT; r++) acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], x, w[r]);
+            }
+            continue;
+        }
         for (int m = 0; m < NP; m++) {
-            __m512i w[RT];
             for (int r = 0; r < RT; r++) w[r] = _mm512_permutexvar_epi32(gidx[m], _mm512_loadu_si512(wq[r] + i * NG));
             for (int k = 0; k < F; k++) {
                 const __m512i x = _mm512_load_si512(&pairs[i][F * m + k]);
                 for (int r = 0; r < RT; r++) acc[r][F * m + k] = _mm512_dpwssd_epi32(acc[r][F * m + k], x, w[r]);
             }
         }
+    }
     for (int r = 0; r < RT; r++)
         for (int m = 0; m < NP; m++) {
             const __m512 bm = _mm512_permutexvar_ps(gidx[m], _mm512_loadu_ps(b[r]));
@@ -732,6 +767,20 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
     constexpr int D = 16 * NV, SB = 32, PB = BITS == 3 ? 8 : BITS, F = 8 / PB, NP = NV / F;
     const int G = s.group, NG = D / G;
     __m512i gidx[NP];  // lane j of piece m: the group of its channels
+    // A codebook's levels as int16, L16 = round(L 2047 / max |L|), looked up per 16-bit lane
+    // (vpermw). 2047 keeps 32 products of a sub-block within int32 (32 x 32767 x 2047 < 2^31) and
+    // a level within max |L| / 4094 of its value (int8 levels moved small ones by 3%, see vnni_keys).
+    const bool book = s.codebook != nullptr;
+    __m512i lut = _mm512_setzero_si512();
+    float level_step = 1.f;
+    if (book) {
+        float big = 0.f;
+        for (int l = 0; l < (1 << BITS); l++) big = std::max(big, std::fabs(s.codebook[l]));
+        level_step = big > 0.f ? big / 2047.f : 1.f;
+        alignas(64) int16_t t[32] = {0};
+        for (int l = 0; l < (1 << BITS); l++) t[l] = (int16_t)std::nearbyint(s.codebook[l] / level_step);
+        lut = _mm512_load_si512(t);
+    }
     for (int m = 0; m < NP; m++) {
         alignas(64) int32_t t[16];
         for (int j = 0; j < 16; j++) t[j] = (16 * m + j) * F / G;
@@ -741,7 +790,7 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
     alignas(64) float zsum[16][16] = {{0.f}};  // [head][group]: sum_t p_t z_tg
     for (int r = 0; r < R; r++)
         for (int k = 0; k < NV; k++) out[r][k] = _mm512_setzero_ps();
-    alignas(64) uint8_t rows[SB][128];      // 3-bit rows unpacked to bytes
+    alignas(64) uint8_t rows[SB][128];      // 3-bit rows unpacked to bytes (without VBMI)
     alignas(64) __m512i pairs[SB / 2][NV];  // pair_fields of tokens 2i, 2i + 1
     alignas(64) int16_t w16[16][8][SB];     // [head][group][token]
     alignas(64) int32_t wq[16][8 * SB / 2 + 16];  // [head][pair q][group g] at q NG + g: the pair's weight dword
@@ -756,10 +805,14 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         const bool straight = at.slot + len <= s.slots;  // the sub-block's rows are consecutive slots
         if (straight && NG <= 2 && len == SB) {  // 16 tokens' NG scales at a time, split by group
             const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-            const uint16_t* src[2] = {s.scale + first * NG, s.zero + first * NG};
+            const uint16_t* src[2] = {s.scale + first * NG, s.zero ? s.zero + first * NG : nullptr};
             for (int m = 0; m < 2; m++) {
                 float(*dst)[SB] = m ? zc : sc;
                 for (int h = 0; h < SB; h += 16) {
+                    if (!src[m]) {  // a codebook without zeros
+                        for (int g = 0; g < NG; g++) _mm512_store_ps(dst[g] + h, _mm512_setzero_ps());
+                        continue;
+                    }
                     const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src[m] + NG * h)));
                     if (NG == 1) {
                         _mm512_store_ps(dst[0] + h, a);
@@ -776,19 +829,21 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
                 const int64_t slot = bh * s.slots + c.slot;
                 if (t < len) c.next();
                 for (int g = 0; g < NG; g++)
-                    sc[g][t] = t < len ? half_to_float(s.scale[slot * NG + g]) : 0.f, zc[g][t] = t < len ? half_to_float(s.zero[slot * NG + g]) : 0.f;
+                    sc[g][t] = t < len ? half_to_float(s.scale[slot * NG + g]) : 0.f,
+                    zc[g][t] = t < len && s.zero ? half_to_float(s.zero[slot * NG + g]) : 0.f;
             }
         }
+        alignas(64) static const uint8_t zeros[128] = {0};
         const uint8_t* row[SB + 1];  // each token's packed row; an odd last token pairs with zeros
         for (int t = 0; t < len; t++) {
             row[t] = (const uint8_t*)s.data + (bh * s.slots + at.slot) * RB;
             at.next();
-            if (BITS == 3) unpack_codes<3>(row[t], D, rows[t]), row[t] = rows[t];
+            if (BITS == 3 && !MINILLAMA_VBMI) unpack_codes<3>(row[t], D, rows[t]), row[t] = rows[t];
         }
-        if (len % 2) std::memset(rows[len], 0, D), row[len] = rows[len];
+        row[len] = zeros;
         for (int r = 0; r < R; r++) {
             for (int g = 0; g < NG; g++)
-                b[r][g] = weights16(p + (int64_t)r * lp + (i - i0), sc[g], zc[g], len, w16[r][g], &zsum[r][g]);
+                b[r][g] = level_step * weights16(p + (int64_t)r * lp + (i - i0), sc[g], zc[g], len, w16[r][g], &zsum[r][g]);
             int32_t* dst = wq[r];  // pair q's dword of group g at q NG + g
             if (NG == 1) {
                 std::memcpy(dst, w16[r][0], 2 * SB);
@@ -805,7 +860,14 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
                     for (int g = 0; g < NG; g++) std::memcpy(dst + q * NG + g, &w16[r][g][2 * q], 4);
             }
         }
-        for (int t = 0; t < len; t += 2) pair_fields<PB, NV>(row[t], row[t + 1], pairs[t / 2]);
+        for (int t = 0; t < len; t += 2) {
+#if MINILLAMA_VBMI
+            if (BITS == 3) pair_codes3<NV>(row[t], row[t + 1], pairs[t / 2]); else
+#endif
+            pair_fields<PB, NV>(row[t], row[t + 1], pairs[t / 2]);
+            if (book)
+                for (int k = 0; k < NV; k++) pairs[t / 2][k] = _mm512_permutexvar_epi16(pairs[t / 2][k], lut);
+        }
         pair_all<NV, F>(pairs, (len + 1) / 2, wq, NG, b, gidx, out, R);
     }
     for (int r = 0; r < R; r++) {  // back to channel order, with the zeros' share
@@ -854,7 +916,7 @@ bool vnni_values(const RowSource& s, int D) {
 #if defined(__AVX512VNNI__) && defined(__BMI2__)
     if ((D != 64 && D != 128) || s.kind != ROW_TOKEN || s.cos || s.center) return false;
     if (!(s.bits == 2 || s.bits == 3 || s.bits == 4 || s.bits == 8) || s.group < 16 || D % s.group) return false;
-    return !s.codebook && s.zero;  // affine codes; codebooks stay exact (see vnni_keys)
+    return s.codebook ? s.bits <= 4 : s.zero != nullptr;  // affine codes, or up to 16 levels (int16, see value_vnni)
 #else
     (void)s, (void)D;
     return false;
