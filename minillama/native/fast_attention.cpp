@@ -711,29 +711,26 @@ inline void pair_codes3(const uint8_t* x, const uint8_t* y, __m512i* f) {
 // registers (a runtime head count leaves them in memory: a load and a store per multiply-add).
 // wq[r] holds pair i's weight dwords at i NG (one per group); piece m's lanes take their group's (gidx[m]),
 // one permute per piece, head and pair, shared by the piece's F registers. Then out += acc b.
-template <int NV, int F, int RT>
-inline void pair_heads(const __m512i (*pairs)[NV], int npairs, const int32_t (*wq)[8 * 16 + 16], int NG,
-                       const float (*b)[16], const __m512i* gidx, __m512 (*out)[NV]) {
+template <int NV, int F, int RT, typename Pairs>
+inline void pair_heads(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 16 + 16], int NG, const float (*b)[16],
+                       const __m512i* gidx, __m512 (*out)[NV]) {
     constexpr int NP = NV / F;
     __m512i acc[RT][NV];
     for (int r = 0; r < RT; r++)
         for (int k = 0; k < NV; k++) acc[r][k] = _mm512_setzero_si512();
     for (int i = 0; i < npairs; i++) {
-        __m512i w[RT];
+        __m512i w[RT], x[NV];
+        pairs(i, x);
         if (NG == 1) {  // one group per row: one broadcast per head serves every piece
             for (int r = 0; r < RT; r++) w[r] = _mm512_set1_epi32(wq[r][i]);
-            for (int k = 0; k < NV; k++) {
-                const __m512i x = _mm512_load_si512(&pairs[i][k]);
-                for (int r = 0; r < RT; r++) acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], x, w[r]);
-            }
+            for (int k = 0; k < NV; k++)
+                for (int r = 0; r < RT; r++) acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], x[k], w[r]);
             continue;
         }
         for (int m = 0; m < NP; m++) {
             for (int r = 0; r < RT; r++) w[r] = _mm512_permutexvar_epi32(gidx[m], _mm512_loadu_si512(wq[r] + i * NG));
-            for (int k = 0; k < F; k++) {
-                const __m512i x = _mm512_load_si512(&pairs[i][F * m + k]);
-                for (int r = 0; r < RT; r++) acc[r][F * m + k] = _mm512_dpwssd_epi32(acc[r][F * m + k], x, w[r]);
-            }
+            for (int k = 0; k < F; k++)
+                for (int r = 0; r < RT; r++) acc[r][F * m + k] = _mm512_dpwssd_epi32(acc[r][F * m + k], x[F * m + k], w[r]);
         }
     }
     for (int r = 0; r < RT; r++)
@@ -744,11 +741,11 @@ inline void pair_heads(const __m512i (*pairs)[NV], int npairs, const int32_t (*w
         }
 }
 
-// Every head through pair_heads, in tiles of up to 29 / (NV + 1) heads (the accumulators and one
-// weight register per head, of 32 registers).
-template <int NV, int F>
-inline void pair_all(const __m512i (*pairs)[NV], int npairs, const int32_t (*wq)[8 * 16 + 16], int NG,
-                     const float (*b)[16], const __m512i* gidx, __m512 (*out)[NV], int R) {
+// Every head through pair_heads, in tiles of up to T = 29 / (NV + 1) heads (the accumulators and
+// one weight register per head, of 32 registers). pairs(i, x) puts pair i's NV registers in x.
+template <int NV, int F, typename Pairs>
+inline void pair_all(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 16 + 16], int NG, const float (*b)[16],
+                     const __m512i* gidx, __m512 (*out)[NV], int R) {
     constexpr int T = 29 / (NV + 1);
     int r = 0;
     for (; r + T <= R; r += T) pair_heads<NV, F, T>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
@@ -759,6 +756,21 @@ inline void pair_all(const __m512i (*pairs)[NV], int npairs, const int32_t (*wq)
         case 3: return pair_heads<NV, F, (T > 3 ? 3 : 1)>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
         default: return pair_heads<NV, F, (T > 4 ? 4 : 1)>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
     }
+}
+
+// Two tokens' rows -> their NV pair registers: 3-bit codes through pair_codes3 (VBMI), else
+// pair_fields of the packed bytes (PB: the code width, 8 for 3-bit rows unpacked to bytes);
+// a codebook's levels replace the codes (vpermw on the int16 lanes).
+template <int BITS, int PB, int NV>
+inline void make_pair(const uint8_t* x, const uint8_t* y, bool book, __m512i lut, __m512i* f) {
+#if MINILLAMA_VBMI
+    if (BITS == 3)
+        pair_codes3<NV>(x, y, f);
+    else
+#endif
+        pair_fields<PB, NV>(x, y, f);
+    if (book)
+        for (int k = 0; k < NV; k++) f[k] = _mm512_permutexvar_epi16(f[k], lut);
 }
 
 // BITS: the stored code width; 3-bit rows are unpacked to bytes first and paired as 8-bit ones.
@@ -860,15 +872,17 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
                     for (int g = 0; g < NG; g++) std::memcpy(dst + q * NG + g, &w16[r][g][2 * q], 4);
             }
         }
-        for (int t = 0; t < len; t += 2) {
-#if MINILLAMA_VBMI
-            if (BITS == 3) pair_codes3<NV>(row[t], row[t + 1], pairs[t / 2]); else
-#endif
-            pair_fields<PB, NV>(row[t], row[t + 1], pairs[t / 2]);
-            if (book)
-                for (int k = 0; k < NV; k++) pairs[t / 2][k] = _mm512_permutexvar_epi16(pairs[t / 2][k], lut);
+        const int npairs = (len + 1) / 2;
+        if (R <= 29 / (NV + 1)) {  // one tile of heads: each pair made in registers, used at once
+            auto make = [&](int q, __m512i* f) { make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f); };
+            pair_all<NV, F>(make, npairs, wq, NG, b, gidx, out, R);
+        } else {  // several tiles: the pairs made once, read back from L1 by each tile
+            for (int q = 0; q < npairs; q++) make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, pairs[q]);
+            auto load = [&](int q, __m512i* f) {
+                for (int k = 0; k < NV; k++) f[k] = _mm512_load_si512(&pairs[q][k]);
+            };
+            pair_all<NV, F>(load, npairs, wq, NG, b, gidx, out, R);
         }
-        pair_all<NV, F>(pairs, (len + 1) / 2, wq, NG, b, gidx, out, R);
     }
     for (int r = 0; r < R; r++) {  // back to channel order, with the zeros' share
         alignas(64) float o[NV][16];
