@@ -193,6 +193,20 @@ static inline void exp_inplace(float* x, int n) {
     for (int j = 0; j < n; j++) x[j] = exp_one(x[j]);
 }
 
+// row *= scale, and the max of `m` and the scaled row, sixteen running maxima at a time: written
+// as one loop, the max compiled to a scalar vmaxss chain (3 cycles a token, 47% of the driver's
+// time at 8192 tokens in perf).
+static inline float block_max(float* row, int n, float scale, float m) {
+    float mm[16];
+    for (int k = 0; k < 16; k++) mm[k] = m;
+    int j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int k = 0; k < 16; k++) row[j + k] *= scale, mm[k] = std::max(mm[k], row[j + k]);
+    for (; j < n; j++) row[j] *= scale, mm[0] = std::max(mm[0], row[j]);
+    for (int k = 1; k < 16; k++) mm[0] = std::max(mm[0], mm[k]);
+    return mm[0];
+}
+
 // What each thread keeps per head: the running max and sum of the softmax, and its partial output.
 struct Partial {
     float* m;    // (R)
@@ -304,11 +318,12 @@ extern "C" int attend_layer(const LayerPlan* plan) {
                 run_block(ks, 0, bh, R, D, qh, D, i, i + n, tile, BLOCK, preps);
                 for (int r = 0; r < R; r++) {  // the online softmax step of this block
                     float* row = tile + (size_t)r * BLOCK;
-                    float m = st.m[r];
-                    for (int j = 0; j < n; j++) m = std::max(m, row[j] *= scale);
+                    const float m = block_max(row, n, scale, st.m[r]);
+                    float sum = 0.f;
+#pragma omp simd
                     for (int j = 0; j < n; j++) row[j] -= m;
                     exp_inplace(row, n);
-                    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
                     for (int j = 0; j < n; j++) sum += row[j];
                     if (m > st.m[r]) {  // a new max: rescale what was summed before it
                         const float c = st.m[r] == -INFINITY ? 0.f : exp_one(st.m[r] - m);
