@@ -110,6 +110,42 @@ def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_codebook_keys_hold_the_int16_level_bound_where_a_target_reads_them(lib, d):
+    """Lloyd-Max 4-bit keys (one scale a row) on the integer route: the query becomes int8 per
+    chunk of 8 channels (a_c = max |q| / 127 over the chunk) and the levels 16-bit (off by at most
+    max |L| / 4094), so a score is off by at most s_t sum_d (a_c / 2 (|L| + step / 2) + |q_d| step / 2)."""
+    spec = f"k=lm4h,v=int4,kgroup={d},residual=0"
+    cache = filled(spec, 301, 1, head_dim=d)
+    store = cache.layers[0][0]
+    codes, parts = body(store)  # (B, H, m, D)
+    m = store.n_body
+    q = torch.randn(1, 2, 3, d)  # (B, H, R, D), in the key codec's space
+    got = torch.empty(1, 2, 3, m)
+    try:
+        integer_call(lib, cache, False, q, got)
+    except NotSupported as e:
+        pytest.skip(f"this target's integer route does not read codebook keys ({e})")
+    exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)  # (B, H, R, m)
+    book = gaussian_codebook(4)
+    step = book.abs().max() / 2047
+    levels = book[codes.long()].abs()  # (B, H, m, D)
+    a = q.abs().reshape(1, 2, 3, d // 8, 8).amax(-1).repeat_interleave(8, -1) / 127  # (B, H, R, D)
+    query_error = (a / 2).unsqueeze(3) * (levels + step / 2).unsqueeze(2)  # (B, H, R, m, D)
+    per_token = query_error + (q.abs() * step / 2).unsqueeze(3)  # (B, H, R, m, D): plus the levels' error
+    bound = parts["scale"].float().transpose(-1, -2) * per_token.sum(-1)  # (B, H, R, m)
+    assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+    assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
+    # A query the int8 rounding keeps exactly (integers, each chunk's max 127): only the levels' error is left.
+    q = torch.randint(-127, 128, (1, 2, 3, d)).float()
+    q[..., ::8] = 127
+    integer_call(lib, cache, False, q, got)
+    exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)
+    bound = parts["scale"].float().transpose(-1, -2) * (q.abs().sum(-1, keepdim=True) * step / 2)  # (B, H, R, m)
+    assert ((got - exact).abs() <= bound * (1 + 1e-3) + 1e-3).all()
+    assert ((got - exact).abs() > bound / 100).any()  # the levels are 16-bit, not exact
+
+
 def check_value_bound(lib, spec: str, n: int, batch: int, r: int = 3, d: int = 64) -> None:
     cache = filled(spec, n, batch, head_dim=d)
     store = cache.layers[0][1]

@@ -369,9 +369,9 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
 // are channels 8c + 0, 2, 4, 6 and the high nibbles 8c + 1, 3, 5, 7; the int8 query is laid out
 // the same way, with one scale per chunk of 8 channels (a_c = max |x| / 127 over the chunk; the
 // error of a score is at most sum_d a_c(d) / 2 * |code_d| times the row's scale, as the generic
-// integer kernels state). A codebook's levels L become bytes once, L8 = round(L 127 / max |L|),
-// looked up per nibble with vpshufb and offset by 128 to be unsigned (the offset's sum is taken
-// back out exactly).
+// integer kernels state). A codebook's levels become 16-bit, L16 = round(L 2047 / max |L|),
+// offset by 2048 to be unsigned and split into two bytes, each looked up per nibble with vpshufb
+// (the offset's sum is taken back out exactly; a level is off by at most max |L| / 4094).
 // score_vnni's per-head state (Prep): the int8 queries as the dwords vpdpbusd broadcasts
 // (qw[r][2c] the even channels of chunk c, qw[r][2c + 1] the odd ones) and their scales.
 template <int NC>
@@ -385,7 +385,7 @@ struct VnniQuery {
 // x (D = 8 NC floats) -> int8 per chunk of 8 channels (a = max |x| / 127 over the chunk), laid out
 // for vpdpbusd: the even channels' 4 bytes, then the odd ones', per chunk.
 template <int NC>
-inline void quantize_chunks(const float* x, int32_t* qw, float* qa, float* offset, bool book) {
+inline void quantize_chunks(const float* x, int32_t* qw, float* qa, float* offset, float book_offset) {
     const __m512i within8[3] = {_mm512_set_epi32(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1),
                                 _mm512_set_epi32(13, 12, 15, 14, 9, 8, 11, 10, 5, 4, 7, 6, 1, 0, 3, 2),
                                 _mm512_set_epi32(11, 10, 9, 8, 15, 14, 13, 12, 3, 2, 1, 0, 7, 6, 5, 4)};
@@ -401,13 +401,13 @@ inline void quantize_chunks(const float* x, int32_t* qw, float* qa, float* offse
         const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q8), split);
         _mm_storeu_si128((__m128i*)(qw + 4 * k), bytes);  // lo, hi of chunk 2k, then of 2k + 1
         qa[2 * k] = _mm512_cvtss_f32(a), qa[2 * k + 1] = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(8), a));
-        if (book) {
+        if (book_offset != 0.f) {
             const __m512 sums = _mm512_cvtepi32_ps(q8);
             alignas(64) float t[16];
             _mm512_store_ps(t, sums);
             float s0 = 0.f, s1 = 0.f;
             for (int j = 0; j < 8; j++) s0 += t[j], s1 += t[8 + j];
-            off += 128.f * (qa[2 * k] * s0 + qa[2 * k + 1] * s1);
+            off += book_offset * (qa[2 * k] * s0 + qa[2 * k + 1] * s1);
         }
     }
     *offset = off;
@@ -478,20 +478,27 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     VnniQuery<NC>& st = *reinterpret_cast<VnniQuery<NC>*>(prep.bytes);
     static const Transpose16<NC> transpose;
     const bool channel = s.kind == ROW_CHANNEL, book = s.codebook != nullptr;
-    __m512i lut = _mm512_setzero_si512();
-    float level_step = 1.f;  // a codebook level is level_step * L8
+    // A codebook's levels as L16 = round(L 2047 / max |L|) (a level within max |L| / 4094; int8
+    // levels moved the small ones by 3%, see vnni_keys), offset to U = L16 + 2048 in [1, 4095]
+    // and split into bytes U = 256 H + Lo: one vpshufb table each, two vpdpbusd per chunk, and
+    // the offset's share 2048 sum(q8) taken back out (st.offset).
+    __m512i lut_h = _mm512_setzero_si512(), lut_l = _mm512_setzero_si512();
+    float level_step = 1.f;  // a codebook level is level_step * L16
     if (book) {
         float big = 0.f;
         for (int l = 0; l < 16; l++) big = std::max(big, std::fabs(s.codebook[l]));
-        level_step = big > 0.f ? big / 127.f : 1.f;
-        alignas(64) uint8_t t[64];
-        for (int j = 0; j < 64; j++) t[j] = (uint8_t)(128 + (int)std::nearbyint(s.codebook[j % 16] / level_step));
-        lut = _mm512_load_si512(t);
+        level_step = big > 0.f ? big / 2047.f : 1.f;
+        alignas(64) uint8_t th[64], tl[64];
+        for (int j = 0; j < 64; j++) {
+            const int u = 2048 + (int)std::nearbyint(s.codebook[j % 16] / level_step);
+            th[j] = (uint8_t)(u >> 8), tl[j] = (uint8_t)(u & 255);
+        }
+        lut_h = _mm512_load_si512(th), lut_l = _mm512_load_si512(tl);
     }
     if (!prep.ready) {
         if (!channel)
             for (int r = 0; r < R; r++) {
-                quantize_chunks<NC>(q + r * D, st.qw[r], st.qa[r], &st.offset[r], book);
+                quantize_chunks<NC>(q + r * D, st.qw[r], st.qa[r], &st.offset[r], book ? 2048.f : 0.f);
                 __m512 sum = _mm512_setzero_ps();
                 for (int k = 0; k < NV; k++) sum = _mm512_add_ps(sum, _mm512_loadu_ps(q + r * D + 16 * k));
                 st.qsum[r] = _mm512_reduce_add_ps(sum);
@@ -519,7 +526,7 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                         _mm512_store_ps(x + 16 * k, _mm512_mul_ps(qk, sc));
                         z = _mm512_fmadd_ps(qk, zc, z);
                     }
-                    quantize_chunks<NC>(x, st.qw[r], st.qa[r], &st.offset[r], false);
+                    quantize_chunks<NC>(x, st.qw[r], st.qa[r], &st.offset[r], 0.f);
                     st.qz[r] = _mm512_reduce_add_ps(z);
                 }
             }
@@ -559,19 +566,31 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             base = _mm512_load_si512(index);
         }
         __m512i lo[NC], hi[NC], rows[NC];
+        alignas(64) __m512i bytes[NC][4];  // codebooks: (H, Lo) of the low nibbles, then of the high
         if (whole) transpose((const int32_t*)s.data + whole_first * words, rows);
         for (int c = 0; c < NC; c++) {
             const __m512i w = whole ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
             lo[c] = _mm512_and_si512(w, nib);
             hi[c] = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
-            if (book) lo[c] = _mm512_shuffle_epi8(lut, lo[c]), hi[c] = _mm512_shuffle_epi8(lut, hi[c]);
+            if (book) {
+                bytes[c][0] = _mm512_shuffle_epi8(lut_h, lo[c]), bytes[c][1] = _mm512_shuffle_epi8(lut_l, lo[c]);
+                bytes[c][2] = _mm512_shuffle_epi8(lut_h, hi[c]), bytes[c][3] = _mm512_shuffle_epi8(lut_l, hi[c]);
+            }
         }
         const __mmask16 keep = (__mmask16)((1u << len) - 1);
         for (int r = 0; r < R; r++) {
             __m512 f = _mm512_setzero_ps();
             for (int c = 0; c < NC; c++) {
-                __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[c], _mm512_set1_epi32(st.qw[r][2 * c]));
-                acc = _mm512_dpbusd_epi32(acc, hi[c], _mm512_set1_epi32(st.qw[r][2 * c + 1]));
+                const __m512i qe = _mm512_set1_epi32(st.qw[r][2 * c]), qo = _mm512_set1_epi32(st.qw[r][2 * c + 1]);
+                __m512i acc;
+                if (book) {  // sum q8 U = 256 sum q8 H + sum q8 Lo
+                    __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes[c][0], qe);
+                    __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes[c][1], qe);
+                    h = _mm512_dpbusd_epi32(h, bytes[c][2], qo), l = _mm512_dpbusd_epi32(l, bytes[c][3], qo);
+                    acc = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+                } else {
+                    acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[c], qe), hi[c], qo);
+                }
                 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(st.qa[r][c]), f);
             }
             if (book) f = _mm512_sub_ps(f, _mm512_set1_ps(st.offset[r]));
@@ -915,9 +934,10 @@ bool value_fast(VALUE_ARGS) {
 
 bool vnni_keys(const RowSource& s, int D) {
 #ifdef __AVX512VNNI__
-    // Codebooks stay on the exact path: their levels as bytes moved the small ones by up to 3%
-    // (3-bit Lloyd-Max: 0.2451 -> 14/59), a bias, not noise, that perplexity showed.
-    if ((D != 64 && D != 128) || s.bits != 4 || s.cos || s.center || s.codebook) return false;
+    // Codebooks are read as 16-bit levels (score_vnni): as bytes they moved the small levels by
+    // up to 3% (3-bit Lloyd-Max: 0.2451 -> 14/59), a bias, not noise, that perplexity showed.
+    if ((D != 64 && D != 128) || s.bits != 4 || s.cos || s.center) return false;
+    if (s.codebook) return s.kind == ROW_TOKEN && s.group == D;
     if (s.kind == ROW_CHANNEL) return s.group > 0 && s.zero;
     return s.kind == ROW_TOKEN && s.group == D && s.zero;
 #else
