@@ -12,7 +12,7 @@ kernel that reads it:
 * ``TOKEN`` / ``CHANNEL``: per-token or KIVI per-channel codes, exact float kernels (per-channel
   key scales folded into the query, per-token rows scaled in registers);
 * ``INTEGER``: 2-4-bit affine codes scored against an int8 query and weighted by byte weights
-  (``native/int_attention.cpp``; AVX-512 VNNI in ``fast_attention.cpp``, which also reads
+  (``native/int_attention.cpp``; AVX-512 VNNI in ``vnni_attention.cpp``, which also reads
   codebooks as 16-bit levels and 8-bit values with int16 weights; AVX2 4-bit keys in
   ``avx2_attention.cpp``, AVX2 2- and 4-bit values in ``avx2_int_values.cpp``; approximate, with
   a stated bound; the ``kernels-exact`` backend keeps the exact kernels). Taken only where it is

@@ -81,7 +81,8 @@ extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
 }
 
 // The block kernel a route names (rows.h): the SIMD kernels where they apply (exact float math in
-// fast_attention.cpp for AVX-512 and avx2_attention.cpp for AVX2, or on the integer route VNNI),
+// fast_attention.cpp for AVX-512 and avx2_attention.cpp for AVX2, or on the integer route VNNI in
+// vnni_attention.cpp),
 // else the generic one.
 static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
     if (route == ROUTE_INTEGER ? score_vnni(s, bh, R, D, q, i0, n, out, ls, prep) || score_int4(s, bh, R, D, q, i0, n, out, ls, prep)

@@ -1,0 +1,623 @@
+// AVX-512 VNNI block kernels: integer dot products over the packed codes, every row read once
+// for all R query heads that share it.
+//
+//   keys    (score_vnni) 4-bit codes, per token (one scale a row; affine or a codebook) or KIVI
+//           per channel: sixteen tokens' rows transposed so that each vpdpbusd lane is one
+//           token, against an int8 query with one step per 8 channels.
+//   values  (value_vnni) 2/3/4/8-bit per-token codes (affine or a codebook): token pairs' codes
+//           as int16 lanes, vpdpwssd against int16 attention weights.
+//
+// Both are approximate with a stated bound (below; tests/test_integer_attention.py holds it),
+// taken only where the route says so (kv/fused_attention.py: route; layer_attention.cpp:
+// exact_is_faster); model/attention.py is the specification. CPUs without VNNI get false from
+// every entry point and the exact kernels (fast_attention.cpp, avx2_attention.cpp) or the
+// generic integer ones (int_attention.cpp) read these rows.
+
+#include "rows.h"
+
+#include <cmath>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#include "avx512.h"
+
+namespace {
+
+// Integer scores for 4-bit keys: per-token codes with one scale per row (affine or a codebook),
+// or KIVI per-channel codes. NC = D / 8: the dword chunks of a row (8 channels each).
+//
+// Sixteen tokens at a time, chunk c of every token's row is gathered into one register (lane t =
+// the 4 bytes of channels 8c .. 8c + 7 of token t), so that vpdpbusd sums code x query products
+// straight into each token's own lane: no horizontal sums at all. The low nibbles of a chunk
+// are channels 8c + 0, 2, 4, 6 and the high nibbles 8c + 1, 3, 5, 7; the int8 query is laid out
+// the same way, with one scale per chunk of 8 channels (a_c = max |x| / 127 over the chunk; the
+// error of a score is at most sum_d a_c(d) / 2 * |code_d| times the row's scale, as the generic
+// integer kernels state). A codebook's levels become 16-bit, L16 = round(L 2047 / max |L|),
+// offset by 2048 to be unsigned and split into two bytes, each looked up per nibble with vpshufb
+// (the offset's sum is taken back out exactly; a level is off by at most max |L| / 4094).
+// score_vnni's per-head state (Prep): the int8 queries as the dwords vpdpbusd broadcasts
+// (qw[r][2c] the even channels of chunk c, qw[r][2c + 1] the odd ones) and their scales.
+template <int NC>
+struct VnniQuery {
+    alignas(64) int32_t qw[16][2 * NC];
+    alignas(64) float qa[16][NC];  // [head][chunk]: the int8 step of the chunk
+    float offset[16];              // codebooks: 128 sum_d a q8_d, the unsigned offset's share
+    float qsum[16], qz[16];        // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
+};
+
+// x (D = 8 NC floats) -> int8 per chunk of 8 channels (a = max |x| / 127 over the chunk), laid out
+// for vpdpbusd: the even channels' 4 bytes, then the odd ones', per chunk.
+template <int NC>
+inline void quantize_chunks(const float* x, int32_t* qw, float* qa, float* offset, float book_offset) {
+    const __m512i within8[3] = {_mm512_set_epi32(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1),
+                                _mm512_set_epi32(13, 12, 15, 14, 9, 8, 11, 10, 5, 4, 7, 6, 1, 0, 3, 2),
+                                _mm512_set_epi32(11, 10, 9, 8, 15, 14, 13, 12, 3, 2, 1, 0, 7, 6, 5, 4)};
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    float off = 0.f;
+    for (int k = 0; k < NC / 2; k++) {  // 16 channels = 2 chunks per register
+        const __m512 v = _mm512_loadu_ps(x + 16 * k);
+        __m512 m = _mm512_abs_ps(v);
+        for (int j = 0; j < 3; j++) m = _mm512_max_ps(m, _mm512_permutexvar_ps(within8[j], m));  // each lane: its chunk's max
+        const __mmask16 zero = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_EQ_OQ);
+        const __m512 a = _mm512_mask_blend_ps(zero, _mm512_mul_ps(m, _mm512_set1_ps(1.f / 127.f)), _mm512_set1_ps(1.f));
+        const __m512i q8 = _mm512_cvtps_epi32(_mm512_div_ps(v, a));  // round to nearest even
+        const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q8), split);
+        _mm_storeu_si128((__m128i*)(qw + 4 * k), bytes);  // lo, hi of chunk 2k, then of 2k + 1
+        qa[2 * k] = _mm512_cvtss_f32(a), qa[2 * k + 1] = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(8), a));
+        if (book_offset != 0.f) {
+            const __m512 sums = _mm512_cvtepi32_ps(q8);
+            alignas(64) float t[16];
+            _mm512_store_ps(t, sums);
+            float s0 = 0.f, s1 = 0.f;
+            for (int j = 0; j < 8; j++) s0 += t[j], s1 += t[8 + j];
+            off += book_offset * (qa[2 * k] * s0 + qa[2 * k + 1] * s1);
+        }
+    }
+    *offset = off;
+}
+
+// The rows of 16 consecutive tokens (NC dwords each: two rows per register for NC = 8, one for
+// NC = 16) turned into NC registers, register c holding dword c of every token (lane t = token t):
+// the layout vpdpbusd wants, without a gather (a 16-lane gather is a micro-coded 16 loads; at
+// NC gathers per 16 tokens it cost more than the integer arithmetic). log2(NC) stages of
+// two-source permutes: each merges two registers that hold the same chunks of different tokens
+// and splits the union into its lower and upper chunks. The index vectors are worked out once,
+// by following where every (token, chunk) element goes; tests/test_attention_routes.py checks
+// the result (every route against the reference, contexts of 1000 tokens, head_dim 64 and 128).
+template <int NC>
+struct Transpose16 {
+    static constexpr int STAGES = NC == 8 ? 3 : 4;
+    alignas(64) int32_t idx[STAGES][NC][16];  // output o of a stage, lane l: lane of a (< 16) or b (16 +)
+    // The butterfly: stage st makes outputs 2P and 2P + 1 from registers a and a + 2^st.
+    static constexpr int pair_a(int st, int P) { return ((P >> st) << (st + 1)) | (P & ((1 << st) - 1)); }
+    Transpose16() {
+        int at[NC][16][2];  // [register][lane]: (token, chunk)
+        for (int r = 0; r < NC; r++)
+            for (int l = 0; l < 16; l++) at[r][l][0] = NC == 8 ? 2 * r + l / 8 : r, at[r][l][1] = NC == 8 ? l % 8 : l;
+        for (int st = 0; st < STAGES; st++) {
+            int next[NC][16][2];
+            for (int P = 0; P < NC / 2; P++) {
+                const int a = pair_a(st, P), b = a + (1 << st);
+                int lanes[32];  // a's and b's lanes (b's as 16 +), sorted by (chunk, token)
+                for (int l = 0; l < 32; l++) lanes[l] = l;
+                auto key = [&](int l) { const int* e = l < 16 ? at[a][l] : at[b][l - 16]; return e[1] * 64 + e[0]; };
+                std::sort(lanes, lanes + 32, [&](int x, int y) { return key(x) < key(y); });
+                for (int h = 0; h < 2; h++)
+                    for (int l = 0; l < 16; l++) {
+                        const int from = lanes[16 * h + l];
+                        const int* e = from < 16 ? at[a][from] : at[b][from - 16];
+                        idx[st][2 * P + h][l] = from;
+                        next[2 * P + h][l][0] = e[0], next[2 * P + h][l][1] = e[1];
+                    }
+            }
+            std::memcpy(at, next, sizeof(at));
+        }
+    }
+    // 16 rows from `rows` (16 NC consecutive dwords) -> w[c] (the butterfly leaves chunk c in
+    // register c), unrolled so that the compiler sees every register index and keeps x in registers.
+    void operator()(const int32_t* rows, __m512i* w) const {
+        __m512i x[NC], y[NC];
+#pragma GCC unroll 16
+        for (int r = 0; r < NC; r++) x[r] = _mm512_loadu_si512(rows + 16 * r);
+#pragma GCC unroll 4
+        for (int st = 0; st < STAGES; st++) {
+#pragma GCC unroll 16
+            for (int o = 0; o < NC; o++) {
+                const int a = pair_a(st, o / 2);
+                y[o] = _mm512_permutex2var_epi32(x[a], _mm512_load_si512(idx[st][o]), x[a + (1 << st)]);
+            }
+#pragma GCC unroll 16
+            for (int o = 0; o < NC; o++) x[o] = y[o];
+        }
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; c++) w[c] = x[c];
+    }
+};
+
+template <int NC>
+bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
+    constexpr int D = 8 * NC, NV = D / 16;
+    static_assert(sizeof(VnniQuery<NC>) <= sizeof(Prep::bytes), "Prep is too small");
+    VnniQuery<NC>& st = *reinterpret_cast<VnniQuery<NC>*>(prep.bytes);
+    static const Transpose16<NC> transpose;
+    const bool channel = s.kind == ROW_CHANNEL, book = s.codebook != nullptr;
+    // A codebook's levels as L16 = round(L 2047 / max |L|) (a level within max |L| / 4094; int8
+    // levels moved the small ones by 3%, see vnni_keys), offset to U = L16 + 2048 in [1, 4095]
+    // and split into bytes U = 256 H + Lo: one vpshufb table each, two vpdpbusd per chunk, and
+    // the offset's share 2048 sum(q8) taken back out (st.offset).
+    __m512i lut_h = _mm512_setzero_si512(), lut_l = _mm512_setzero_si512();
+    float level_step = 1.f;  // a codebook level is level_step * L16
+    if (book) {
+        float big = 0.f;
+        for (int l = 0; l < 16; l++) big = std::max(big, std::fabs(s.codebook[l]));
+        level_step = big > 0.f ? big / 2047.f : 1.f;
+        alignas(64) uint8_t th[64], tl[64];
+        for (int j = 0; j < 64; j++) {
+            const int u = 2048 + (int)std::nearbyint(s.codebook[j % 16] / level_step);
+            th[j] = (uint8_t)(u >> 8), tl[j] = (uint8_t)(u & 255);
+        }
+        lut_h = _mm512_load_si512(th), lut_l = _mm512_load_si512(tl);
+    }
+    if (!prep.ready) {
+        if (!channel)
+            for (int r = 0; r < R; r++) {
+                quantize_chunks<NC>(q + r * D, st.qw[r], st.qa[r], &st.offset[r], book ? 2048.f : 0.f);
+                __m512 sum = _mm512_setzero_ps();
+                for (int k = 0; k < NV; k++) sum = _mm512_add_ps(sum, _mm512_loadu_ps(q + r * D + 16 * k));
+                st.qsum[r] = _mm512_reduce_add_ps(sum);
+            }
+        prep.ready = true, prep.group = -1;
+    }
+    const __m512i nib = _mm512_set1_epi8(15);
+    const int words = D / 8;  // 4-byte words per row: one per chunk
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        int len = std::min(16, i0 + n - i);
+        if (channel) {
+            const int g = i / s.group;
+            len = std::min(len, (g + 1) * s.group - i);
+            if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz
+                prep.group = g;
+                const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
+                for (int r = 0; r < R; r++) {
+                    alignas(64) float x[D];
+                    __m512 z = _mm512_setzero_ps();
+                    for (int k = 0; k < NV; k++) {
+                        const __m512 qk = _mm512_loadu_ps(q + r * D + 16 * k);
+                        const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.scale + row + 16 * k)));
+                        const __m512 zc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + row + 16 * k)));
+                        _mm512_store_ps(x + 16 * k, _mm512_mul_ps(qk, sc));
+                        z = _mm512_fmadd_ps(qk, zc, z);
+                    }
+                    quantize_chunks<NC>(x, st.qw[r], st.qa[r], &st.offset[r], 0.f);
+                    st.qz[r] = _mm512_reduce_add_ps(z);
+                }
+            }
+        }
+        prefetch_rows(s, bh, at.slot, 32, 16, D / 2, channel ? 0 : 1);  // two chunks ahead
+        // Where each of the 16 tokens' rows starts, in 4-byte words (a short chunk repeats a row).
+        __m512i base = _mm512_setzero_si512();
+        alignas(64) float tscale[16] = {0.f}, tzero[16] = {0.f};
+        const bool whole = len == 16 && at.slot + 16 <= s.slots;  // 16 consecutive rows: transposed, not gathered
+        const int64_t whole_first = bh * s.slots + at.slot;
+        if (whole) {
+            if (!channel) {
+                _mm512_store_ps(tscale, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.scale + whole_first))));
+                if (s.zero) _mm512_store_ps(tzero, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + whole_first))));
+            }
+            for (int t = 0; t < 16; t++) at.next();
+        } else if (at.slot + len <= s.slots) {
+            const int64_t first = bh * s.slots + at.slot;
+            base = _mm512_mullo_epi32(_mm512_min_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                       _mm512_set1_epi32(len - 1)), _mm512_set1_epi32(words));
+            base = _mm512_add_epi32(base, _mm512_set1_epi32((int32_t)(first * words)));
+            if (!channel)
+                for (int t = 0; t < len; t++)
+                    tscale[t] = half_to_float(s.scale[first + t]), tzero[t] = s.zero ? half_to_float(s.zero[first + t]) : 0.f;
+            for (int t = 0; t < len; t++) at.next();
+        } else {  // the ring wraps inside the chunk
+            alignas(64) int32_t index[16];
+            for (int t = 0; t < 16; t++) {
+                const int64_t slot = bh * s.slots + at.slot;
+                index[t] = (int32_t)(slot * words);
+                if (t < len) {
+                    if (!channel) tscale[t] = half_to_float(s.scale[slot]), tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
+                    if (t < len - 1) at.next();
+                }
+            }
+            at.next();
+            base = _mm512_load_si512(index);
+        }
+        __m512i lo[NC], hi[NC], rows[NC];
+        alignas(64) __m512i bytes[NC][4];  // codebooks: (H, Lo) of the low nibbles, then of the high
+        if (whole) transpose((const int32_t*)s.data + whole_first * words, rows);
+        for (int c = 0; c < NC; c++) {
+            const __m512i w = whole ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
+            lo[c] = _mm512_and_si512(w, nib);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
+            if (book) {
+                bytes[c][0] = _mm512_shuffle_epi8(lut_h, lo[c]), bytes[c][1] = _mm512_shuffle_epi8(lut_l, lo[c]);
+                bytes[c][2] = _mm512_shuffle_epi8(lut_h, hi[c]), bytes[c][3] = _mm512_shuffle_epi8(lut_l, hi[c]);
+            }
+        }
+        const __mmask16 keep = (__mmask16)((1u << len) - 1);
+        for (int r = 0; r < R; r++) {
+            __m512 f = _mm512_setzero_ps();
+            for (int c = 0; c < NC; c++) {
+                const __m512i qe = _mm512_set1_epi32(st.qw[r][2 * c]), qo = _mm512_set1_epi32(st.qw[r][2 * c + 1]);
+                __m512i acc;
+                if (book) {  // sum q8 U = 256 sum q8 H + sum q8 Lo
+                    __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes[c][0], qe);
+                    __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes[c][1], qe);
+                    h = _mm512_dpbusd_epi32(h, bytes[c][2], qo), l = _mm512_dpbusd_epi32(l, bytes[c][3], qo);
+                    acc = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+                } else {
+                    acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[c], qe), hi[c], qo);
+                }
+                f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(st.qa[r][c]), f);
+            }
+            if (book) f = _mm512_sub_ps(f, _mm512_set1_ps(st.offset[r]));
+            if (channel) {
+                f = _mm512_add_ps(f, _mm512_set1_ps(st.qz[r]));
+            } else {
+                f = _mm512_mul_ps(f, _mm512_mul_ps(_mm512_load_ps(tscale), _mm512_set1_ps(level_step)));
+                f = _mm512_fmadd_ps(_mm512_load_ps(tzero), _mm512_set1_ps(st.qsum[r]), f);
+            }
+            _mm512_mask_storeu_ps(out + (int64_t)r * ls + (i - i0), keep, f);
+        }
+        i += len;
+    }
+    return true;
+}
+
+// Integer values for 2/3/4/8-bit affine per-token codes, or codebooks of up to 16 levels, with
+// groups of 16 channels or more: o_d = sum_t w_tg c_td + sum_t p_t z_tg, w_tg = p_t s_tg (c the
+// code, or its level L16 for a codebook, which has no zeros).
+//
+// Per sub-block of 32 tokens, each head's weights w_tg become int16, w ~= b w16 with b =
+// max_t w_tg / 32767 per head and group (plain rounding: a weight is off by at most b/2, which is
+// max w / 65534 -- the softmax's long tail is kept, no error diffusion needed at this width). Two
+// tokens' codes of one channel share a 32-bit lane as int16 (c_t | c_t+1 << 16), made from the
+// packed bytes without unpacking a row (pair_fields), so vpdpwssd with the pair's weight dword
+// (w16_t | w16_t+1 << 16) adds both tokens' products into the channel's lane: no horizontal
+// sums, 32 multiply-adds per instruction. The int32 sums (at most 32 tokens x 255 x 32767)
+// become floats once per sub-block, times b; the channels come back in order once per call.
+#if MINILLAMA_VBMI
+// 64 3-bit codes (24 bytes, 8 codes per 3 bytes, lowest bits first) -> 64 bytes, channel order:
+// qword j gets bytes 3j .. 3j + 2 (vpermb), then vpmultishiftqb takes the 8 bits at offsets
+// 0, 3, .., 21 of it into bytes (the same steps as unpack_codes<3>, kept in a register).
+inline __m512i codes3(const uint8_t* row) {
+    alignas(64) static const uint8_t spread[64] = {
+        0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 0, 0, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0, 9, 10, 11, 0, 0, 0, 0, 0,
+        12, 13, 14, 0, 0, 0, 0, 0, 15, 16, 17, 0, 0, 0, 0, 0, 18, 19, 20, 0, 0, 0, 0, 0, 21, 22, 23, 0, 0, 0, 0, 0};
+    const __m512i shifts = _mm512_set1_epi64(0x1512'0F0C'0906'0300ll);  // 21, 18, .., 0
+    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFF, row);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(_mm512_load_si512(spread), bytes)),
+                            _mm512_set1_epi8(7));
+}
+
+#endif
+
+template <int BITS>
+inline void unpack_codes(const uint8_t* row, int D, uint8_t* __restrict__ out) {  // D codes -> D bytes, channel order
+    if (BITS == 8) {
+        std::memcpy(out, row, D);
+    } else if (BITS == 4) {
+        const __m128i m = _mm_set1_epi8(15);
+        for (int i = 0; i < D / 2; i += 16) {  // 16 bytes: channels 2i .. 2i + 31
+            const __m128i b = _mm_loadu_si128((const __m128i*)(row + i));
+            const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+            _mm_storeu_si128((__m128i*)(out + 2 * i), _mm_unpacklo_epi8(lo, hi));
+            _mm_storeu_si128((__m128i*)(out + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
+        }
+    } else if (BITS == 2) {
+        const __m128i m = _mm_set1_epi8(3);
+        for (int i = 0; i < D / 4; i += 16) {  // 16 bytes: channels 4i .. 4i + 63
+            const __m128i b = _mm_loadu_si128((const __m128i*)(row + i));
+            const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+            const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+            const __m128i a_lo = _mm_unpacklo_epi8(c0, c1), b_lo = _mm_unpacklo_epi8(c2, c3);
+            const __m128i a_hi = _mm_unpackhi_epi8(c0, c1), b_hi = _mm_unpackhi_epi8(c2, c3);
+            _mm_storeu_si128((__m128i*)(out + 4 * i), _mm_unpacklo_epi16(a_lo, b_lo));
+            _mm_storeu_si128((__m128i*)(out + 4 * i + 16), _mm_unpackhi_epi16(a_lo, b_lo));
+            _mm_storeu_si128((__m128i*)(out + 4 * i + 32), _mm_unpacklo_epi16(a_hi, b_hi));
+            _mm_storeu_si128((__m128i*)(out + 4 * i + 48), _mm_unpackhi_epi16(a_hi, b_hi));
+        }
+    } else {  // 3-bit: 8 codes per 3 bytes, lowest bits first
+#if MINILLAMA_VBMI
+        // BMI2's pdep would do 8 codes at a time, but it measured ~100 cycles per call on this
+        // project's VMs; codes3 does 64 in four instructions.
+        for (int c = 0; c < D; c += 64) _mm512_storeu_si512(out + c, codes3(row + 3 * c / 8));
+#else
+        for (int j = 0; j < D / 8; j++) {
+            const uint32_t w = row[3 * j] | (row[3 * j + 1] << 8) | (row[3 * j + 2] << 16);
+            for (int k = 0; k < 8; k++) out[8 * j + k] = (w >> (3 * k)) & 7;
+        }
+#endif
+    }
+}
+
+// The int16 weights of one head and group over a sub-block of 32 tokens: w_t = p_t s_t (zero
+// past `len`), w16 = round(w / b) with b = max |w| / 32767; returns b, and adds sum_t p_t z_t to *z.
+inline float weights16(const float* p, const float* sc, const float* zc, int len, int16_t* w16, float* z) {
+    const __mmask16 m0 = (__mmask16)(len >= 16 ? 0xFFFF : (1u << len) - 1);
+    const __mmask16 m1 = (__mmask16)(len >= 32 ? 0xFFFF : len > 16 ? (1u << (len - 16)) - 1 : 0);
+    const __m512 p0 = _mm512_maskz_loadu_ps(m0, p), p1 = _mm512_maskz_loadu_ps(m1, p + 16);
+    const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sc)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sc + 16));
+    *z += _mm512_reduce_add_ps(_mm512_fmadd_ps(p0, _mm512_loadu_ps(zc), _mm512_mul_ps(p1, _mm512_loadu_ps(zc + 16))));
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1)));
+    const float b = m > 0.f ? m / 32767.f : 1.f;
+    const __m512 inv = _mm512_set1_ps(1.f / b);
+    _mm256_storeu_si256((__m256i*)w16, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w0, inv))));
+    _mm256_storeu_si256((__m256i*)(w16 + 16), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w1, inv))));
+    return b;
+}
+
+// Two tokens' packed rows (2 NV BITS bytes each) -> NV registers of int16 pairs (c_t,d | c_t+1,d << 16),
+// straight from the packed bytes: 16-byte piece m of both rows is interleaved byte by byte and
+// widened (dword j = bytes j of x and y), then its F = 8 / BITS fields are split by shift and mask.
+// Register K = F m + k, lane j holds channel (16 m + j) F + k: the decode order of channel_of for
+// 2- and 4-bit codes, natural order for bytes.
+template <int BITS, int NV>
+inline void pair_fields(const uint8_t* x, const uint8_t* y, __m512i* f) {
+    constexpr int F = 8 / BITS, NP = NV / F;
+    const __m512i mask = _mm512_set1_epi16((1 << BITS) - 1);
+    for (int m = 0; m < NP; m++) {
+        const __m128i a = _mm_loadu_si128((const __m128i*)(x + 16 * m)), b = _mm_loadu_si128((const __m128i*)(y + 16 * m));
+        const __m512i z = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+        for (int k = 0; k < F; k++) f[F * m + k] = BITS == 8 ? z : _mm512_and_si512(_mm512_srli_epi16(z, BITS * k), mask);
+    }
+}
+
+#if MINILLAMA_VBMI
+// Two tokens' 3-bit rows -> NV pair registers as pair_fields<8> makes them from bytes (register
+// m, lane j: channel 16 m + j), each by one two-source byte permute with the odd bytes zeroed.
+template <int NV>
+inline void pair_codes3(const uint8_t* x, const uint8_t* y, __m512i* f) {
+    alignas(64) static const struct Index {
+        uint8_t b[4][64];
+        Index() {
+            for (int m = 0; m < 4; m++)
+                for (int j = 0; j < 16; j++) b[m][4 * j] = (uint8_t)(16 * m + j), b[m][4 * j + 2] = (uint8_t)(64 + 16 * m + j), b[m][4 * j + 1] = b[m][4 * j + 3] = 0;
+        }
+    } index;
+    for (int h = 0; h < NV / 4; h++) {  // 64 channels at a time
+        const __m512i a = codes3(x + 24 * h), c = codes3(y + 24 * h);
+        for (int m = 0; m < 4; m++)
+            f[4 * h + m] = _mm512_maskz_permutex2var_epi8((__mmask64)0x5555555555555555ull, a, _mm512_load_si512(index.b[m]), c);
+    }
+}
+#endif
+
+// acc[r][K] += pairs x the head's pair weights for RT query heads from r, their accumulators in
+// registers (a runtime head count leaves them in memory: a load and a store per multiply-add).
+// wq[r] holds pair i's weight dwords at i NG (one per group); piece m's lanes take their group's (gidx[m]),
+// one permute per piece, head and pair, shared by the piece's F registers. Then out += acc b.
+template <int NV, int F, int RT, typename Pairs>
+inline void pair_heads(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 16 + 16], int NG, const float (*b)[16],
+                       const __m512i* gidx, __m512 (*out)[NV]) {
+    constexpr int NP = NV / F;
+    __m512i acc[RT][NV];
+    for (int r = 0; r < RT; r++)
+        for (int k = 0; k < NV; k++) acc[r][k] = _mm512_setzero_si512();
+    for (int i = 0; i < npairs; i++) {
+        __m512i w[RT], x[NV];
+        pairs(i, x);
+        if (NG == 1) {  // one group per row: one broadcast per head serves every piece
+            for (int r = 0; r < RT; r++) w[r] = _mm512_set1_epi32(wq[r][i]);
+            for (int k = 0; k < NV; k++)
+                for (int r = 0; r < RT; r++) acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], x[k], w[r]);
+            continue;
+        }
+        for (int m = 0; m < NP; m++) {
+            for (int r = 0; r < RT; r++) w[r] = _mm512_permutexvar_epi32(gidx[m], _mm512_loadu_si512(wq[r] + i * NG));
+            for (int k = 0; k < F; k++)
+                for (int r = 0; r < RT; r++) acc[r][F * m + k] = _mm512_dpwssd_epi32(acc[r][F * m + k], x[F * m + k], w[r]);
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int m = 0; m < NP; m++) {
+            const __m512 bm = _mm512_permutexvar_ps(gidx[m], _mm512_loadu_ps(b[r]));
+            for (int k = 0; k < F; k++)
+                out[r][F * m + k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][F * m + k]), bm, out[r][F * m + k]);
+        }
+}
+
+// Every head through pair_heads, in tiles of up to T = 29 / (NV + 1) heads (the accumulators and
+// one weight register per head, of 32 registers). pairs(i, x) puts pair i's NV registers in x.
+template <int NV, int F, typename Pairs>
+inline void pair_all(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 16 + 16], int NG, const float (*b)[16],
+                     const __m512i* gidx, __m512 (*out)[NV], int R) {
+    constexpr int T = 29 / (NV + 1);
+    int r = 0;
+    for (; r + T <= R; r += T) pair_heads<NV, F, T>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+    switch (R - r) {
+        case 0: return;
+        case 1: return pair_heads<NV, F, 1>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+        case 2: return pair_heads<NV, F, (T > 2 ? 2 : 1)>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+        case 3: return pair_heads<NV, F, (T > 3 ? 3 : 1)>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+        default: return pair_heads<NV, F, (T > 4 ? 4 : 1)>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
+    }
+}
+
+// Two tokens' rows -> their NV pair registers: 3-bit codes through pair_codes3 (VBMI), else
+// pair_fields of the packed bytes (PB: the code width, 8 for 3-bit rows unpacked to bytes);
+// a codebook's levels replace the codes (vpermw on the int16 lanes).
+template <int BITS, int PB, int NV>
+inline void make_pair(const uint8_t* x, const uint8_t* y, bool book, __m512i lut, __m512i* f) {
+#if MINILLAMA_VBMI
+    if (BITS == 3)
+        pair_codes3<NV>(x, y, f);
+    else
+#endif
+        pair_fields<PB, NV>(x, y, f);
+    if (book)
+        for (int k = 0; k < NV; k++) f[k] = _mm512_permutexvar_epi16(f[k], lut);
+}
+
+// BITS: the stored code width; 3-bit rows are unpacked to bytes first and paired as 8-bit ones.
+template <int BITS, int NV>
+bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
+    constexpr int D = 16 * NV, SB = 32, PB = BITS == 3 ? 8 : BITS, F = 8 / PB, NP = NV / F;
+    const int G = s.group, NG = D / G;
+    __m512i gidx[NP];  // lane j of piece m: the group of its channels
+    // A codebook's levels as int16, L16 = round(L 2047 / max |L|), looked up per 16-bit lane
+    // (vpermw). 2047 keeps 32 products of a sub-block within int32 (32 x 32767 x 2047 < 2^31) and
+    // a level within max |L| / 4094 of its value (int8 levels moved small ones by 3%, see vnni_keys).
+    const bool book = s.codebook != nullptr;
+    __m512i lut = _mm512_setzero_si512();
+    float level_step = 1.f;
+    if (book) {
+        float big = 0.f;
+        for (int l = 0; l < (1 << BITS); l++) big = std::max(big, std::fabs(s.codebook[l]));
+        level_step = big > 0.f ? big / 2047.f : 1.f;
+        alignas(64) int16_t t[32] = {0};
+        for (int l = 0; l < (1 << BITS); l++) t[l] = (int16_t)std::nearbyint(s.codebook[l] / level_step);
+        lut = _mm512_load_si512(t);
+    }
+    for (int m = 0; m < NP; m++) {
+        alignas(64) int32_t t[16];
+        for (int j = 0; j < 16; j++) t[j] = (16 * m + j) * F / G;
+        gidx[m] = _mm512_load_si512(t);
+    }
+    alignas(64) __m512 out[16][NV];  // [head][register]: float sums in decode order
+    alignas(64) float zsum[16][16] = {{0.f}};  // [head][group]: sum_t p_t z_tg
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < NV; k++) out[r][k] = _mm512_setzero_ps();
+    alignas(64) uint8_t rows[SB][128];      // 3-bit rows unpacked to bytes (without VBMI)
+    alignas(64) __m512i pairs[SB / 2][NV];  // pair_fields of tokens 2i, 2i + 1
+    alignas(64) int16_t w16[16][8][SB];     // [head][group][token]
+    alignas(64) int32_t wq[16][8 * SB / 2 + 16];  // [head][pair q][group g] at q NG + g: the pair's weight dword
+    alignas(64) float b[16][16] = {{0.f}};  // [head][group]: the int16 step
+    constexpr int RB = D * BITS / 8;
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n; i += SB) {
+        const int len = std::min(SB, i0 + n - i);
+        prefetch_rows(s, bh, at.slot, SB, SB, RB, NG);  // the next sub-block
+        alignas(64) float sc[8][SB], zc[8][SB];         // [group][token], zero past len
+        const int64_t first = bh * s.slots + at.slot;
+        const bool straight = at.slot + len <= s.slots;  // the sub-block's rows are consecutive slots
+        if (straight && NG <= 2 && len == SB) {  // 16 tokens' NG scales at a time, split by group
+            const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+            const uint16_t* src[2] = {s.scale + first * NG, s.zero ? s.zero + first * NG : nullptr};
+            for (int m = 0; m < 2; m++) {
+                float(*dst)[SB] = m ? zc : sc;
+                for (int h = 0; h < SB; h += 16) {
+                    if (!src[m]) {  // a codebook without zeros
+                        for (int g = 0; g < NG; g++) _mm512_store_ps(dst[g] + h, _mm512_setzero_ps());
+                        continue;
+                    }
+                    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src[m] + NG * h)));
+                    if (NG == 1) {
+                        _mm512_store_ps(dst[0] + h, a);
+                        continue;
+                    }
+                    const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src[m] + NG * h + 16)));
+                    _mm512_store_ps(dst[0] + h, _mm512_permutex2var_ps(a, even, c));
+                    _mm512_store_ps(dst[1] + h, _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), c));
+                }
+            }
+        } else {
+            Cursor c = at;
+            for (int t = 0; t < SB; t++) {
+                const int64_t slot = bh * s.slots + c.slot;
+                if (t < len) c.next();
+                for (int g = 0; g < NG; g++)
+                    sc[g][t] = t < len ? half_to_float(s.scale[slot * NG + g]) : 0.f,
+                    zc[g][t] = t < len && s.zero ? half_to_float(s.zero[slot * NG + g]) : 0.f;
+            }
+        }
+        alignas(64) static const uint8_t zeros[128] = {0};
+        const uint8_t* row[SB + 1];  // each token's packed row; an odd last token pairs with zeros
+        for (int t = 0; t < len; t++) {
+            row[t] = (const uint8_t*)s.data + (bh * s.slots + at.slot) * RB;
+            at.next();
+            if (BITS == 3 && !MINILLAMA_VBMI) unpack_codes<3>(row[t], D, rows[t]), row[t] = rows[t];
+        }
+        row[len] = zeros;
+        for (int r = 0; r < R; r++) {
+            for (int g = 0; g < NG; g++)
+                b[r][g] = level_step * weights16(p + (int64_t)r * lp + (i - i0), sc[g], zc[g], len, w16[r][g], &zsum[r][g]);
+            int32_t* dst = wq[r];  // pair q's dword of group g at q NG + g
+            if (NG == 1) {
+                std::memcpy(dst, w16[r][0], 2 * SB);
+            } else if (NG == 2) {
+                const __m512i a = _mm512_load_si512(w16[r][0]), c = _mm512_load_si512(w16[r][1]);
+                _mm512_store_si512(dst, _mm512_unpacklo_epi32(a, c));  // per 128-bit lane: pairs 4l, 4l + 1
+                _mm512_store_si512(dst + 16, _mm512_unpackhi_epi32(a, c));
+                const __m512i lo = _mm512_load_si512(dst), hi = _mm512_load_si512(dst + 16);
+                const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+                _mm512_store_si512(dst, _mm512_permutex2var_epi32(lo, first, hi));
+                _mm512_store_si512(dst + 16, _mm512_permutex2var_epi32(lo, _mm512_add_epi32(first, _mm512_set1_epi32(8)), hi));
+            } else {
+                for (int q = 0; q < SB / 2; q++)
+                    for (int g = 0; g < NG; g++) std::memcpy(dst + q * NG + g, &w16[r][g][2 * q], 4);
+            }
+        }
+        const int npairs = (len + 1) / 2;
+        if (R <= 29 / (NV + 1)) {  // one tile of heads: each pair made in registers, used at once
+            auto make = [&](int q, __m512i* f) { make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f); };
+            pair_all<NV, F>(make, npairs, wq, NG, b, gidx, out, R);
+        } else {  // several tiles: the pairs made once, read back from L1 by each tile
+            for (int q = 0; q < npairs; q++) make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, pairs[q]);
+            auto load = [&](int q, __m512i* f) {
+                for (int k = 0; k < NV; k++) f[k] = _mm512_load_si512(&pairs[q][k]);
+            };
+            pair_all<NV, F>(load, npairs, wq, NG, b, gidx, out, R);
+        }
+    }
+    for (int r = 0; r < R; r++) {  // back to channel order, with the zeros' share
+        alignas(64) float o[NV][16];
+        for (int m = 0; m < NP; m++) {
+            const __m512 z = _mm512_permutexvar_ps(gidx[m], _mm512_loadu_ps(zsum[r]));
+            for (int k = 0; k < F; k++) _mm512_store_ps(o[F * m + k], _mm512_add_ps(out[r][F * m + k], z));
+        }
+        float* dst = acc_out + (size_t)r * D;
+        for (int m = 0; m < NP; m++)
+            for (int k = 0; k < F; k++)
+                for (int j = 0; j < 16; j++) dst[(16 * m + j) * F + k] += o[F * m + k][j];
+    }
+    return true;
+}
+
+}  // namespace
+
+bool vnni_keys(const RowSource& s, int D) {
+    // Codebooks are read as 16-bit levels (score_vnni): as bytes they moved the small levels by
+    // up to 3% (3-bit Lloyd-Max: 0.2451 -> 14/59), a bias, not noise, that perplexity showed.
+    if ((D != 64 && D != 128) || s.bits != 4 || s.cos || s.center) return false;
+    if (s.codebook) return s.kind == ROW_TOKEN && s.group == D;
+    if (s.kind == ROW_CHANNEL) return s.group > 0 && s.zero;
+    return s.kind == ROW_TOKEN && s.group == D && s.zero;
+}
+
+bool vnni_values(const RowSource& s, int D) {
+    if ((D != 64 && D != 128) || s.kind != ROW_TOKEN || s.cos || s.center) return false;
+    if (!(s.bits == 2 || s.bits == 3 || s.bits == 4 || s.bits == 8) || s.group < 16 || D % s.group) return false;
+    return s.codebook ? s.bits <= 4 : s.zero != nullptr;  // affine codes, or up to 16 levels (int16, see value_vnni)
+}
+
+bool value_vnni(VALUE_ARGS) {
+    if (R > 16 || !vnni_values(s, D)) return false;
+#define V(BITS) return D == 64 ? value_vnni<BITS, 4>(s, bh, R, p, lp, i0, n, acc) : value_vnni<BITS, 8>(s, bh, R, p, lp, i0, n, acc)
+    switch (s.bits) {
+        case 2: V(2);
+        case 3: V(3);
+        case 4: V(4);
+        default: V(8);
+    }
+#undef V
+}
+
+bool score_vnni(SCORE_ARGS, Prep& prep) {
+    if (R > 16 || !vnni_keys(s, D)) return false;
+    return D == 64 ? score_vnni<8>(s, bh, R, q, i0, n, out, ls, prep) : score_vnni<16>(s, bh, R, q, i0, n, out, ls, prep);
+}
+
+#else
+
+bool vnni_keys(const RowSource&, int) { return false; }
+bool score_vnni(SCORE_ARGS, Prep&) { return false; }
+bool vnni_values(const RowSource&, int) { return false; }
+bool value_vnni(VALUE_ARGS) { return false; }
+
+#endif
