@@ -2,13 +2,16 @@
 
     python bench/attention_rounds.py 8192 "fp16;kivi4;hadv2;k4v3hc;k4v3lmc;k3v2lm"
     python bench/attention_rounds.py 8192 "fp16;k=int4c,v=fp16,group=32,residual=32"   # one side alone
+    python bench/attention_rounds.py 8192 "fp16;hadv2;k4v3lmc" 10 tinyllama   # TinyLlama-1.1B's layer shape (GQA 8)
 
 On a shared 2-core VM a single timing moves by 30% from one minute to the next, so a ratio of
 two separate runs says little. Here every spec's 30-layer cache is built first (synthetic fill,
 the default model's shape: 3 KV heads, 3 query heads each, head_dim 64), then each round times
 one pass of ``attend_layer`` over all 30 layers (each reads its K/V from memory, as a decode
 step does) for every spec in turn; the median per spec and its ratio to the first spec are
-printed, with the quartiles. Specs are separated by ';' (a spec itself holds commas).
+printed, with the quartiles. Specs are separated by ';' (a spec itself holds commas). A fourth
+argument names another layer shape: ``tinyllama`` (22 layers, 4 KV heads, 8 query heads each,
+head_dim 64: bench/tinyllama_shape.py), where the integer kernels do R = 8 heads' work per row.
 """
 
 from __future__ import annotations
@@ -25,31 +28,38 @@ from minillama.kv.fused_attention import decode_plan
 from minillama.kv.spec import parse_kv
 from minillama.native import backend, ops
 
-LAYERS, H, R, D = 30, 3, 3, 64
+SHAPES = {  # (layers, KV heads, query heads per KV head, head_dim)
+    "smollm2": (30, 3, 3, 64),  # the default model
+    "tinyllama": (22, 4, 8, 64),
+}
 
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     specs = (sys.argv[2] if len(sys.argv) > 2 else "fp16;kivi4;hadv2").split(";")
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 30
+    shape = sys.argv[4] if len(sys.argv) > 4 else "smollm2"
+    if shape not in SHAPES:
+        sys.exit(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
+    layers, h, r, d = SHAPES[shape]
     lib = backend.library()
     if lib is None:
         sys.exit(f"the kernels are not in use: {backend.describe()}")
-    q, k, v = torch.randn(1, H * R, 1, D), torch.randn(1, H, 1, D), torch.randn(1, H, 1, D)
+    q, k, v = torch.randn(1, h * r, 1, d), torch.randn(1, h, 1, d), torch.randn(1, h, 1, d)
     out, keep, plans = torch.empty_like(q), [], {}
     for kv in specs:
-        cache = KVCache(parse_kv(kv), n_layers=LAYERS, n_kv_heads=H, head_dim=D, capacity=n + 64)
+        cache = KVCache(parse_kv(kv), n_layers=layers, n_kv_heads=h, head_dim=d, capacity=n + 64)
         fill_synthetic(cache, n)
         keep.append(cache)
-        plans[kv] = [decode_plan(lib, q, k, v, out, cache.layer(i), None, keep) for i in range(LAYERS)]
+        plans[kv] = [decode_plan(lib, q, k, v, out, cache.layer(i), None, keep) for i in range(layers)]
     times: dict[str, list[float]] = {kv: [] for kv in specs}
     for _ in range(rounds):
         for kv in specs:
             t0 = time.perf_counter()
             for plan in plans[kv]:
                 ops.attend_layer(lib, plan)
-            times[kv].append((time.perf_counter() - t0) / LAYERS)
-    print(f"{backend.describe()}; {n} tokens; median of {rounds} rounds, one layer")
+            times[kv].append((time.perf_counter() - t0) / layers)
+    print(f"{backend.describe()}; {shape} layer shape; {n} tokens; median of {rounds} rounds, one layer")
     first = statistics.median(times[specs[0]])
     for kv in specs:
         median, (q1, _, q3) = statistics.median(times[kv]), statistics.quantiles(times[kv], n=4)
