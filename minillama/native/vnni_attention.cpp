@@ -338,7 +338,7 @@ inline void unpack_codes(const uint8_t* row, int D, uint8_t* __restrict__ out) {
 
 // The int16 weights of one head and group over a sub-block of 32 tokens: w_t = p_t s_t (zero
 // past `len`), w16 = round(w / b) with b = max |w| / 32767; returns b, and adds sum_t p_t z_t to *z.
-inline float weights16(const float* p, const float* sc, const float* zc, int len, int16_t* w16, float* z) {
+inline float weights16(const float* p, const float* sc, const float* zc, int len, __m512i* w16, float* z) {
     const __mmask16 m0 = (__mmask16)(len >= 16 ? 0xFFFF : (1u << len) - 1);
     const __mmask16 m1 = (__mmask16)(len >= 32 ? 0xFFFF : len > 16 ? (1u << (len - 16)) - 1 : 0);
     const __m512 p0 = _mm512_maskz_loadu_ps(m0, p), p1 = _mm512_maskz_loadu_ps(m1, p + 16);
@@ -347,8 +347,9 @@ inline float weights16(const float* p, const float* sc, const float* zc, int len
     const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1)));
     const float b = m > 0.f ? m / 32767.f : 1.f;
     const __m512 inv = _mm512_set1_ps(1.f / b);
-    _mm256_storeu_si256((__m256i*)w16, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w0, inv))));
-    _mm256_storeu_si256((__m256i*)(w16 + 16), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w1, inv))));
+    const __m256i lo = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w0, inv)));
+    const __m256i hi = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w1, inv)));
+    *w16 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // 32 int16: token t in lane t
     return b;
 }
 
@@ -485,7 +486,7 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         for (int k = 0; k < NV; k++) out[r][k] = _mm512_setzero_ps();
     alignas(64) uint8_t rows[SB][128];      // 3-bit rows unpacked to bytes (without VBMI)
     alignas(64) __m512i pairs[SB / 2][NV];  // pair_fields of tokens 2i, 2i + 1
-    alignas(64) int16_t w16[16][8][SB];     // [head][group][token]
+    __m512i w16[8];                         // one head's int16 weights per group (32 tokens each)
     alignas(64) int32_t wq[16][8 * SB / 2 + 16];  // [head][pair q][group g] at q NG + g: the pair's weight dword
     alignas(64) float b[16][16] = {{0.f}};  // [head][group]: the int16 step
     constexpr int RB = D * BITS / 8;
@@ -536,21 +537,21 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         row[len] = zeros;
         for (int r = 0; r < R; r++) {
             for (int g = 0; g < NG; g++)
-                b[r][g] = level_step * weights16(p + (int64_t)r * lp + (i - i0), sc[g], zc[g], len, w16[r][g], &zsum[r][g]);
-            int32_t* dst = wq[r];  // pair q's dword of group g at q NG + g
+                b[r][g] = level_step * weights16(p + (int64_t)r * lp + (i - i0), sc[g], zc[g], len, &w16[g], &zsum[r][g]);
+            int32_t* dst = wq[r];  // pair q's dword of group g at q NG + g (pair q: tokens 2q, 2q + 1)
             if (NG == 1) {
-                std::memcpy(dst, w16[r][0], 2 * SB);
-            } else if (NG == 2) {
-                const __m512i a = _mm512_load_si512(w16[r][0]), c = _mm512_load_si512(w16[r][1]);
-                _mm512_store_si512(dst, _mm512_unpacklo_epi32(a, c));  // per 128-bit lane: pairs 4l, 4l + 1
-                _mm512_store_si512(dst + 16, _mm512_unpackhi_epi32(a, c));
-                const __m512i lo = _mm512_load_si512(dst), hi = _mm512_load_si512(dst + 16);
+                _mm512_store_si512(dst, w16[0]);
+            } else if (NG == 2) {  // interleave the two groups' pair dwords, in registers
+                const __m512i lo = _mm512_unpacklo_epi32(w16[0], w16[1]);  // per 128-bit lane: pairs 4l, 4l + 1
+                const __m512i hi = _mm512_unpackhi_epi32(w16[0], w16[1]);  // pairs 4l + 2, 4l + 3
                 const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
                 _mm512_store_si512(dst, _mm512_permutex2var_epi32(lo, first, hi));
                 _mm512_store_si512(dst + 16, _mm512_permutex2var_epi32(lo, _mm512_add_epi32(first, _mm512_set1_epi32(8)), hi));
             } else {
+                alignas(64) int32_t pairs[8][SB / 2];  // [group][pair]
+                for (int g = 0; g < NG; g++) _mm512_store_si512(pairs[g], w16[g]);
                 for (int q = 0; q < SB / 2; q++)
-                    for (int g = 0; g < NG; g++) std::memcpy(dst + q * NG + g, &w16[r][g][2 * q], 4);
+                    for (int g = 0; g < NG; g++) dst[q * NG + g] = pairs[g][q];
             }
         }
         const int npairs = (len + 1) / 2;
