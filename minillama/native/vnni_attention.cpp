@@ -36,6 +36,18 @@ namespace {
 // (the offset's sum is taken back out exactly; a level is off by at most max |L| / 4094).
 // score_vnni's per-head state (Prep): the int8 queries as the dwords vpdpbusd broadcasts
 // (qw[r][2c] the even channels of chunk c, qw[r][2c + 1] the odd ones) and their scales.
+// A codebook's n levels as int16, L16 = round(L 2047 / max |L|): a level is off by at most
+// max |L| / 4094 (int8 levels moved the small ones by 3%, see vnni_keys), and 2047 keeps a
+// value sub-block's 32 products within int32 (32 x 32767 x 2047 < 2^31). Returns the step
+// (a level is step * L16).
+inline float levels16(const float* book, int n, int16_t* out) {
+    float big = 0.f;
+    for (int l = 0; l < n; l++) big = std::max(big, std::fabs(book[l]));
+    const float step = big > 0.f ? big / 2047.f : 1.f;
+    for (int l = 0; l < n; l++) out[l] = (int16_t)std::nearbyint(book[l] / step);
+    return step;
+}
+
 template <int NC>
 struct VnniQuery {
     alignas(64) int32_t qw[16][2 * NC];
@@ -140,19 +152,17 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     VnniQuery<NC>& st = *reinterpret_cast<VnniQuery<NC>*>(prep.bytes);
     static const Transpose16<NC> transpose;
     const bool channel = s.kind == ROW_CHANNEL, book = s.codebook != nullptr;
-    // A codebook's levels as L16 = round(L 2047 / max |L|) (a level within max |L| / 4094; int8
-    // levels moved the small ones by 3%, see vnni_keys), offset to U = L16 + 2048 in [1, 4095]
-    // and split into bytes U = 256 H + Lo: one vpshufb table each, two vpdpbusd per chunk, and
-    // the offset's share 2048 sum(q8) taken back out (st.offset).
+    // A codebook's 16-bit levels (levels16), offset to U = L16 + 2048 in [1, 4095] and split into
+    // bytes U = 256 H + Lo: one vpshufb table each, two vpdpbusd per chunk, and the offset's
+    // share 2048 sum(q8) taken back out (st.offset).
     __m512i lut_h = _mm512_setzero_si512(), lut_l = _mm512_setzero_si512();
     float level_step = 1.f;  // a codebook level is level_step * L16
     if (book) {
-        float big = 0.f;
-        for (int l = 0; l < 16; l++) big = std::max(big, std::fabs(s.codebook[l]));
-        level_step = big > 0.f ? big / 2047.f : 1.f;
+        int16_t l16[16];
+        level_step = levels16(s.codebook, 16, l16);
         alignas(64) uint8_t th[64], tl[64];
         for (int j = 0; j < 64; j++) {
-            const int u = 2048 + (int)std::nearbyint(s.codebook[j % 16] / level_step);
+            const int u = 2048 + l16[j % 16];
             th[j] = (uint8_t)(u >> 8), tl[j] = (uint8_t)(u & 255);
         }
         lut_h = _mm512_load_si512(th), lut_l = _mm512_load_si512(tl);
@@ -284,7 +294,8 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
 #if MINILLAMA_VBMI
 // 64 3-bit codes (24 bytes, 8 codes per 3 bytes, lowest bits first) -> 64 bytes, channel order:
 // qword j gets bytes 3j .. 3j + 2 (vpermb), then vpmultishiftqb takes the 8 bits at offsets
-// 0, 3, .., 21 of it into bytes (the same steps as unpack_codes<3>, kept in a register).
+// 0, 3, .., 21 of it into bytes: 64 codes in four instructions (BMI2's pdep, 8 codes at a time,
+// measured ~100 cycles per call on this project's VMs).
 inline __m512i codes3(const uint8_t* row) {
     alignas(64) static const uint8_t spread[64] = {
         0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 0, 0, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0, 9, 10, 11, 0, 0, 0, 0, 0,
@@ -297,44 +308,16 @@ inline __m512i codes3(const uint8_t* row) {
 
 #endif
 
-template <int BITS>
-inline void unpack_codes(const uint8_t* row, int D, uint8_t* __restrict__ out) {  // D codes -> D bytes, channel order
-    if (BITS == 8) {
-        std::memcpy(out, row, D);
-    } else if (BITS == 4) {
-        const __m128i m = _mm_set1_epi8(15);
-        for (int i = 0; i < D / 2; i += 16) {  // 16 bytes: channels 2i .. 2i + 31
-            const __m128i b = _mm_loadu_si128((const __m128i*)(row + i));
-            const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-            _mm_storeu_si128((__m128i*)(out + 2 * i), _mm_unpacklo_epi8(lo, hi));
-            _mm_storeu_si128((__m128i*)(out + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
-        }
-    } else if (BITS == 2) {
-        const __m128i m = _mm_set1_epi8(3);
-        for (int i = 0; i < D / 4; i += 16) {  // 16 bytes: channels 4i .. 4i + 63
-            const __m128i b = _mm_loadu_si128((const __m128i*)(row + i));
-            const __m128i c0 = _mm_and_si128(b, m), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
-            const __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
-            const __m128i a_lo = _mm_unpacklo_epi8(c0, c1), b_lo = _mm_unpacklo_epi8(c2, c3);
-            const __m128i a_hi = _mm_unpackhi_epi8(c0, c1), b_hi = _mm_unpackhi_epi8(c2, c3);
-            _mm_storeu_si128((__m128i*)(out + 4 * i), _mm_unpacklo_epi16(a_lo, b_lo));
-            _mm_storeu_si128((__m128i*)(out + 4 * i + 16), _mm_unpackhi_epi16(a_lo, b_lo));
-            _mm_storeu_si128((__m128i*)(out + 4 * i + 32), _mm_unpacklo_epi16(a_hi, b_hi));
-            _mm_storeu_si128((__m128i*)(out + 4 * i + 48), _mm_unpackhi_epi16(a_hi, b_hi));
-        }
-    } else {  // 3-bit: 8 codes per 3 bytes, lowest bits first
-#if MINILLAMA_VBMI
-        // BMI2's pdep would do 8 codes at a time, but it measured ~100 cycles per call on this
-        // project's VMs; codes3 does 64 in four instructions.
-        for (int c = 0; c < D; c += 64) _mm512_storeu_si512(out + c, codes3(row + 3 * c / 8));
-#else
-        for (int j = 0; j < D / 8; j++) {
-            const uint32_t w = row[3 * j] | (row[3 * j + 1] << 8) | (row[3 * j + 2] << 16);
-            for (int k = 0; k < 8; k++) out[8 * j + k] = (w >> (3 * k)) & 7;
-        }
-#endif
+#if !MINILLAMA_VBMI
+// Without vpermb, 3-bit rows (8 codes per 3 bytes, lowest bits first) are unpacked to D bytes in
+// channel order first and paired as bytes (pair_fields<8>).
+inline void unpack3(const uint8_t* row, int D, uint8_t* __restrict__ out) {
+    for (int j = 0; j < D / 8; j++) {
+        const uint32_t w = row[3 * j] | (row[3 * j + 1] << 8) | (row[3 * j + 2] << 16);
+        for (int k = 0; k < 8; k++) out[8 * j + k] = (w >> (3 * k)) & 7;
     }
 }
+#endif
 
 // The int16 weights of one head and group over a sub-block of 32 tokens: w_t = p_t s_t (zero
 // past `len`), w16 = round(w / b) with b = max |w| / 32767; returns b, and adds sum_t p_t z_t to *z.
@@ -455,24 +438,20 @@ inline void make_pair(const uint8_t* x, const uint8_t* y, bool book, __m512i lut
         for (int k = 0; k < NV; k++) f[k] = _mm512_permutexvar_epi16(f[k], lut);
 }
 
-// BITS: the stored code width; 3-bit rows are unpacked to bytes first and paired as 8-bit ones.
+// BITS: the stored code width; 3-bit rows are paired by pair_codes3, or without VBMI unpacked to
+// bytes first and paired as 8-bit ones (PB: the width pair_fields sees).
 template <int BITS, int NV>
 bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
     constexpr int D = 16 * NV, SB = 32, PB = BITS == 3 ? 8 : BITS, F = 8 / PB, NP = NV / F;
     const int G = s.group, NG = D / G;
     __m512i gidx[NP];  // lane j of piece m: the group of its channels
-    // A codebook's levels as int16, L16 = round(L 2047 / max |L|), looked up per 16-bit lane
-    // (vpermw). 2047 keeps 32 products of a sub-block within int32 (32 x 32767 x 2047 < 2^31) and
-    // a level within max |L| / 4094 of its value (int8 levels moved small ones by 3%, see vnni_keys).
+    // A codebook's 16-bit levels (levels16), looked up per 16-bit lane (vpermw).
     const bool book = s.codebook != nullptr;
     __m512i lut = _mm512_setzero_si512();
     float level_step = 1.f;
     if (book) {
-        float big = 0.f;
-        for (int l = 0; l < (1 << BITS); l++) big = std::max(big, std::fabs(s.codebook[l]));
-        level_step = big > 0.f ? big / 2047.f : 1.f;
         alignas(64) int16_t t[32] = {0};
-        for (int l = 0; l < (1 << BITS); l++) t[l] = (int16_t)std::nearbyint(s.codebook[l] / level_step);
+        level_step = levels16(s.codebook, 1 << BITS, t);
         lut = _mm512_load_si512(t);
     }
     for (int m = 0; m < NP; m++) {
@@ -484,7 +463,9 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
     alignas(64) float zsum[16][16] = {{0.f}};  // [head][group]: sum_t p_t z_tg
     for (int r = 0; r < R; r++)
         for (int k = 0; k < NV; k++) out[r][k] = _mm512_setzero_ps();
-    alignas(64) uint8_t rows[SB][128];      // 3-bit rows unpacked to bytes (without VBMI)
+#if !MINILLAMA_VBMI
+    alignas(64) uint8_t rows[SB][128];  // 3-bit rows unpacked to bytes
+#endif
     alignas(64) __m512i pairs[SB / 2][NV];  // pair_fields of tokens 2i, 2i + 1
     __m512i w16[8];                         // one head's int16 weights per group (32 tokens each)
     alignas(64) int32_t wq[16][8 * SB / 2 + 16];  // [head][pair q][group g] at q NG + g: the pair's weight dword
@@ -532,7 +513,9 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         for (int t = 0; t < len; t++) {
             row[t] = (const uint8_t*)s.data + (bh * s.slots + at.slot) * RB;
             at.next();
-            if (BITS == 3 && !MINILLAMA_VBMI) unpack_codes<3>(row[t], D, rows[t]), row[t] = rows[t];
+#if !MINILLAMA_VBMI
+            if (BITS == 3) unpack3(row[t], D, rows[t]), row[t] = rows[t];
+#endif
         }
         row[len] = zeros;
         for (int r = 0; r < R; r++) {
@@ -548,10 +531,10 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
                 _mm512_store_si512(dst, _mm512_permutex2var_epi32(lo, first, hi));
                 _mm512_store_si512(dst + 16, _mm512_permutex2var_epi32(lo, _mm512_add_epi32(first, _mm512_set1_epi32(8)), hi));
             } else {
-                alignas(64) int32_t pairs[8][SB / 2];  // [group][pair]
-                for (int g = 0; g < NG; g++) _mm512_store_si512(pairs[g], w16[g]);
+                alignas(64) int32_t dwords[8][SB / 2];  // [group][pair]
+                for (int g = 0; g < NG; g++) _mm512_store_si512(dwords[g], w16[g]);
                 for (int q = 0; q < SB / 2; q++)
-                    for (int g = 0; g < NG; g++) dst[q * NG + g] = pairs[g][q];
+                    for (int g = 0; g < NG; g++) dst[q * NG + g] = dwords[g][q];
             }
         }
         const int npairs = (len + 1) / 2;
