@@ -22,20 +22,20 @@
 
 namespace {
 
-// Integer scores for 4-bit keys: per-token codes with one scale per row (affine or a codebook),
-// or KIVI per-channel codes. NC = D / 8: the dword chunks of a row (8 channels each).
-//
-// Sixteen tokens at a time, chunk c of every token's row is gathered into one register (lane t =
-// the 4 bytes of channels 8c .. 8c + 7 of token t), so that vpdpbusd sums code x query products
-// straight into each token's own lane: no horizontal sums at all. The low nibbles of a chunk
-// are channels 8c + 0, 2, 4, 6 and the high nibbles 8c + 1, 3, 5, 7; the int8 query is laid out
-// the same way, with one scale per chunk of 8 channels (a_c = max |x| / 127 over the chunk; the
-// error of a score is at most sum_d a_c(d) / 2 * |code_d| times the row's scale, as the generic
-// integer kernels state). A codebook's levels become 16-bit, L16 = round(L 2047 / max |L|),
-// offset by 2048 to be unsigned and split into two bytes, each looked up per nibble with vpshufb
-// (the offset's sum is taken back out exactly; a level is off by at most max |L| / 4094).
-// score_vnni's per-head state (Prep): the int8 queries as the dwords vpdpbusd broadcasts
-// (qw[r][2c] the even channels of chunk c, qw[r][2c + 1] the odd ones) and their scales.
+// Ask for `count` consecutive rows starting `ahead` slots after `slot` (the rows a later chunk
+// reads) now, so that they arrive from DRAM while this chunk is computed on, and their
+// per-token scales when the codec has them.
+inline void prefetch_rows(const RowSource& s, int64_t bh, int slot, int ahead, int count, int row_bytes, int scales) {
+    const int first = slot + ahead;
+    if (first + count > s.slots) return;  // near the ring's end: the hardware prefetcher has it
+    const char* p = (const char*)s.data + (bh * s.slots + first) * (int64_t)row_bytes;
+    for (int b = 0; b < count * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    if (scales) {
+        const char* q = (const char*)(s.scale + (bh * s.slots + first) * scales);
+        for (int b = 0; b < count * scales * 2; b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
+    }
+}
+
 // A codebook's n levels as int16, L16 = round(L 2047 / max |L|): a level is off by at most
 // max |L| / 4094 (int8 levels moved the small ones by 3%, see vnni_keys), and 2047 keeps a
 // value sub-block's 32 products within int32 (32 x 32767 x 2047 < 2^31). Returns the step
@@ -48,11 +48,26 @@ inline float levels16(const float* book, int n, int16_t* out) {
     return step;
 }
 
+// Integer scores for 4-bit keys: per-token codes with one scale per row (affine or a codebook),
+// or KIVI per-channel codes. NC = D / 8: the dword chunks of a row (8 channels each).
+//
+// Sixteen tokens at a time, chunk c of every token's row is brought into one register (lane t =
+// the 4 bytes of channels 8c .. 8c + 7 of token t: sixteen consecutive rows transposed by
+// Transpose16, a gather where the ring wraps or a chunk is short), so that vpdpbusd sums code x query products
+// straight into each token's own lane: no horizontal sums at all. The low nibbles of a chunk
+// are channels 8c + 0, 2, 4, 6 and the high nibbles 8c + 1, 3, 5, 7; the int8 query is laid out
+// the same way, with one scale per chunk of 8 channels (a_c = max |x| / 127 over the chunk; the
+// error of a score is at most sum_d a_c(d) / 2 * |code_d| times the row's scale, as the generic
+// integer kernels state). A codebook's levels become 16-bit, L16 = round(L 2047 / max |L|),
+// offset by 2048 to be unsigned and split into two bytes, each looked up per nibble with vpshufb
+// (the offset's sum is taken back out exactly; a level is off by at most max |L| / 4094).
+// score_vnni's per-head state (Prep): the int8 queries as the dwords vpdpbusd broadcasts
+// (qw[r][2c] the even channels of chunk c, qw[r][2c + 1] the odd ones) and their scales.
 template <int NC>
 struct VnniQuery {
     alignas(64) int32_t qw[16][2 * NC];
     alignas(64) float qa[16][NC];  // [head][chunk]: the int8 step of the chunk
-    float offset[16];              // codebooks: 128 sum_d a q8_d, the unsigned offset's share
+    float offset[16];              // codebooks: 2048 sum_d a q8_d, the unsigned offset's share
     float qsum[16], qz[16];        // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
 };
 
