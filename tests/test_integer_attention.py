@@ -16,6 +16,7 @@ The integer path is an approximation with a known bound, derived from the int8 r
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -54,6 +55,16 @@ def integer_call(lib, cache: KVCache, values: bool, x: torch.Tensor, out: torch.
     integer kernel alone (asked for by name: on a CPU without VNNI attend_layer routes these rows
     to the faster exact kernels, kv/fused_attention.py: route)."""
     attend_one_part(lib, values, body_part(cache, values), x, out, via=Route.INTEGER)
+
+
+@contextlib.contextmanager
+def skipped_where_unread(what: str):
+    """Codes only some targets' integer route reads (AVX-512 VNNI): elsewhere the kernel refuses
+    them with its reason, and the test is skipped with it."""
+    try:
+        yield
+    except NotSupported as e:
+        pytest.skip(f"this target's integer route does not read {what} ({e})")
 
 
 SCORE_SPECS = [
@@ -122,10 +133,8 @@ def test_codebook_keys_hold_the_int16_level_bound_where_a_target_reads_them(lib,
     m = store.n_body
     q = torch.randn(1, 2, 3, d)  # (B, H, R, D), in the key codec's space
     got = torch.empty(1, 2, 3, m)
-    try:
+    with skipped_where_unread("codebook keys"):
         integer_call(lib, cache, False, q, got)
-    except NotSupported as e:
-        pytest.skip(f"this target's integer route does not read codebook keys ({e})")
     exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)  # (B, H, R, m)
     book = gaussian_codebook(4)
     step = book.abs().max() / 2047
@@ -185,10 +194,8 @@ def test_integer_values_are_within_the_byte_weight_bound(lib, spec, n, batch):
 def test_integer_values_hold_the_bound_where_a_target_reads_them(lib, spec, d):
     """Codes only AVX-512 VNNI's integer values read; the other targets' integer routes refuse
     them with the reason (the exact kernels read them there)."""
-    try:
+    with skipped_where_unread(spec):
         check_value_bound(lib, spec, 301, 1, 3, d)
-    except NotSupported as e:
-        pytest.skip(f"this target's integer route does not read {spec} ({e})")
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -205,10 +212,8 @@ def test_codebook_values_hold_the_int16_level_bound_where_a_target_reads_them(li
     m, g = store.n_body, store.group
     p = torch.softmax(torch.randn(1, 2, 3, m) * 3, -1)  # (B, H, R, m): peaked attention weights
     got = torch.zeros(1, 2, 3, d)
-    try:
+    with skipped_where_unread("codebook values"):
         integer_call(lib, cache, True, p, got)
-    except NotSupported as e:
-        pytest.skip(f"this target's integer route does not read codebook values ({e})")
     exact = p @ store.codec.decode(parts, g, d)  # (B, H, R, D)
     book = gaussian_codebook(bits)
     levels = book[codes.long()]  # (B, H, m, D)
