@@ -31,7 +31,6 @@ from minillama.eval.datasets import load as load_text
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
-from minillama.model import step as step_module
 from minillama.model.generate import decode_step, prefill
 from minillama.model.loader import load_model
 from minillama.native import backend, ops
@@ -77,8 +76,8 @@ def main() -> None:
 
         return wrapper
 
-    ops.decode_layer = timed("native layer calls", ops.decode_layer)
-    step_module.layer_plan = timed("layer plans (Python)", step_module.layer_plan)
+    ops.decode_layers = timed("native layer calls", ops.decode_layers)
+    KVCache.kernel_plans = timed("layer plans (Python)", KVCache.kernel_plans)
     KVCache.append = timed("cache append (encode + write)", KVCache.append)
     lm.model.lm_head.forward = timed("final LM head", lm.model.lm_head.forward)
     lm.model.model.norm.forward = timed("final norm", lm.model.model.norm.forward)

@@ -10,9 +10,9 @@ from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.budget import formula_live_bytes
 from minillama.kv.cache import ContextFullError, KVCache
 from minillama.kv.codecs import CODECS, FloatCodec
+from minillama.kv.layered import LayeredStore
 from minillama.kv.quantize import dequantize_affine, quantize_affine
 from minillama.kv.spec import PRESETS, parse_kv
-from minillama.kv.store import append_layers
 from minillama.model.loader import load_model
 from minillama.native import backend
 from tests.conftest import make_tiny
@@ -329,18 +329,23 @@ def test_truncate_keeps_a_prefix_and_cuts_groups_whole(tiny):
 @pytest.mark.parametrize("spec", ["fp16", "kivi4", "hadv2", "k4v3hc", "k=lm3h,v=tern,group=16,residual=3,sinks=2"])
 def test_appending_all_layers_at_once_equals_one_layer_at_a_time(spec):
     """KVCache.append quantizes every layer in one batch; storing each layer on its own
-    (append_layers with one store) must leave exactly the same bytes in every ring."""
+    (a LayeredStore of one layer) must leave exactly the same bytes in every ring."""
     parsed = parse_kv(spec)
     batched = KVCache(parsed, n_layers=3, n_kv_heads=2, head_dim=64, capacity=96)
     single = KVCache(parsed, n_layers=3, n_kv_heads=2, head_dim=64, capacity=96)
+    single_layers = [  # each layer's K and V stored on their own
+        tuple(LayeredStore([i], c, g, parsed, 96, 1, 2, 64, "cpu", centered) for c, g, centered in parsed.tensors(i))
+        for i in range(3)
+    ]
+    single.layers = [tuple(s.stores[0] for s in pair) for pair in single_layers]
     g = torch.Generator().manual_seed(7)
     for n in [20, 1, 1, 33, 1, 50, 1]:  # wraps the ring (capacity 96)
         new_kv = [(torch.randn(1, 2, n, 64, generator=g) * 3, torch.randn(1, 2, n, 64, generator=g)) for _ in range(3)]
         batched.append(new_kv)
         evict = batched.evicted - single.evicted
-        for (ks, vs), (k, v) in zip(single.layers, new_kv):
-            append_layers([ks], [k], evict)
-            append_layers([vs], [v], evict)
+        for (ks, vs), (k, v) in zip(single_layers, new_kv):
+            ks.append(k[None], evict)
+            vs.append(v[None], evict)
         single.position, single.evicted = batched.position, batched.evicted
     for pair_a, pair_b in zip(batched.layers, single.layers):
         for a, b in zip(pair_a, pair_b):

@@ -225,6 +225,31 @@ def test_tensors_out_of_range_are_refused(tiny, tmp_path):
         load_prompt_cache(tiny, path, "hadv2")
 
 
+def test_layers_that_hold_their_tokens_differently_are_refused(tiny, tmp_path):
+    """Layers that share a codec are written together (kv/layered.py), so a real file has every
+    layer's sinks, body and residual alike. A forged one whose layer 1 keeps a sink token in its
+    residual instead -- the same count held, every checksum valid -- is refused."""
+    from safetensors.torch import load_file, save
+
+    from minillama.kv.file import _digest, _header_digest, read_header
+
+    spec = "k=int4c,v=int4,group=16,residual=8,sinks=4"
+    path, _, _ = saved_file(tiny, tmp_path, spec, prompt(120))
+    header, tensors = read_header(path), load_file(str(path))
+    sinks, residual = tensors["layers.1.k.sinks"], tensors["layers.1.k.residual"]  # (B, H, rows, D)
+    tensors["layers.1.k.sinks"] = sinks[:, :, :3].contiguous()
+    tensors["layers.1.k.residual"] = torch.cat([sinks[:, :, 3:], residual], dim=2)
+    entry = next(e for e in header["stores"] if e["layer"] == 1 and e["tensor"] == "k")
+    entry["rings"]["sinks"]["rows"] -= 1
+    entry["rings"]["residual"]["rows"] += 1
+    for name in ("layers.1.k.sinks", "layers.1.k.residual"):
+        header["checksums"][name] = _digest(tensors[name])
+    header["header_sha256"] = _header_digest(header)
+    path.write_bytes(save(tensors, metadata={"minillama": json.dumps(header)}))
+    with pytest.raises(CacheFileError, match="share a codec but hold different rows"):
+        load_prompt_cache(tiny, path, spec)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example(flips=[(79, 1)], cut=None)  # CI found it: a header key changed, the JSON still valid
 @given(

@@ -1,6 +1,6 @@
 """The native decode step (model/step.py over native/step.cpp) computes what the layers compute.
 
-On the kernels backend a decode step runs each layer as one C++ call: norm, fused q/k/v product,
+On the kernels backend a decode step runs every layer in one C++ call: norm, fused q/k/v product,
 RoPE, attention over the cache, o_proj, norm, gate/up, SiLU, down. The PyTorch layers in
 model/llama.py are its specification. These tests decode the same tokens through both -- the
 layer-by-layer path is forced by making the native step unavailable -- and compare the logits of
@@ -71,13 +71,13 @@ def layer_by_layer(monkeypatch):
 def test_the_native_step_gives_the_logits_of_the_layers(model_dir, preset, dtype, batch, monkeypatch):
     lm = load_model(str(model_dir), dtype)
     calls = []
-    real = ops.decode_layer
-    monkeypatch.setattr(ops, "decode_layer", lambda lib, step: calls.append(1) or real(lib, step))
+    real = ops.decode_layers
+    monkeypatch.setattr(ops, "decode_layers", lambda lib, steps: calls.append(1) or real(lib, steps))
     seen = len(backend.fallbacks())
     with backend.using("kernels"):
         native = decode_logits(lm, preset, batch)
     assert backend.fallbacks()[seen:] == []
-    assert len(calls) == 10 * lm.config.num_hidden_layers  # one native call per layer per step
+    assert len(calls) == 10  # one native call per step for every layer
     layer_by_layer(monkeypatch)
     with backend.using("kernels"):
         layers = decode_logits(lm, preset, batch)
@@ -158,3 +158,61 @@ def test_weights_loaded_between_steps_are_the_weights_the_step_uses(model_dir, a
         expected = decode_logits(fresh, "fp16", 1)
     assert not torch.allclose(new, old, atol=1e-2)
     assert torch.allclose(new, expected, atol=1e-3, rtol=1e-4)
+
+
+def decode_through_changes(lm, spec: str) -> torch.Tensor:
+    """Logits of decode steps through everything that changes a cache's parts between steps: the
+    sinks and residual filling, the first flush (a calibrated codec fits its ranges, centered keys
+    get their center), the ring wrapping and evicting, a truncation, and a reset followed by a
+    prefill (new centers and ranges, the same parts held as before). (steps, vocab)"""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, lm.config.vocab_size, (1, 200), generator=g)  # (1, T)
+    cache = KVCache.for_model(lm.config, parse_kv(spec), 64)
+    out = []
+    with torch.no_grad():
+        for t in range(110):  # one token at a time from an empty cache: wraps at 64
+            if t == 90:
+                cache.reset()
+                lm.model(ids[:, 150:200], cache)
+            out.append(lm.model(ids[:, t : t + 1], cache)[0, -1].float())
+            if t == 80:
+                cache.truncate(cache.position - 9)  # back into the residual (or a group boundary)
+    return torch.stack(out)  # (steps, vocab)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "k4v3lmc",  # centered keys, sinks, codebooks
+        "k=int4c,v=int2h,group=16,residual=4,sinks=2",
+        "k=nuq3,v=int4cs,group=16,residual=4",  # calibrated: ranges fitted at the first flush
+        "k=int4c,v=int4,rope=pre,sinks=2,residual=4,group=16",  # keys rotated when read
+    ],
+)
+def test_plans_kept_between_steps_follow_the_cache(model_dir, spec, monkeypatch):
+    """A KVCache describes its layers to the native step once and refreshes the counts and ring
+    slots at each step (kv/fused_attention.py: CachePlans). Every change of the cache's parts
+    must reach the kernels: the step's logits equal those of the layer-by-layer path, which
+    describes the cache anew at every call."""
+    lm = load_model(str(model_dir), "float32")
+    with backend.using("kernels-exact"):
+        kept = decode_through_changes(lm, spec)
+    layer_by_layer(monkeypatch)
+    with backend.using("kernels-exact"):
+        anew = decode_through_changes(lm, spec)
+    assert torch.allclose(kept, anew, atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+def test_a_step_made_under_inference_mode_also_runs_outside_it(model_dir):
+    """The step keeps its own buffers between calls; made by a first step under
+    ``torch.inference_mode`` (as ``ppl`` runs), they must still take a step under ``no_grad``."""
+    lm = load_model(str(model_dir), "float32")
+    cache = KVCache.for_model(lm.config, parse_kv("hadv2"), 64)
+    with backend.using("kernels"):
+        with torch.inference_mode():
+            lm.model(torch.tensor([[5]]), cache)
+        with torch.no_grad():
+            out = lm.model(torch.tensor([[7]]), cache)
+    assert out.shape == (1, 1, lm.config.vocab_size) and torch.isfinite(out).all()

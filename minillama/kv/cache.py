@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from minillama.errors import UserError
+from minillama.kv.fused_attention import CachePlans
 from minillama.kv.interface import PartView
+from minillama.kv.layered import LayeredStore
 from minillama.kv.memory import check_fits
 from minillama.kv.spec import KVSpec
-from minillama.kv.store import TensorStore, allocation_bytes, append_layers
+from minillama.kv.store import TensorStore, allocation_bytes
 
 
 class ContextFullError(UserError):
@@ -76,17 +78,26 @@ class KVCache:
         check_fits(batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
         self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
-        self.layers = [
-            tuple(
-                TensorStore(codec, group, spec, capacity, batch, n_kv_heads, head_dim, device, centered)
-                for codec, group, centered in spec.tensors(layer)
-            )
-            for layer in range(n_layers)
-        ]
+        # Keys, then values: the layers that share a codec keep their rings in shared buffers and
+        # are written together (kv/layered.py); self.layers[i] is layer i's (K, V) stores.
+        self.stores: list[LayeredStore] = []
+        self.tensor_of: list[int] = []  # 0 (K) or 1 (V) for each of self.stores
+        layers: list[list[TensorStore]] = [[] for _ in range(n_layers)]
+        for t in (0, 1):
+            kinds = [spec.tensors(layer)[t] for layer in range(n_layers)]  # (codec, group, centered) per layer
+            for kind in dict.fromkeys(kinds):
+                members = [i for i, k in enumerate(kinds) if k == kind]
+                shared = LayeredStore(members, *kind[:2], spec, capacity, batch, n_kv_heads, head_dim, device, kind[2])
+                self.stores.append(shared)
+                self.tensor_of.append(t)
+                for i, store in zip(members, shared.stores):
+                    layers[i].append(store)
+        self.layers = [tuple(pair) for pair in layers]
         self.position = 0
         self.evicted = 0
         self.bytes = ByteCounters()
         self._step_read = 0  # bytes read since the last append (the step in progress)
+        self._plans: CachePlans | None = None  # the native step's description of the layers, made on first use
 
     @classmethod
     def for_model(
@@ -130,6 +141,18 @@ class KVCache:
         """What attention reads of layer i (kv/interface.py: LayerView)."""
         return CacheLayer(self, i)
 
+    def kernel_plans(self, lib, r: int, rope=None) -> list:
+        """Each layer's attention plan for the native decode step, for r query heads per KV head:
+        described once and refreshed at every call (kv/fused_attention.py: CachePlans); `rope` as
+        layer_plan takes it. NotSupported when a part has no kernel that reads it."""
+        if self._plans is None or (self._plans.lib, self._plans.r) != (lib, r):
+            self._plans = CachePlans(lib, self, r)
+        return self._plans.refresh(self, rope)
+
+    def count_kernel_read(self) -> None:
+        """The kernels read every held part of every layer in place (the native step): count it."""
+        CachePlans.count_read(self)
+
     def count_read(self, nbytes: int) -> None:
         """Count bytes read from the cache now (``last_read`` reports the step once it is appended)."""
         self.bytes.total_read += nbytes
@@ -146,11 +169,11 @@ class KVCache:
         unit = self.spec.unit
         evict = -(-overflow // unit) * unit if overflow > 0 else 0
         written = read = 0
-        for t in (0, 1):  # keys, then values: every layer that shares a codec in one batch
-            for codec in dict.fromkeys(pair[t].codec for pair in self.layers):
-                same = [i for i, pair in enumerate(self.layers) if pair[t].codec == codec]
-                w, r = append_layers([self.layers[i][t] for i in same], [new_kv[i][t] for i in same], evict)
-                written, read = written + w, read + r
+        stacked = [torch.stack([pair[t] for pair in new_kv]) for t in (0, 1)]  # K, V: (L, B, H, n, D) each
+        for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
+            x = stacked[t] if len(shared.layers) == self.n_layers else stacked[t][shared.layers]
+            w, r = shared.append(x, evict)
+            written, read = written + w, read + r
         self.position += n
         self.evicted += evict
         self.count_read(read)

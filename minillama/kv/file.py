@@ -385,4 +385,8 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
                 store.params = params
             elif store.codec.per_sequence and store.n_body:
                 raise bad(f"{prefix} lacks the ranges its codec {store.codec.name} was fitted with")
+    for shared in cache.stores:  # layers that share a codec are written together: they hold alike
+        counts = {tuple(ring.count for ring in _rings(store).values()) for store in shared.stores}
+        if len(counts) > 1:
+            raise bad(f"layers {shared.layers} share a codec but hold different rows in their rings")
     cache.position, cache.evicted = position, evicted

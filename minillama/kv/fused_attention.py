@@ -113,6 +113,7 @@ def layer_plan(
         plan.k_center = center.data_ptr()
     k_parts, v_parts = view.parts()
     angles = rope(max(p.first_position + p.n for p in k_parts)) if pre and k_parts else None
+    keep.append(angles)
     for values, parts, slots, count in ((False, k_parts, plan.kparts, "nk"), (True, v_parts, plan.vparts, "nv")):
         setattr(plan, count, len(parts))
         for i, part in enumerate(parts):
@@ -174,3 +175,77 @@ def attend_one_part(
     chosen = route(lib, values, part, src, r, d) if via is None else via
     ops.attend_part(lib, values, chosen, x, 0, src, r, d, part.n, part.n, out)
     return chosen
+
+
+class CachePlans:
+    """Every layer's plan for one ``KVCache``, built once and refreshed in place at each step.
+
+    What a plan points at -- ring buffers, codec tables, the key center -- stays put while a cache
+    lives (rings never move), so it is described once; what a step changes is each part's token
+    count, the slot of its oldest row and its first position, the same numbers for every layer
+    that shares a codec (kv/layered.py). A group's plans are made again only when its parts
+    appear (sinks, body, residual start out empty), a calibrated codec fits its ranges, the key
+    center is set or the cache is cleared: ``_shape`` names all of that. `keep` holds alive every
+    tensor the plans point into."""
+
+    def __init__(self, lib, cache, r: int):
+        self.lib, self.r, self.d = lib, r, cache.head_dim
+        self.plans: list[LayerPlan | None] = [None] * cache.n_layers
+        self.keep: list[list] = [[] for _ in range(cache.n_layers)]
+        self.shapes: list[tuple | None] = [None] * len(cache.stores)
+
+    def _shape(self, shared, rope_tables) -> tuple:
+        lead = shared.stores[0]
+        present = (lead.sinks.count > 0, lead.n_body > 0, lead.residual.count > 0)
+        return present, lead.center, lead.params, rope_tables, backend.exact_attention()
+
+    @staticmethod
+    def _same(a: tuple | None, b: tuple) -> bool:
+        """Shapes are the same: equal flags, and the very same center and parameter objects (held
+        here, so a new one can never reuse a freed one's identity)."""
+        return a is not None and a[0] == b[0] and a[1] is b[1] and a[2] is b[2] and a[3:] == b[3:]
+
+    def refresh(self, cache, rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None) -> list[LayerPlan]:
+        """The plans for `cache` (the one they were made for) as it is now; NotSupported when a part
+        has no kernel."""
+        first_rest = cache.first_rest_position()
+        tables = None
+        if rope is not None and cache.held:
+            tables = rope(cache.position)  # (cos, sin): every held key's position is below the next token's
+            tables = (tables[0].data_ptr(), tables[1].data_ptr())
+        stale = set()
+        for g, shared in enumerate(cache.stores):
+            if not self._same(self.shapes[g], self._shape(shared, tables)):
+                stale.update(shared.layers)
+        for i in sorted(stale):  # made again from the layer's parts, as layer_plan describes them
+            keep: list = []
+            self.plans[i] = layer_plan(self.lib, cache.layer(i), self.r, self.d, rope, keep)
+            self.keep[i] = keep
+        for g, (shared, t) in enumerate(zip(cache.stores, cache.tensor_of)):
+            self.shapes[g] = self._shape(shared, tables)
+            lead = shared.stores[0]
+            live = []  # (n, start, scale start, first position) of each held part, in order
+            position = first_rest
+            for name, n, rings in (
+                ("sinks", lead.sinks.count, {"values": lead.sinks}),
+                ("body", lead.n_body, lead.body),
+                ("residual", lead.residual.count, {"values": lead.residual}),
+            ):
+                if n:
+                    data = rings.get("values") or rings["codes"]
+                    scale = rings.get("scale")
+                    live.append(
+                        (n, data.start, scale.start if scale is not None else 0, 0 if name == "sinks" else position)
+                    )
+                if name != "sinks":
+                    position += n
+            for i in shared.layers:
+                slots = self.plans[i].vparts if t else self.plans[i].kparts
+                for slot, (n, start, sstart, pos0) in zip(slots, live):
+                    slot.n, slot.src.start, slot.src.sstart, slot.src.pos0 = n, start, sstart, pos0
+        return self.plans
+
+    @staticmethod
+    def count_read(cache) -> None:
+        """The kernels read every held part of every layer of `cache` in place: count those bytes."""
+        cache.count_read(sum(s.stores[0].live_read_bytes() * len(s.layers) for s in cache.stores))

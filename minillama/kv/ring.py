@@ -12,8 +12,11 @@ from minillama.kv.interface import RingView
 
 
 class Ring:
-    def __init__(self, batch: int, heads: int, slots: int, width: int, dtype: torch.dtype, device: torch.device | str):
-        self.buf = torch.zeros(batch, heads, slots, width, dtype=dtype, device=device)  # (B, H, slots, width)
+    def __init__(self, buf: torch.Tensor):
+        """buf (B, H, slots, width): zeros the ring owns, or a view of a buffer rings of several
+        layers share (kv/layered.py)."""
+        self.buf = buf  # (B, H, slots, width)
+        batch, heads, slots, width = buf.shape
         self.slots = slots
         self.row_bytes = batch * heads * width * self.buf.element_size()  # one row across the batch and heads
         self.start = 0  # slot of the oldest row

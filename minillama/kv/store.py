@@ -35,7 +35,6 @@ from minillama.kv.codecs import Codec, exact_codec
 from minillama.kv.interface import PartView
 from minillama.kv.ring import Ring
 from minillama.kv.spec import KVSpec
-from minillama.kv.write import encode, storage_form
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,10 @@ class TensorStore:
         head_dim: int,
         device,
         centered: bool = False,
+        bufs: dict[str, torch.Tensor] | None = None,
     ):
+        """`bufs`: each ring's buffer (B, H, slots, width) by name, views into buffers several layers
+        share (kv/layered.py: LayeredStore); zeros of the layout's shapes when None."""
         self.codec, self.group, self.head_dim = codec, group, head_dim
         self.centered = centered
         self.center: torch.Tensor | None = (
@@ -101,10 +103,13 @@ class TensorStore:
         )
         self.params: dict[str, torch.Tensor] | None = None  # calib codecs: lo, span (B, H, 1, D), levels (B, H, 2**b)
         self.residual_len, self.unit, self.start = spec.residual, codec.unit(group), spec.start
-        rings = {
-            name: Ring(batch, heads, shape.slots, shape.width, shape.dtype, device)  # (B, H, slots, width)
-            for name, shape in layout(codec, group, spec, capacity, head_dim).items()
-        }
+        shapes = layout(codec, group, spec, capacity, head_dim)
+        if bufs is None:
+            bufs = {
+                name: torch.zeros(batch, heads, shape.slots, shape.width, dtype=shape.dtype, device=device)
+                for name, shape in shapes.items()
+            }
+        rings = {name: Ring(bufs[name]) for name in shapes}  # each (B, H, slots, width)
         self.sinks = rings.pop("sinks")  # (B, H, S, D)
         self.residual = rings.pop("residual")  # (B, H, R+unit-1, D)
         self.body = rings  # part name -> (B, H, rows, width)
@@ -120,49 +125,6 @@ class TensorStore:
             rows = n // self.tokens_per_row[name]
             ring.drop_newest(rows) if newest else ring.drop_oldest(rows)
         self.n_body -= n
-
-    def take(self, x: torch.Tensor, evict: int) -> tuple[torch.Tensor | None, torch.Tensor, int, int]:
-        """First half of an append of x (B, H, n, D), already in storage form: fill the sinks,
-        evict `evict` oldest non-sink tokens, and split off the block to quantize now.
-
-        Returns (block to encode (B, H, n_flush, D) or None, tokens for the residual,
-        bytes written, bytes read); ``put`` finishes the append.
-        """
-        written = read = 0
-        take = min(self.sinks.slots - self.sinks.count, x.shape[2])
-        if take:
-            written += self.sinks.push(x[:, :, :take])
-            x = x[:, :, take:]
-        # Evict the oldest tokens: from the body, then the residual, then the new ones.
-        from_body = min(evict, self.n_body)
-        self._drop_body(from_body)
-        from_res = min(evict - from_body, self.residual.count)
-        self.residual.drop_oldest(from_res)
-        x = x[:, :, evict - from_body - from_res :]
-        # Quantize whole units once residual + unit tokens are waiting (and start=N tokens are held).
-        waiting = self.residual.count + x.shape[2]
-        n_flush = max(0, (waiting - self.residual_len) // self.unit * self.unit)
-        if self.sinks.count + self.n_body + waiting < self.start:
-            n_flush = 0
-        if not n_flush:
-            return None, x, written, read
-        old = self.residual.read(0, min(n_flush, self.residual.count))  # (B, H, r, D)
-        read += old.shape[2] * self.residual.row_bytes
-        self.residual.drop_oldest(old.shape[2])
-        n_new = n_flush - old.shape[2]
-        block = torch.cat([old, x[:, :, :n_new]], dim=2) if old.shape[2] else x[:, :, :n_new]  # (B, H, n_flush, D)
-        return block, x[:, :, n_new:], written, read
-
-    def put(self, parts: dict[str, torch.Tensor] | None, n_flush: int, rest: torch.Tensor) -> int:
-        """Second half of an append: store the encoded block and the residual tokens; bytes written."""
-        written = 0
-        if parts is not None:
-            for name, part in parts.items():
-                written += self.body[name].push(part)
-            self.n_body += n_flush
-        if rest.shape[2]:
-            written += self.residual.push(rest)
-        return written
 
     @property
     def center_bytes(self) -> int:
@@ -245,57 +207,3 @@ class TensorStore:
 
     def allocated_bytes(self) -> int:
         return sum(r.allocated_bytes for r in [self.sinks, self.residual, *self.body.values()]) + self.center_bytes
-
-
-def append_layers(stores: list[TensorStore], xs: list[torch.Tensor], evict: int) -> tuple[int, int]:
-    """Store new vectors xs[i] (B, H, n, D) in stores[i], the same tensor (K or V) of every layer
-    at once, after evicting `evict` oldest non-sink tokens; returns (bytes written, bytes read).
-
-    All layers hold the same number of tokens, so they evict and flush the same tokens in
-    the same step; stacking them lets one rotation and one ``encode`` call do the work of
-    one per layer (a decode step would otherwise pay ~30 small PyTorch ops per layer).
-    Results are identical to appending layer by layer (the codecs work per row and group).
-    """
-    codec = stores[0].codec
-    x = torch.stack(xs)  # (L, B, H, n, D), in the model's dtype
-    exact = stores[0].residual.buf.dtype
-    if stores[0].centered and stores[0].center is None:  # the first append sets each layer's center
-        means = codec.to_space(x).float().mean(dim=-2, keepdim=True).to(exact)  # (L, B, H, 1, D)
-        for store, m in zip(stores, means):
-            store.center = m
-    center = torch.stack([s.center for s in stores]) if stores[0].centered else None  # (L, B, H, 1, D)
-    # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
-    # quantized from the same values whether or not it waited in the residual.
-    x = storage_form(codec, x, center, exact)
-    written = read = 0
-    taken = []
-    for store, xi in zip(stores, x):
-        block, rest, w, r = store.take(xi, evict)
-        taken.append((block, rest))
-        written, read = written + w, read + r
-    parts_per_layer = [None] * len(stores)
-    n_flush = 0
-    if taken[0][0] is not None:
-        blocks = torch.stack([block for block, _ in taken])  # (L, B, H, n_flush, D)
-        n_layers, b, h, n_flush, d = blocks.shape
-        if codec.per_sequence and stores[0].params is None:  # the first flush fits the per-sequence ranges
-            held = torch.stack([torch.cat([block, rest], dim=2) for block, rest in taken])  # (L, B, H, n, D)
-            params = codec.calibrate(held.reshape(n_layers * b, h, *held.shape[3:]))  # each (L*B, H, ...)
-            for i, store in enumerate(stores):
-                store.params = {name: p.reshape(n_layers, b, *p.shape[1:])[i] for name, p in params.items()}
-        params = None
-        if codec.per_sequence:
-            params = {
-                name: torch.stack([s.params[name] for s in stores]).reshape(
-                    n_layers * b, *stores[0].params[name].shape[1:]
-                )
-                for name in stores[0].params
-            }
-        parts = encode(
-            codec, blocks.reshape(n_layers * b, h, n_flush, d), stores[0].group, params
-        )  # (L*B, H, rows, width)
-        parts = {name: p.reshape(n_layers, b, *p.shape[1:]) for name, p in parts.items()}  # each (L, B, H, rows, width)
-        parts_per_layer = [{name: p[i] for name, p in parts.items()} for i in range(n_layers)]
-    for store, (_, rest), parts_i in zip(stores, taken, parts_per_layer):
-        written += store.put(parts_i, n_flush, rest)
-    return written, read

@@ -1,6 +1,6 @@
 """The cache write: new vectors into storage form, and blocks of them into codes.
 
-Two steps of ``store.append_layers``, each with the plain PyTorch reference and, when the
+Two steps of ``layered.LayeredStore.append``, each with the plain PyTorch reference and, when the
 backend runs the kernels (native/backend.py), a C++ kernel (``native/encode.cpp``) that writes
 identical bytes (a test holds them equal) with one call for every layer of a step instead of
 a dozen PyTorch calls:

@@ -15,6 +15,7 @@ import ctypes
 
 import torch
 
+from minillama.kv.cache import KVCache
 from minillama.kv.fused_attention import layer_plan
 from minillama.kv.interface import Cache
 from minillama.native import ops
@@ -40,37 +41,47 @@ class NativeStep:
         )
         self.scratch = torch.empty(size, dtype=torch.uint8)
         self.weights: list[torch.Tensor] = []  # every tensor a LayerStep points at, kept alive with it
-        self.steps = []
+        # The step's own buffers, at fixed addresses the layers point at: the residual stream and
+        # this token's RoPE angles, copied in at each step (normal tensors even when made under
+        # inference mode, so that a step outside it may write them too).
+        with torch.inference_mode(False):
+            self.x = torch.empty(batch, 1, cfg.hidden_size, dtype=self.dtype)  # (B, 1, hidden)
+            self.cos = torch.empty(1, self.d)  # (1, D) float32
+            self.sin = torch.empty(1, self.d)
+        self.steps = (LayerStep * n)()  # one contiguous array: the whole step is one native call
+        self.pre_rope = False
+        self.plans: list[LayerPlan | None] = [None] * n  # the plan each layer points at now
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (w_qkv, b_qkv), (w_gu, b_gu) = attn.qkv, mlp.gate_up
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             self.weights += [t for t in (*norms, w_qkv, b_qkv, attn.o_proj.weight, attn.o_proj.bias) if t is not None]
             self.weights += [t for t in (w_gu, b_gu, mlp.down_proj.weight, mlp.down_proj.bias) if t is not None]
-            self.steps.append(
-                LayerStep(
-                    B=batch,
-                    hidden=cfg.hidden_size,
-                    Hq=self.hq,
-                    Hkv=self.hkv,
-                    D=self.d,
-                    I=cfg.intermediate_size,
-                    dtype=DTYPE_CODE[self.dtype],
-                    eps=layer.input_layernorm.eps,
-                    w_in=_ptr(layer.input_layernorm.weight),
-                    w_post=_ptr(layer.post_attention_layernorm.weight),
-                    w_qkv=_ptr(w_qkv),
-                    b_qkv=_ptr(b_qkv),
-                    w_o=_ptr(attn.o_proj.weight),
-                    b_o=_ptr(attn.o_proj.bias),
-                    w_gu=_ptr(w_gu),
-                    b_gu=_ptr(b_gu),
-                    w_down=_ptr(mlp.down_proj.weight),
-                    b_down=_ptr(mlp.down_proj.bias),
-                    k_new=_ptr(self.new_k[i]),
-                    v_new=_ptr(self.new_v[i]),
-                    scratch=_ptr(self.scratch),
-                )
+            self.steps[i] = LayerStep(
+                B=batch,
+                hidden=cfg.hidden_size,
+                Hq=self.hq,
+                Hkv=self.hkv,
+                D=self.d,
+                I=cfg.intermediate_size,
+                dtype=DTYPE_CODE[self.dtype],
+                eps=layer.input_layernorm.eps,
+                w_in=_ptr(layer.input_layernorm.weight),
+                w_post=_ptr(layer.post_attention_layernorm.weight),
+                w_qkv=_ptr(w_qkv),
+                b_qkv=_ptr(b_qkv),
+                w_o=_ptr(attn.o_proj.weight),
+                b_o=_ptr(attn.o_proj.bias),
+                w_gu=_ptr(w_gu),
+                b_gu=_ptr(b_gu),
+                w_down=_ptr(mlp.down_proj.weight),
+                b_down=_ptr(mlp.down_proj.bias),
+                cos=_ptr(self.cos),
+                sin=_ptr(self.sin),
+                x=_ptr(self.x),
+                k_new=_ptr(self.new_k[i]),
+                v_new=_ptr(self.new_v[i]),
+                scratch=_ptr(self.scratch),
             )
 
     def time_phases(self, timing: torch.Tensor | None) -> None:
@@ -87,24 +98,43 @@ class NativeStep:
         """x (B, 1, hidden) after the embedding -> the last layer's output (B, 1, hidden); the cache
         gets every layer's new keys and values. NotSupported before anything runs when a layer's
         cache has a part no kernel reads."""
-        keep: list = []
         pre = cache is not None and cache.pre_rope
-        views = [cache.layer(i) for i in range(len(self.steps))] if cache is not None else [None] * len(self.steps)
         rope = rotary.halves if pre else None
-        plans = [
-            layer_plan(self.lib, view, self.hq // self.hkv, self.d, rope, keep) if view is not None else LayerPlan()
-            for view in views
-        ]  # every plan before any layer runs: all or nothing
-        x = x.contiguous().clone()  # (B, 1, hidden), updated in place layer by layer
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()  # (1, D) each
-        for step, plan in zip(self.steps, plans):
-            step.x, step.cos, step.sin, step.pre_rope = x.data_ptr(), cos.data_ptr(), sin.data_ptr(), int(pre)
-            step.attn = ctypes.pointer(plan)
-            ops.decode_layer(self.lib, step)
+        plans = self._plans(cache, rope)  # every plan before any layer runs: all or nothing
+        for step, plan, now in zip(self.steps, plans, self.plans):
+            if plan is not now:  # a plan made anew (a KVCache refreshes its plans in place)
+                step.attn = ctypes.pointer(plan)
+        self.plans = list(plans)  # (a KVCache refreshes its own list in place)
+        if pre != self.pre_rope:
+            for step in self.steps:
+                step.pre_rope = int(pre)
+            self.pre_rope = pre
+        self.x.copy_(x)  # (B, 1, hidden), updated in place layer by layer
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        ops.decode_layers(self.lib, self.steps)
         if cache is not None:
-            for view in views:
-                view.count_kernel_read()
+            self._count_read(cache)
             # fresh tensors: a cache may keep what it is given, and the step reuses its buffers
             new_k, new_v = self.new_k.clone(), self.new_v.clone()  # (L, B, Hkv, 1, D) each
             cache.append(list(zip(new_k, new_v)))  # the one place the cache grows
-        return x
+        return self.x.clone()
+
+    def _plans(self, cache: Cache | None, rope) -> list[LayerPlan]:
+        """Each layer's attention plan: a ``KVCache`` keeps its own between steps (refreshed in
+        place); another cache is described anew."""
+        if cache is None:
+            self._empty = getattr(self, "_empty", None) or [LayerPlan() for _ in self.steps]
+            return self._empty
+        r = self.hq // self.hkv
+        if isinstance(cache, KVCache):
+            return cache.kernel_plans(self.lib, r, rope)
+        self._keep: list = []  # alive while the layers run
+        return [layer_plan(self.lib, cache.layer(i), r, self.d, rope, self._keep) for i in range(len(self.steps))]
+
+    def _count_read(self, cache: Cache) -> None:
+        if isinstance(cache, KVCache):
+            cache.count_kernel_read()
+        else:
+            for i in range(len(self.steps)):
+                cache.layer(i).count_kernel_read()

@@ -145,7 +145,7 @@ SIGNATURES = {  # name: (argument types, return type)
     "silu_mul": ([_P, _I, _I, _I, _P], _I),
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
-    "decode_layer": ([ctypes.POINTER(LayerStep)], _I),
+    "decode_layers": ([ctypes.POINTER(LayerStep), _I], _I),
     "step_scratch_bytes": ([_I, _I, _I, _I, _I, _I, _I], ctypes.c_int64),
     "minillama_features": ([], _I),
     "minillama_abi_size": ([_I], _I),

@@ -8,7 +8,7 @@
 //                fp16 zero = min, codes = round-half-even((x - zero) / scale) clamped, packed
 //                as kv/packing.py packs them; groups of G channels of one token (axis 0) or of
 //                G tokens of one channel (axis 1, KIVI keys).
-// The PyTorch path (kv/store.py: append_layers with kv/quantize.py, kv/packing.py) is the
+// The PyTorch path (kv/layered.py: LayeredStore.append with kv/quantize.py, kv/packing.py) is the
 // reference; a test holds the two to identical bytes.
 
 #include <cmath>

@@ -138,8 +138,9 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
 int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
                   uint16_t* scale, uint16_t* zero);
 
-// One layer's decode step (step.cpp), and the scratch it needs.
-int decode_layer(const LayerStep* step);
+// A decode step (step.cpp): steps[0..n) are the layers in order, run one after another (the first
+// status that is not 0 stops it); and the scratch each layer needs.
+int decode_layers(const LayerStep* steps, int n);
 int64_t step_scratch_bytes(int B, int hidden, int Hq, int Hkv, int D, int I, int dtype);
 
 // What this build was compiled for (a bitmask of MINILLAMA_FEATURE_*), and struct sizes.

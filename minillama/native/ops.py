@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from minillama.native.abi import DTYPE_CODE, LayerPlan, LayerStep, NotSupported, RowSource, check
+from minillama.native.abi import DTYPE_CODE, LayerPlan, NotSupported, RowSource, check
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -166,6 +166,6 @@ def attend_part(
     )
 
 
-def decode_layer(lib, step: LayerStep) -> None:
-    """One layer of a decode step as described by `step` (model/step.py builds it)."""
-    check(lib.decode_layer(ctypes.byref(step)), "decode_layer")
+def decode_layers(lib, steps: ctypes.Array) -> None:
+    """Every layer of a decode step, in order, as the LayerStep array describes them (model/step.py)."""
+    check(lib.decode_layers(steps, len(steps)), "decode_layers")

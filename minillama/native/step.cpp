@@ -62,7 +62,7 @@ static void add_rounded(const void* x, const void* h, int dtype, int64_t n, void
 
 static inline size_t esize(int dtype) { return dtype == 0 ? 4 : 2; }
 
-extern "C" int decode_layer(const LayerStep* step) {
+static int decode_layer(const LayerStep* step) {
     const LayerStep& s = *step;
     const int B = s.B, E = s.hidden, D = s.D, Hq = s.Hq, Hkv = s.Hkv, dt = s.dtype;
     if (dt != 0 && dt != 2) return MINILLAMA_E_DTYPE;
@@ -119,6 +119,12 @@ extern "C" int decode_layer(const LayerStep* step) {
     round_product(y, s.b_down, dt, B, E, h);
     add_rounded(s.x, h, dt, (int64_t)B * E, s.x);
     t.lap(STEP_REST);
+    return MINILLAMA_OK;
+}
+
+extern "C" int decode_layers(const LayerStep* steps, int n) {
+    for (int i = 0; i < n; i++)
+        if (const int status = decode_layer(&steps[i])) return status;
     return MINILLAMA_OK;
 }
 

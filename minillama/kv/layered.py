@@ -1,0 +1,177 @@
+"""The cache write: one tensor (K or V) of every layer that shares a codec, written at once.
+
+All layers of a cache hold the same tokens, so they fill their sinks, evict and flush the same
+tokens in the same step. The stores of the layers that share a codec therefore keep their
+rings in one buffer with a layer axis, (L, B, H, slots, width), each layer's ring a view of
+its slice; an append moves the new vectors of every layer of the group with one tensor
+operation per ring and encodes one block for all of them (one rotation, one ``encode`` call),
+then advances every member's counters alike. A decode step thus costs a handful of PyTorch
+calls per group, whatever the layer count, where a layer-by-layer write paid ~30 per layer.
+The bytes are the ones a layer-by-layer write leaves (tests/test_cache.py holds them equal):
+codecs work per row and per group of tokens, never across layers.
+
+The members' counters are kept equal by construction: every change to them (an append here;
+``truncate``, ``clear`` and a cache file's restore in the cache) is applied to every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillama.kv.ring import Ring
+from minillama.kv.store import TensorStore, layout
+from minillama.kv.write import encode, storage_form
+
+
+class SharedRing:
+    """The same ring of every layer of a group: the members' buffers are slices of `buf`."""
+
+    def __init__(self, buf: torch.Tensor, members: list[Ring]):
+        self.buf = buf  # (L, B, H, slots, width)
+        self.members = members
+        self.lead = members[0]  # every member has its counters
+
+    @property
+    def count(self) -> int:
+        return self.lead.count
+
+    def push(self, x: torch.Tensor) -> int:
+        """Append rows x (L, B, H, n, width) after the newest of every layer; returns bytes written."""
+        n = x.shape[3]
+        if self.lead.count + n > self.lead.slots:
+            raise RuntimeError(f"ring overflow: {self.lead.count} + {n} rows > {self.lead.slots} slots")
+        done = 0
+        for a, b in self.lead._spans(self.lead.count, n):
+            self.buf[:, :, :, a:b] = x[:, :, :, done : done + b - a]
+            done += b - a
+        for ring in self.members:
+            ring.count += n
+        return n * self.lead.row_bytes * len(self.members)
+
+    def read(self, first: int, n: int) -> torch.Tensor:
+        """Rows [first, first + n) of every layer in age order, (L, B, H, n, width)."""
+        spans = self.lead._spans(first, n)
+        if len(spans) == 1:
+            a, b = spans[0]
+            return self.buf[:, :, :, a:b]
+        if not spans:
+            return self.buf[:, :, :, :0]
+        return torch.cat([self.buf[:, :, :, a:b] for a, b in spans], dim=3)
+
+    def drop_oldest(self, n: int) -> None:
+        for ring in self.members:
+            ring.drop_oldest(n)
+
+
+class LayeredStore:
+    """One tensor (K or V) of the layers that share a codec, group size and centering: a
+    ``TensorStore`` per layer (what a reader of one layer sees), their rings in shared buffers."""
+
+    def __init__(
+        self,
+        layers: list[int],
+        codec,
+        group: int,
+        spec,
+        capacity: int,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        device,
+        centered: bool,
+    ):
+        self.layers = layers  # the cache's index of each member layer, in order
+        n = len(layers)
+        bufs = {
+            name: torch.zeros(n, batch, heads, shape.slots, shape.width, dtype=shape.dtype, device=device)
+            for name, shape in layout(codec, group, spec, capacity, head_dim).items()
+        }  # name -> (L, B, H, slots, width)
+        self.layers = layers
+        self.stores = [
+            TensorStore(
+                codec,
+                group,
+                spec,
+                capacity,
+                batch,
+                heads,
+                head_dim,
+                device,
+                centered,
+                {k: b[i] for k, b in bufs.items()},
+            )
+            for i in range(n)
+        ]
+        self.sinks = SharedRing(bufs.pop("sinks"), [s.sinks for s in self.stores])
+        self.residual = SharedRing(bufs.pop("residual"), [s.residual for s in self.stores])
+        self.body = {name: SharedRing(buf, [s.body[name] for s in self.stores]) for name, buf in bufs.items()}
+
+    def append(self, x: torch.Tensor, evict: int) -> tuple[int, int]:
+        """Store new vectors x (L, B, H, n, D) in the model's dtype, after evicting `evict` oldest non-sink
+        tokens of every layer; returns (bytes written, bytes read).
+
+        In order: the first tokens fill the sinks; the oldest are evicted from the body, then the
+        residual, then the new ones; once ``residual + unit`` tokens wait (and ``start`` tokens are
+        held) whole units of the oldest are encoded into the body; the rest wait in the residual."""
+        lead, stores = self.stores[0], self.stores
+        codec = lead.codec
+        exact = lead.residual.buf.dtype
+        if lead.centered and lead.center is None:  # the first append sets each layer's center
+            means = codec.to_space(x).float().mean(dim=-2, keepdim=True).to(exact)  # (L, B, H, 1, D)
+            for store, m in zip(stores, means):
+                store.center = m
+        center = torch.stack([s.center for s in stores]) if lead.centered else None  # (L, B, H, 1, D)
+        # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
+        # quantized from the same values whether or not it waited in the residual.
+        x = storage_form(codec, x, center, exact)  # (L, B, H, n, D)
+        written = read = 0
+        take = min(lead.sinks.slots - lead.sinks.count, x.shape[3])
+        if take:
+            written += self.sinks.push(x[:, :, :, :take])
+            x = x[:, :, :, take:]
+        from_body = min(evict, lead.n_body)
+        for store in stores:
+            store._drop_body(from_body)
+        from_res = min(evict - from_body, lead.residual.count)
+        self.residual.drop_oldest(from_res)
+        x = x[:, :, :, evict - from_body - from_res :]
+        waiting = lead.residual.count + x.shape[3]
+        n_flush = max(0, (waiting - lead.residual_len) // lead.unit * lead.unit)
+        if lead.sinks.count + lead.n_body + waiting < lead.start:
+            n_flush = 0
+        if n_flush:
+            r = min(n_flush, lead.residual.count)
+            old = self.residual.read(0, r)  # (L, B, H, r, D)
+            read += r * lead.residual.row_bytes * len(stores)
+            n_new = n_flush - r
+            block = torch.cat([old, x[:, :, :, :n_new]], dim=3) if r else x[:, :, :, :n_new]  # (L, B, H, n_flush, D)
+            written += self._encode(block, torch.cat([block, x[:, :, :, n_new:]], dim=3), n_flush)
+            self.residual.drop_oldest(r)
+            x = x[:, :, :, n_new:]
+        if x.shape[3]:
+            written += self.residual.push(x)
+        return written, read
+
+    def _encode(self, block: torch.Tensor, held: torch.Tensor, n_flush: int) -> int:
+        """Encode block (L, B, H, n_flush, D) into the body; the first flush of a calibrated codec
+        fits its per-sequence ranges on every held non-sink token (`held`). Returns bytes written."""
+        lead, stores = self.stores[0], self.stores
+        codec = lead.codec
+        n_layers, b, h, _, d = block.shape
+        if codec.per_sequence and lead.params is None:
+            params = codec.calibrate(held.reshape(n_layers * b, h, *held.shape[3:]))  # each (L*B, H, ...)
+            for i, store in enumerate(stores):
+                store.params = {name: p.reshape(n_layers, b, *p.shape[1:])[i] for name, p in params.items()}
+        params = None
+        if codec.per_sequence:
+            params = {
+                name: torch.stack([s.params[name] for s in stores]).reshape(n_layers * b, *lead.params[name].shape[1:])
+                for name in lead.params
+            }
+        parts = encode(codec, block.reshape(n_layers * b, h, n_flush, d), lead.group, params)  # (L*B, H, rows, width)
+        written = 0
+        for name, part in parts.items():
+            written += self.body[name].push(part.reshape(n_layers, b, *part.shape[1:]))  # (L, B, H, rows, width)
+        for store in stores:
+            store.n_body += n_flush
+        return written
