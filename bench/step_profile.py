@@ -4,14 +4,14 @@
     python bench/step_profile.py --context 8192 --kv hadv2 --fill synthetic
 
 One step on the kernels backend is: Python builds the positions, embedding and RoPE angles
-(model/llama.py: hidden), describes each layer's cache parts to the kernels (kv/fused_attention.py:
-layer_plan), makes one native call per layer (native/step.cpp: norm, q/k/v, RoPE, attention,
-o, norm, gate/up, SiLU, down), appends every layer's new keys and values to the cache (encoding
-them: kv/write.py), then the final norm and the LM head. The script times each of those
-wrappers over real steps; the native layer call itself adds the wall time of its projections,
-attention and the rest to counters when asked (native/step.cpp: LayerStep.timing). Timing
-wrappers add a few microseconds per call: the total with them is
-printed beside the total without.
+(model/llama.py: hidden) and refreshes the cache's description of its layers
+(kv/fused_attention.py: CachePlans); one native call runs every layer (native/step.cpp: norm,
+q/k/v, RoPE, attention, o, norm, gate/up, SiLU, down); every layer's new keys and values are
+appended to the cache (kv/layered.py, encoding them: kv/write.py); then the final norm and the
+LM head. The script times each of those wrappers over real steps; the native call itself adds
+the wall time of its projections, attention and the rest to counters when asked
+(native/step.cpp: LayerStep.timing). Timing wrappers add a few microseconds per call: the
+total with them is printed beside the total without.
 """
 
 from __future__ import annotations
@@ -78,9 +78,8 @@ def main() -> None:
 
     ops.decode_layers = timed("native layer calls", ops.decode_layers)
     KVCache.kernel_plans = timed("layer plans (Python)", KVCache.kernel_plans)
-    KVCache.append = timed("cache append (encode + write)", KVCache.append)
+    KVCache.append_stacked = timed("cache append (encode + write)", KVCache.append_stacked)
     lm.model.lm_head.forward = timed("final LM head", lm.model.lm_head.forward)
-    lm.model.model.norm.forward = timed("final norm", lm.model.model.norm.forward)
     steps(3)
     acc.clear()
     timed_total = steps(args.steps)

@@ -160,7 +160,12 @@ class KVCache:
 
     def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full."""
-        n = new_kv[0][0].shape[2]
+        self.append_stacked(torch.stack([k for k, _ in new_kv]), torch.stack([v for _, v in new_kv]))
+
+    def append_stacked(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``append`` with every layer's keys and values stacked, each (L, B, H_kv, n, D) (the native
+        step writes them so). Nothing keeps k or v: the caller may reuse them."""
+        n = k.shape[3]
         overflow = self.held + n - self.capacity
         if overflow > 0 and self.on_full == "stop":
             raise ContextFullError(
@@ -169,10 +174,9 @@ class KVCache:
         unit = self.spec.unit
         evict = -(-overflow // unit) * unit if overflow > 0 else 0
         written = read = 0
-        stacked = [torch.stack([pair[t] for pair in new_kv]) for t in (0, 1)]  # K, V: (L, B, H, n, D) each
         for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
-            x = stacked[t] if len(shared.layers) == self.n_layers else stacked[t][shared.layers]
-            w, r = shared.append(x, evict)
+            x = v if t else k
+            w, r = shared.append(x if len(shared.layers) == self.n_layers else x[shared.layers], evict)
             written, read = written + w, read + r
         self.position += n
         self.evicted += evict

@@ -129,12 +129,13 @@ class LayeredStore:
         if take:
             written += self.sinks.push(x[:, :, :, :take])
             x = x[:, :, :, take:]
-        from_body = min(evict, lead.n_body)
-        for store in stores:
-            store._drop_body(from_body)
-        from_res = min(evict - from_body, lead.residual.count)
-        self.residual.drop_oldest(from_res)
-        x = x[:, :, :, evict - from_body - from_res :]
+        if evict:
+            from_body = min(evict, lead.n_body)
+            for store in stores:
+                store._drop_body(from_body)
+            from_res = min(evict - from_body, lead.residual.count)
+            self.residual.drop_oldest(from_res)
+            x = x[:, :, :, evict - from_body - from_res :]
         waiting = lead.residual.count + x.shape[3]
         n_flush = max(0, (waiting - lead.residual_len) // lead.unit * lead.unit)
         if lead.sinks.count + lead.n_body + waiting < lead.start:
@@ -145,20 +146,23 @@ class LayeredStore:
             read += r * lead.residual.row_bytes * len(stores)
             n_new = n_flush - r
             block = torch.cat([old, x[:, :, :, :n_new]], dim=3) if r else x[:, :, :, :n_new]  # (L, B, H, n_flush, D)
-            written += self._encode(block, torch.cat([block, x[:, :, :, n_new:]], dim=3), n_flush)
-            self.residual.drop_oldest(r)
+            written += self._encode(block, x[:, :, :, n_new:], n_flush)
+            if r:
+                self.residual.drop_oldest(r)
             x = x[:, :, :, n_new:]
         if x.shape[3]:
             written += self.residual.push(x)
         return written, read
 
-    def _encode(self, block: torch.Tensor, held: torch.Tensor, n_flush: int) -> int:
+    def _encode(self, block: torch.Tensor, rest: torch.Tensor, n_flush: int) -> int:
         """Encode block (L, B, H, n_flush, D) into the body; the first flush of a calibrated codec
-        fits its per-sequence ranges on every held non-sink token (`held`). Returns bytes written."""
+        fits its per-sequence ranges on every held non-sink token (the block and the `rest` that
+        stays in the residual). Returns bytes written."""
         lead, stores = self.stores[0], self.stores
         codec = lead.codec
         n_layers, b, h, _, d = block.shape
         if codec.per_sequence and lead.params is None:
+            held = torch.cat([block, rest], dim=3)  # (L, B, H, n, D)
             params = codec.calibrate(held.reshape(n_layers * b, h, *held.shape[3:]))  # each (L*B, H, ...)
             for i, store in enumerate(stores):
                 store.params = {name: p.reshape(n_layers, b, *p.shape[1:])[i] for name, p in params.items()}

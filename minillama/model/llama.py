@@ -234,20 +234,17 @@ class Llama(nn.Module):
                 self.rotary = RotaryTable(self.inv_freq)
             rotary = self.rotary
             rotary.get(int(positions[-1]) + 1)  # every position a key of this step can have
-        stepped = False
         if lib is not None:
-            try:  # the same layers, one native call each (model/step.py); it appends to the cache
-                x = self.native_step(lib, x.shape[0]).run(x, cos, sin, cache, rotary)
-                stepped = True
+            try:  # the same layers and the final norm in one native call (model/step.py); it appends to the cache
+                return self.native_step(lib, x.shape[0]).run(x, cos, sin, cache, rotary)  # (B, 1, hidden)
             except NotSupported as e:
                 backend.fallback(f"decode step: {e}")
-        if not stepped:
-            new_kv = []
-            for i, layer in enumerate(self.model.layers):
-                x, kv = layer(x, cos, sin, cache, i, rotary, lib)
-                new_kv.append(kv)
-            if cache is not None:
-                cache.append(new_kv)  # the one place the cache grows
+        new_kv = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, cos, sin, cache, i, rotary, lib)
+            new_kv.append(kv)
+        if cache is not None:
+            cache.append(new_kv)  # the one place the cache grows
         if last_only:
             x = x[:, -1:]
         return self.model.norm(x)  # (B, T, hidden)

@@ -48,6 +48,7 @@ class NativeStep:
             self.x = torch.empty(batch, 1, cfg.hidden_size, dtype=self.dtype)  # (B, 1, hidden)
             self.cos = torch.empty(1, self.d)  # (1, D) float32
             self.sin = torch.empty(1, self.d)
+        self.norm, self.eps = model.model.norm.weight, model.model.norm.eps  # the final norm
         self.steps = (LayerStep * n)()  # one contiguous array: the whole step is one native call
         self.pre_rope = False
         self.plans: list[LayerPlan | None] = [None] * n  # the plan each layer points at now
@@ -95,7 +96,7 @@ class NativeStep:
     def run(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None, rotary=None
     ) -> torch.Tensor:
-        """x (B, 1, hidden) after the embedding -> the last layer's output (B, 1, hidden); the cache
+        """x (B, 1, hidden) after the embedding -> the final norm of the last layer's output (B, 1, hidden); the cache
         gets every layer's new keys and values. NotSupported before anything runs when a layer's
         cache has a part no kernel reads."""
         pre = cache is not None and cache.pre_rope
@@ -113,12 +114,16 @@ class NativeStep:
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         ops.decode_layers(self.lib, self.steps)
-        if cache is not None:
-            self._count_read(cache)
-            # fresh tensors: a cache may keep what it is given, and the step reuses its buffers
+        if isinstance(cache, KVCache):
+            cache.count_kernel_read()
+            cache.append_stacked(self.new_k, self.new_v)  # the one place the cache grows
+        elif cache is not None:
+            for i in range(len(self.steps)):
+                cache.layer(i).count_kernel_read()
+            # fresh tensors: another cache may keep what it is given, and the step reuses its buffers
             new_k, new_v = self.new_k.clone(), self.new_v.clone()  # (L, B, Hkv, 1, D) each
-            cache.append(list(zip(new_k, new_v)))  # the one place the cache grows
-        return self.x.clone()
+            cache.append(list(zip(new_k, new_v)))
+        return ops.add_rms_norm(self.lib, self.x, None, self.norm, self.eps)[1]  # final norm: a new tensor
 
     def _plans(self, cache: Cache | None, rope) -> list[LayerPlan]:
         """Each layer's attention plan: a ``KVCache`` keeps its own between steps (refreshed in
@@ -131,10 +136,3 @@ class NativeStep:
             return cache.kernel_plans(self.lib, r, rope)
         self._keep: list = []  # alive while the layers run
         return [layer_plan(self.lib, cache.layer(i), r, self.d, rope, self._keep) for i in range(len(self.steps))]
-
-    def _count_read(self, cache: Cache) -> None:
-        if isinstance(cache, KVCache):
-            cache.count_kernel_read()
-        else:
-            for i in range(len(self.steps)):
-                cache.layer(i).count_kernel_read()

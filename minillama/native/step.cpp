@@ -66,7 +66,7 @@ static int decode_layer(const LayerStep* step) {
     const LayerStep& s = *step;
     const int B = s.B, E = s.hidden, D = s.D, Hq = s.Hq, Hkv = s.Hkv, dt = s.dtype;
     if (dt != 0 && dt != 2) return MINILLAMA_E_DTYPE;
-    if (B < 1 || B > 16 || Hq % Hkv || D % 2) return MINILLAMA_E_SHAPE;
+    if (B < 1 || B > 16 || Hq % Hkv || D % 2 || !s.attn) return MINILLAMA_E_SHAPE;
     const int QKV = (Hq + 2 * Hkv) * D, es = (int)esize(dt);
     char* b = (char*)s.scratch;  // the scratch layout, in order (step_scratch_bytes says how much)
     auto take = [&](size_t bytes) { char* p = b; b += (bytes + 63) / 64 * 64; return (void*)p; };
