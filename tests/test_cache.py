@@ -405,22 +405,80 @@ def test_per_layer_key_codecs_parse_and_validate_with_clear_errors(text, message
             KVCache(parse_kv(text), 2, 1, 64, 128)
 
 
+WRITE_SPECS = [
+    "kivi4",
+    "hadv2",
+    "k4v3hc",
+    "kivi2",
+    "int8",
+    "fp16",
+    "k4v4lmc",
+    "k=int3c,v=int3,group=16,residual=5,sinks=3,center=1",
+    "k=int2h,v=int8c,group=8,residual=0",
+    "k=int4cs,v=int2h,residual=4,rope=pre",
+]
+
+
+def assert_same_bytes(fast: KVCache, slow: KVCache) -> None:
+    assert fast.held == slow.held and fast.position == slow.position
+    assert (fast.bytes.total_written, fast.bytes.total_read) == (slow.bytes.total_written, slow.bytes.total_read)
+    for pair_fast, pair_slow in zip(fast.layers, slow.layers):
+        for a, b in zip(pair_fast, pair_slow):
+            assert a.n_body == b.n_body
+            rings = [(a.sinks, b.sinks), (a.residual, b.residual), *((a.body[k], b.body[k]) for k in a.body)]
+            for ra, rb in rings:
+                assert (ra.start, ra.count) == (rb.start, rb.count)
+                assert torch.equal(ra.read().view(torch.uint8), rb.read().view(torch.uint8))
+            assert (a.center is None) == (b.center is None) and (a.center is None or torch.equal(a.center, b.center))
+
+
 @needs_kernels
-@pytest.mark.parametrize(
-    "spec",
-    [
-        "kivi4",
-        "hadv2",
-        "k4v3hc",
-        "kivi2",
-        "int8",
-        "fp16",
-        "k4v4lmc",
-        "k=int3c,v=int3,group=16,residual=5,sinks=3,center=1",
-        "k=int2h,v=int8c,group=8,residual=0",
-        "k=int4cs,v=int2h,residual=4,rope=pre",
-    ],
-)
+@pytest.mark.parametrize("spec", WRITE_SPECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_token_write_is_byte_identical_to_pytorch(spec, dtype, monkeypatch):
+    """A decode step writes its token with one native call per codec (native/encode.cpp:
+    write_token), deciding from the counters what ``LayeredStore.append`` decides from the
+    tensors. Token by token from an empty cache -- sinks filling, the residual wrapping, KIVI
+    groups and per-token units leaving it -- then, after evictions moved the body's start, a
+    truncation and more tokens into the wrapped body rings: the same bytes as the reference."""
+    from minillama.native import ops
+
+    calls = []
+    real = ops.write_token
+    monkeypatch.setattr(ops, "write_token", lambda lib, w: calls.append(1) or real(lib, w))
+    names = ("kernels", "reference")
+    caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=120, batch=2) for _ in names]
+    g = torch.Generator().manual_seed(2)
+    big = torch.zeros(64)
+    big[::9] = 6.0  # a few large channels, like real keys
+
+    def feed(n: int) -> None:
+        kv = [
+            (
+                torch.randn(2, 2, n, 64, generator=g).mul(2).add(big).to(dtype),
+                torch.randn(2, 2, n, 64, generator=g).to(dtype),
+            )
+            for _ in range(3)
+        ]
+        for name, cache in zip(names, caches):
+            with backend.using(name):
+                cache.append(kv)
+
+    for _ in range(70):
+        feed(1)
+    feed(80)  # past the capacity: evictions move every ring's start
+    for cache in caches:
+        cache.truncate(cache.position - 40)
+    for _ in range(30):
+        feed(1)
+    assert_same_bytes(*caches)
+    assert caches[0].evicted > 0
+    if "lm" not in spec and "cs" not in spec:  # codebooks and calibrated ranges take the PyTorch write
+        assert len(calls) >= 100
+
+
+@needs_kernels
+@pytest.mark.parametrize("spec", WRITE_SPECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
     """The kernels backend writes through native/encode.cpp, the reference through PyTorch: the
@@ -441,15 +499,8 @@ def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
         for name, cache in zip(names, caches):
             with backend.using(name):
                 cache.append(kv)
-    fast, slow = caches
-    assert fast.evicted > 0 and fast.held == slow.held
-    for pair_fast, pair_slow in zip(fast.layers, slow.layers):
-        for a, b in zip(pair_fast, pair_slow):
-            rings = [(a.sinks, b.sinks), (a.residual, b.residual), *((a.body[k], b.body[k]) for k in a.body)]
-            for ra, rb in rings:
-                assert (ra.start, ra.count) == (rb.start, rb.count)
-                assert torch.equal(ra.read().view(torch.uint8), rb.read().view(torch.uint8))
-            assert (a.center is None) == (b.center is None) and (a.center is None or torch.equal(a.center, b.center))
+    assert caches[0].evicted > 0
+    assert_same_bytes(*caches)
 
 
 @needs_kernels

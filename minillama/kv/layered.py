@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from minillama.kv.codecs import Affine, FloatCodec
 from minillama.kv.ring import Ring
 from minillama.kv.store import TensorStore, layout
 from minillama.kv.write import encode, storage_form
+from minillama.native import backend, ops
+from minillama.native.abi import DTYPE_CODE, NotSupported, RingRef, TokenWrite
 
 
 class SharedRing:
@@ -44,9 +47,7 @@ class SharedRing:
         for a, b in self.lead._spans(self.lead.count, n):
             self.buf[:, :, :, a:b] = x[:, :, :, done : done + b - a]
             done += b - a
-        for ring in self.members:
-            ring.count += n
-        return n * self.lead.row_bytes * len(self.members)
+        return self.advance(n)
 
     def read(self, first: int, n: int) -> torch.Tensor:
         """Rows [first, first + n) of every layer in age order, (L, B, H, n, width)."""
@@ -57,6 +58,12 @@ class SharedRing:
         if not spans:
             return self.buf[:, :, :, :0]
         return torch.cat([self.buf[:, :, :, a:b] for a, b in spans], dim=3)
+
+    def advance(self, n: int) -> int:
+        """n rows were written after the newest of every layer (by a kernel): count them; bytes written."""
+        for ring in self.members:
+            ring.count += n
+        return n * self.lead.row_bytes * len(self.members)
 
     def drop_oldest(self, n: int) -> None:
         for ring in self.members:
@@ -116,6 +123,10 @@ class LayeredStore:
         lead, stores = self.stores[0], self.stores
         codec = lead.codec
         exact = lead.residual.buf.dtype
+        if x.shape[3] == 1 and not evict:
+            done = self._append_token(x)
+            if done is not None:
+                return done
         if lead.centered and lead.center is None:  # the first append sets each layer's center
             means = codec.to_space(x).float().mean(dim=-2, keepdim=True).to(exact)  # (L, B, H, 1, D)
             for store, m in zip(stores, means):
@@ -179,3 +190,74 @@ class LayeredStore:
         for store in stores:
             store.n_body += n_flush
         return written
+
+    def _append_token(self, x: torch.Tensor) -> tuple[int, int] | None:
+        """``append`` of one decode token with nothing to evict, in one native call
+        (native/encode.cpp: write_token): the same decisions as ``append``, taken here from the
+        counters, and the same bytes (a test holds them equal). None, with nothing changed, where
+        the kernel does not write this codec (codebooks, calibrated ranges, non-float16 rows, the
+        first append of centered keys) or the values are not finite: ``append`` then does it."""
+        lead, stores = self.stores[0], self.stores
+        codec, n_layers = lead.codec, len(stores)
+        lib = backend.library(x.device)
+        kind = _token_kind(codec)
+        if lib is None or kind is None or x.dtype not in DTYPE_CODE or lead.residual.buf.dtype != torch.float16:
+            return None
+        if lead.centered and lead.center is None:
+            return None
+        sinks, res = lead.sinks, lead.residual
+        to_sinks = sinks.count < sinks.slots
+        waiting = res.count + (0 if to_sinks else 1)
+        n_flush = max(0, (waiting - lead.residual_len) // lead.unit * lead.unit)
+        if sinks.count + lead.n_body + waiting < lead.start:
+            n_flush = 0
+        r = min(n_flush, res.count)
+        encoded = n_flush - r  # 1: the new token is the block's last row
+        bits, axis = kind
+        w = TokenWrite(L=n_layers, BH=x.shape[1] * x.shape[2], D=x.shape[-1], dtype=DTYPE_CODE[x.dtype])
+        x = x.contiguous()  # (L, B, H, 1, D)
+        center = torch.stack([s.center for s in stores]).to(torch.float16).contiguous() if lead.centered else None
+        w.x, w.rotate, w.center = x.data_ptr(), int(codec.rotate), center.data_ptr() if center is not None else None
+        to = self.sinks if to_sinks else None if encoded else self.residual
+        if to is not None:
+            w.to, w.to_slot = _ref(to), (to.lead.start + to.lead.count) % to.lead.slots
+        body = [(name, ring, lead.tokens_per_row[name]) for name, ring in self.body.items()]
+        if n_flush:
+            w.flush, w.from_res, w.res, w.res_first = n_flush, r, _ref(self.residual), res.start
+            w.bits, w.group, w.axis = bits, lead.group, axis
+            data = self.body["values" if bits == 0 else "codes"]
+            w.codes, w.codes_slot = _ref(data), data.lead.start + data.lead.count
+            if bits:
+                w.scale, w.zero = _ref(self.body["scale"]), _ref(self.body["zero"])
+                w.scale_slot = self.body["scale"].lead.start + self.body["scale"].lead.count
+        try:
+            ops.write_token(lib, w)
+        except NotSupported:
+            return None
+        written = read = 0
+        if n_flush:  # the counters move as the rings' pushes and drops move them in ``append``
+            for _, ring, per_row in body:
+                written += ring.advance(n_flush // per_row)
+            read += r * res.row_bytes * n_layers
+            self.residual.drop_oldest(r)
+            for store in stores:
+                store.n_body += n_flush
+        if to is not None:
+            written += to.advance(1)
+        return written, read
+
+
+def _token_kind(codec) -> tuple[int, int] | None:
+    """(bits, axis) for write_token: 0 for float16 rows, else affine codes and their group axis;
+    None for codecs it does not write."""
+    if isinstance(codec, FloatCodec):
+        return (0, 0) if codec.dtype == torch.float16 else None
+    if isinstance(codec, Affine) and not codec.per_sequence and codec.bits in (2, 3, 4, 8):
+        return codec.bits, int(codec.axis == "channel")
+    return None
+
+
+def _ref(ring: SharedRing) -> RingRef:
+    """A shared ring as write_token addresses it: (L * B * H) rows of slots x width bytes."""
+    buf = ring.buf  # (L, B, H, slots, width)
+    return RingRef(buf.data_ptr(), buf.shape[3], buf.shape[4] * buf.element_size())

@@ -32,6 +32,7 @@ extern "C" int minillama_abi_size(int which) {
         case 1: return (int)sizeof(Part);
         case 2: return (int)sizeof(LayerPlan);
         case 3: return (int)sizeof(LayerStep);
+        case 4: return (int)sizeof(TokenWrite);
         default: return -1;
     }
 }

@@ -40,6 +40,7 @@ STATUS = {  # minillama.h: enum MinillamaStatus
     3: "more query heads per KV head than the kernel supports",
     4: "codes (width, group or kind) the kernel does not read",
     5: "sizes that do not fit the kernel",
+    6: "values that are not finite",
 }
 
 FEATURES = {1: "avx2", 2: "bmi2", 4: "avx512", 8: "avx512_bf16", 16: "avx512_vnni", 32: "avx512_vbmi"}
@@ -131,7 +132,30 @@ class LayerStep(ctypes.Structure):
     ]
 
 
-STRUCTS = [RowSource, Part, LayerPlan, LayerStep]  # minillama_abi_size(i) is the size of STRUCTS[i]
+class RingRef(ctypes.Structure):
+    _fields_ = [("buf", ctypes.c_void_p), ("slots", ctypes.c_int), ("width", ctypes.c_int)]
+
+
+class TokenWrite(ctypes.Structure):
+    _fields_ = [
+        *[(name, ctypes.c_int) for name in ("L", "BH", "D")],
+        ("x", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+        ("rotate", ctypes.c_int),
+        ("center", ctypes.c_void_p),
+        ("to", RingRef),
+        *[(name, ctypes.c_int) for name in ("to_slot", "flush", "from_res", "res_first")],
+        ("res", RingRef),
+        *[(name, ctypes.c_int) for name in ("bits", "group", "axis")],
+        ("codes", RingRef),
+        ("scale", RingRef),
+        ("zero", RingRef),
+        ("codes_slot", ctypes.c_int),
+        ("scale_slot", ctypes.c_int),
+    ]
+
+
+STRUCTS = [RowSource, Part, LayerPlan, LayerStep, TokenWrite]  # minillama_abi_size(i) is the size of STRUCTS[i]
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name: (argument types, return type)
@@ -145,6 +169,7 @@ SIGNATURES = {  # name: (argument types, return type)
     "silu_mul": ([_P, _I, _I, _I, _P], _I),
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
+    "write_token": ([ctypes.POINTER(TokenWrite)], _I),
     "decode_layers": ([ctypes.POINTER(LayerStep), _I], _I),
     "step_scratch_bytes": ([_I, _I, _I, _I, _I, _I, _I], ctypes.c_int64),
     "minillama_features": ([], _I),

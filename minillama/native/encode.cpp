@@ -69,39 +69,101 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
     return bad;
 }
 
+// One (sequence, head)'s block x (n, D) fp16 -> codes (n, packed width), scale and zero (groups):
+// encode_affine's body.
+static void encode_block(const uint16_t* xb, int n, int D, int bits, int G, int axis, uint8_t* codes, uint16_t* scale,
+                         uint16_t* zero, uint8_t* c) {
+    const int qmax = (1 << bits) - 1, W = D * bits / 8;
+    const int groups = axis == 0 ? n * (D / G) : (n / G) * D;
+    for (int g = 0; g < groups; g++) {
+        // The group's elements: G consecutive channels of a token, or G consecutive tokens of a channel.
+        const int64_t first = axis == 0 ? (int64_t)g * G : (int64_t)(g / D) * G * D + g % D;
+        const int64_t step = axis == 0 ? 1 : D;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int e = 0; e < G; e++) {
+            const float v = half_to_float_(xb[first + e * step]);
+            lo = std::min(lo, v), hi = std::max(hi, v);
+        }
+        const uint16_t s16 = float_to_half((hi - lo) / qmax), z16 = float_to_half(lo);
+        float s = half_to_float_(s16);
+        const float z = half_to_float_(z16);
+        if (!(s > 0.f)) s = 1.f;  // a constant group: every code is 0
+        for (int e = 0; e < G; e++) {
+            const float q = std::nearbyint((half_to_float_(xb[first + e * step]) - z) / s);
+            c[first + e * step] = (uint8_t)std::min(std::max(q, 0.f), (float)qmax);
+        }
+        scale[g] = s16, zero[g] = z16;
+    }
+    for (int t = 0; t < n; t++) pack_row(&c[(size_t)t * D], D, bits, codes + (int64_t)t * W);
+}
+
+static bool encodable(int n, int D, int bits, int G, int axis) {
+    return (bits == 2 || bits == 3 || bits == 4 || bits == 8) && G >= 1 && D % 8 == 0 && (axis != 0 || D % G == 0) &&
+           (axis != 1 || n % G == 0);
+}
+
 // x: (BH, n, D) fp16. axis 0 (per token, G channels a group): scale, zero (BH, n, D/G);
 // axis 1 (per channel, G tokens a group, n a multiple of G): scale, zero (BH, n/G, D).
 // codes: (BH, n, packed width) uint8.
 int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
                   uint16_t* scale, uint16_t* zero) {
     if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return MINILLAMA_E_CODES;
-    if (G < 1 || D % 8 || (axis == 0 && D % G) || (axis == 1 && n % G)) return MINILLAMA_E_SHAPE;
-    const int qmax = (1 << bits) - 1, W = D * bits / 8;
+    if (!encodable(n, D, bits, G, axis)) return MINILLAMA_E_SHAPE;
+    const int W = D * bits / 8, groups = axis == 0 ? n * (D / G) : (n / G) * D;
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < BH; bh++) {
         std::vector<uint8_t> c((size_t)n * D);
-        const uint16_t* xb = x + bh * n * D;
-        const int groups = axis == 0 ? n * (D / G) : (n / G) * D;
-        for (int g = 0; g < groups; g++) {
-            // The group's elements: G consecutive channels of a token, or G consecutive tokens of a channel.
-            const int64_t first = axis == 0 ? (int64_t)g * G : (int64_t)(g / D) * G * D + g % D;
-            const int64_t step = axis == 0 ? 1 : D;
-            float lo = INFINITY, hi = -INFINITY;
-            for (int e = 0; e < G; e++) {
-                const float v = half_to_float_(xb[first + e * step]);
-                lo = std::min(lo, v), hi = std::max(hi, v);
+        encode_block(x + bh * n * D, n, D, bits, G, axis, codes + bh * n * W, scale + bh * groups, zero + bh * groups,
+                     c.data());
+    }
+    return MINILLAMA_OK;
+}
+
+// One decode token into a group's rings (kv/layered.py: LayeredStore.append, one token): per
+// layer and (sequence, head) row, the storage form (prepare_rows) of the new vector; then, when
+// a unit leaves the residual, that block (the oldest residual rows, then the new token when it is
+// part of it) encoded (encode_affine, or copied for float16 bodies) into the body's next slots;
+// then the new row into its sinks or residual slot (after the block is read: it may take the
+// slot the block's first row leaves). Every output is first checked finite: nothing is written
+// otherwise, and the caller takes the PyTorch path, which refuses non-finite values clearly.
+int write_token(const TokenWrite* write) {
+    const TokenWrite& w = *write;
+    const int D = w.D, rows = w.L * w.BH;
+    if (w.flush < 0 || w.flush > 256 || w.from_res < 0 || w.from_res > w.flush || w.flush - w.from_res > 1)
+        return MINILLAMA_E_SHAPE;
+    if (w.bits != 0 && w.flush && !encodable(w.flush, w.D, w.bits, w.group, w.axis)) return MINILLAMA_E_CODES;
+    std::vector<uint16_t> fresh((size_t)rows * D);  // (L * BH, D) the new rows in storage form
+    const int64_t bad = prepare_rows(w.x, w.dtype, rows, D, w.rotate, w.center, 1, fresh.data());
+    if (bad < 0) return (int)-bad;
+    if (bad > 0) return MINILLAMA_E_NONFINITE;
+    const size_t row_bytes = (size_t)D * 2;
+    auto at = [](const RingRef& r, int64_t row, int slot) {  // row (L * BH order) of a ring, slot wrapped
+        return (char*)r.buf + ((size_t)row * r.slots + (size_t)(slot % r.slots)) * r.width;
+    };
+    std::vector<uint16_t> block((size_t)std::max(w.flush, 1) * D);
+    const int W = w.bits ? D * w.bits / 8 : 0;
+    const int srows = w.axis ? 1 : w.flush, swidth = w.axis ? D : (w.group > 0 ? D / w.group : 0);
+    std::vector<uint8_t> codes((size_t)std::max(w.flush, 1) * std::max(W, 1));
+    std::vector<uint16_t> scale((size_t)std::max(srows * swidth, 1)), zero(scale.size());
+    std::vector<uint8_t> unpacked((size_t)std::max(w.flush, 1) * D);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* row = fresh.data() + r * D;
+        if (w.flush) {
+            for (int i = 0; i < w.from_res; i++) std::memcpy(&block[(size_t)i * D], at(w.res, r, w.res_first + i), row_bytes);
+            if (w.flush > w.from_res) std::memcpy(&block[(size_t)w.from_res * D], row, row_bytes);
+            if (w.bits == 0) {  // a float16 body: the rows themselves
+                for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &block[(size_t)i * D], row_bytes);
+            } else {
+                encode_block(block.data(), w.flush, D, w.bits, w.group, w.axis, codes.data(), scale.data(), zero.data(),
+                             unpacked.data());
+                for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &codes[(size_t)i * W], W);
+                for (int i = 0; i < srows; i++) {
+                    std::memcpy(at(w.scale, r, w.scale_slot + i), &scale[(size_t)i * swidth], (size_t)swidth * 2);
+                    std::memcpy(at(w.zero, r, w.scale_slot + i), &zero[(size_t)i * swidth], (size_t)swidth * 2);
+                }
             }
-            const uint16_t s16 = float_to_half((hi - lo) / qmax), z16 = float_to_half(lo);
-            float s = half_to_float_(s16);
-            const float z = half_to_float_(z16);
-            if (!(s > 0.f)) s = 1.f;  // a constant group: every code is 0
-            for (int e = 0; e < G; e++) {
-                const float q = std::nearbyint((half_to_float_(xb[first + e * step]) - z) / s);
-                c[first + e * step] = (uint8_t)std::min(std::max(q, 0.f), (float)qmax);
-            }
-            scale[bh * groups + g] = s16, zero[bh * groups + g] = z16;
         }
-        for (int t = 0; t < n; t++) pack_row(&c[(size_t)t * D], D, bits, codes + (bh * n + t) * W);
+        if (w.to.buf) std::memcpy(at(w.to, r, w.to_slot), row, row_bytes);
     }
     return MINILLAMA_OK;
 }

@@ -26,6 +26,7 @@ enum MinillamaStatus {
     MINILLAMA_E_GQA = 3,        // query heads per KV head outside what the kernel supports
     MINILLAMA_E_CODES = 4,      // code width, group or row kind the kernel does not read
     MINILLAMA_E_SHAPE = 5,      // other sizes that do not fit (parts, rows, groups)
+    MINILLAMA_E_NONFINITE = 6,  // an input or result that is not finite
 };
 
 // How a stored row is decoded (kv/codecs.py: Codec.row_kind).
@@ -63,6 +64,34 @@ struct RowSource {
 struct Part {
     int route, n;  // Route; rows held
     RowSource src;
+};
+
+// A ring of rows shared by the layers of a group (kv/layered.py): row r (layer-major, then
+// sequence and head) has `slots` slots of `width` bytes.
+struct RingRef {
+    void* buf;
+    int slots, width;
+};
+
+// One decode token into one group's rings (encode.cpp: write_token). The new vectors x
+// (L * BH, D) in `dtype` are put in storage form (rotated, minus the fp16 center (L * BH, D));
+// when flush > 0, `from_res` rows of the residual from slot res_first, then (flush > from_res)
+// the new row, are encoded into the body from codes_slot (and scale_slot): affine codes of
+// `bits` (2, 3, 4, 8) in groups of `group` channels (axis 0) or tokens (axis 1), or bits = 0:
+// float16 rows copied into `codes`, the body's values ring; then the new row goes to `to` at
+// to_slot unless to.buf is null (it was encoded).
+struct TokenWrite {
+    int L, BH, D;
+    const void* x;
+    int dtype, rotate;
+    const uint16_t* center;
+    RingRef to;
+    int to_slot;
+    int flush, from_res, res_first;
+    RingRef res;
+    int bits, group, axis;
+    RingRef codes, scale, zero;
+    int codes_slot, scale_slot;
 };
 
 // One layer's decode attention: q (B, H*R, D) against every held part of K and V plus the new
@@ -137,6 +166,7 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
                      int64_t rows_per_center, uint16_t* out);
 int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
                   uint16_t* scale, uint16_t* zero);
+int write_token(const TokenWrite* write);
 
 // A decode step (step.cpp): steps[0..n) are the layers in order, run one after another (the first
 // status that is not 0 stops it); and the scratch each layer needs.
@@ -153,7 +183,7 @@ enum MinillamaFeature {
     MINILLAMA_FEATURE_AVX512_VBMI = 32,
 };
 int minillama_features(void);
-int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 LayerStep
+int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 LayerStep, 4 TokenWrite
 }
 
 // The layouts ctypes mirrors (x86-64 and aarch64 LP64: 8-byte pointers, 4-byte ints).
@@ -163,3 +193,4 @@ static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) =
 static_assert(sizeof(Part) == 136, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8, "LayerStep layout changed: update native/abi.py");
+static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 160, "TokenWrite layout changed: update native/abi.py");

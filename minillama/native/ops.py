@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from minillama.native.abi import DTYPE_CODE, LayerPlan, NotSupported, RowSource, check
+from minillama.native.abi import DTYPE_CODE, LayerPlan, NotSupported, RowSource, TokenWrite, check
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -164,6 +164,12 @@ def attend_part(
         ),
         "attend_part",
     )
+
+
+def write_token(lib, write: TokenWrite) -> None:
+    """One decode token into a group's rings as `write` describes it (kv/layered.py builds it);
+    NotSupported (nothing written) for non-finite values or codes the kernel does not write."""
+    check(lib.write_token(ctypes.byref(write)), "write_token")
 
 
 def decode_layers(lib, steps: ctypes.Array) -> None:
