@@ -432,6 +432,31 @@ def assert_same_bytes(fast: KVCache, slow: KVCache) -> None:
             assert (a.center is None) == (b.center is None) and (a.center is None or torch.equal(a.center, b.center))
 
 
+def kernels_and_reference(spec: str, dtype, capacity: int, seed: int):
+    """Two caches of 3 layers, 2 KV heads, batch 2, and feed(n): n new tokens of random keys (a few
+    large channels, like real keys) and values, appended to one on the kernels backend and to the
+    other on the reference backend."""
+    names = ("kernels", "reference")
+    caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=capacity, batch=2) for _ in names]
+    g = torch.Generator().manual_seed(seed)
+    big = torch.zeros(64)
+    big[::9] = 6.0
+
+    def feed(n: int) -> None:
+        kv = [
+            (
+                torch.randn(2, 2, n, 64, generator=g).mul(2).add(big).to(dtype),
+                torch.randn(2, 2, n, 64, generator=g).to(dtype),
+            )
+            for _ in range(3)
+        ]
+        for name, cache in zip(names, caches):
+            with backend.using(name):
+                cache.append(kv)
+
+    return caches, feed
+
+
 @needs_kernels
 @pytest.mark.parametrize("spec", WRITE_SPECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -446,24 +471,7 @@ def test_the_one_token_write_is_byte_identical_to_pytorch(spec, dtype, monkeypat
     calls = []
     real = ops.write_token
     monkeypatch.setattr(ops, "write_token", lambda lib, w: calls.append(1) or real(lib, w))
-    names = ("kernels", "reference")
-    caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=120, batch=2) for _ in names]
-    g = torch.Generator().manual_seed(2)
-    big = torch.zeros(64)
-    big[::9] = 6.0  # a few large channels, like real keys
-
-    def feed(n: int) -> None:
-        kv = [
-            (
-                torch.randn(2, 2, n, 64, generator=g).mul(2).add(big).to(dtype),
-                torch.randn(2, 2, n, 64, generator=g).to(dtype),
-            )
-            for _ in range(3)
-        ]
-        for name, cache in zip(names, caches):
-            with backend.using(name):
-                cache.append(kv)
-
+    caches, feed = kernels_and_reference(spec, dtype, capacity=120, seed=2)
     for _ in range(70):
         feed(1)
     feed(80)  # past the capacity: evictions move every ring's start
@@ -483,22 +491,9 @@ def test_the_one_token_write_is_byte_identical_to_pytorch(spec, dtype, monkeypat
 def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
     """The kernels backend writes through native/encode.cpp, the reference through PyTorch: the
     rings must hold the same bytes after appends of every size, wrap-around included."""
-    names = ("kernels", "reference")
-    caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=150, batch=2) for _ in names]
-    g = torch.Generator().manual_seed(1)
-    big = torch.zeros(64)
-    big[::9] = 6.0  # a few large channels, like real keys
+    caches, feed = kernels_and_reference(spec, dtype, capacity=150, seed=1)
     for n in (17, 1, 1, 40, 3, 64, 1, 90, 1):
-        kv = [
-            (
-                torch.randn(2, 2, n, 64, generator=g).mul(2).add(big).to(dtype),
-                torch.randn(2, 2, n, 64, generator=g).to(dtype),
-            )
-            for _ in range(3)
-        ]
-        for name, cache in zip(names, caches):
-            with backend.using(name):
-                cache.append(kv)
+        feed(n)
     assert caches[0].evicted > 0
     assert_same_bytes(*caches)
 
