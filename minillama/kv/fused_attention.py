@@ -213,16 +213,17 @@ class CachePlans:
         if rope is not None and cache.held:
             tables = rope(cache.position)  # (cos, sin): every held key's position is below the next token's
             tables = (tables[0].data_ptr(), tables[1].data_ptr())
+        shapes = [self._shape(shared, tables) for shared in cache.stores]
         stale = set()
         for g, shared in enumerate(cache.stores):
-            if not self._same(self.shapes[g], self._shape(shared, tables)):
+            if not self._same(self.shapes[g], shapes[g]):
                 stale.update(shared.layers)
         for i in sorted(stale):  # made again from the layer's parts, as layer_plan describes them
             keep: list = []
             self.plans[i] = layer_plan(self.lib, cache.layer(i), self.r, self.d, rope, keep)
             self.keep[i] = keep
-        for g, (shared, t) in enumerate(zip(cache.stores, cache.tensor_of)):
-            self.shapes[g] = self._shape(shared, tables)
+        self.shapes = shapes
+        for shared, t in zip(cache.stores, cache.tensor_of):
             lead = shared.stores[0]
             live = []  # (n, start, scale start, first position) of each held part, in order
             position = first_rest

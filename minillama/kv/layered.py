@@ -34,10 +34,6 @@ class SharedRing:
         self.members = members
         self.lead = members[0]  # every member has its counters
 
-    @property
-    def count(self) -> int:
-        return self.lead.count
-
     def push(self, x: torch.Tensor) -> int:
         """Append rows x (L, B, H, n, width) after the newest of every layer; returns bytes written."""
         n = x.shape[3]
@@ -93,7 +89,6 @@ class LayeredStore:
             name: torch.zeros(n, batch, heads, shape.slots, shape.width, dtype=shape.dtype, device=device)
             for name, shape in layout(codec, group, spec, capacity, head_dim).items()
         }  # name -> (L, B, H, slots, width)
-        self.layers = layers
         self.stores = [
             TensorStore(
                 codec,
@@ -147,10 +142,7 @@ class LayeredStore:
             from_res = min(evict - from_body, lead.residual.count)
             self.residual.drop_oldest(from_res)
             x = x[:, :, :, evict - from_body - from_res :]
-        waiting = lead.residual.count + x.shape[3]
-        n_flush = max(0, (waiting - lead.residual_len) // lead.unit * lead.unit)
-        if lead.sinks.count + lead.n_body + waiting < lead.start:
-            n_flush = 0
+        n_flush = self._flush_count(lead.residual.count + x.shape[3])
         if n_flush:
             r = min(n_flush, lead.residual.count)
             old = self.residual.read(0, r)  # (L, B, H, r, D)
@@ -164,6 +156,15 @@ class LayeredStore:
         if x.shape[3]:
             written += self.residual.push(x)
         return written, read
+
+    def _flush_count(self, waiting: int) -> int:
+        """Tokens to encode into the body now, with `waiting` non-sink tokens past the body (the
+        residual and the new ones): whole units once ``residual + unit`` wait, and only once
+        ``start`` tokens are held."""
+        lead = self.stores[0]
+        if lead.sinks.count + lead.n_body + waiting < lead.start:
+            return 0
+        return max(0, (waiting - lead.residual_len) // lead.unit * lead.unit)
 
     def _encode(self, block: torch.Tensor, rest: torch.Tensor, n_flush: int) -> int:
         """Encode block (L, B, H, n_flush, D) into the body; the first flush of a calibrated codec
@@ -207,10 +208,7 @@ class LayeredStore:
             return None
         sinks, res = lead.sinks, lead.residual
         to_sinks = sinks.count < sinks.slots
-        waiting = res.count + (0 if to_sinks else 1)
-        n_flush = max(0, (waiting - lead.residual_len) // lead.unit * lead.unit)
-        if sinks.count + lead.n_body + waiting < lead.start:
-            n_flush = 0
+        n_flush = self._flush_count(res.count + (0 if to_sinks else 1))
         r = min(n_flush, res.count)
         encoded = n_flush - r  # 1: the new token is the block's last row
         bits, axis = kind
@@ -221,7 +219,6 @@ class LayeredStore:
         to = self.sinks if to_sinks else None if encoded else self.residual
         if to is not None:
             w.to, w.to_slot = _ref(to), (to.lead.start + to.lead.count) % to.lead.slots
-        body = [(name, ring, lead.tokens_per_row[name]) for name, ring in self.body.items()]
         if n_flush:
             w.flush, w.from_res, w.res, w.res_first = n_flush, r, _ref(self.residual), res.start
             w.bits, w.group, w.axis = bits, lead.group, axis
@@ -236,8 +233,8 @@ class LayeredStore:
             return None
         written = read = 0
         if n_flush:  # the counters move as the rings' pushes and drops move them in ``append``
-            for _, ring, per_row in body:
-                written += ring.advance(n_flush // per_row)
+            for name, ring in self.body.items():
+                written += ring.advance(n_flush // lead.tokens_per_row[name])
             read += r * res.row_bytes * n_layers
             self.residual.drop_oldest(r)
             for store in stores:

@@ -235,7 +235,7 @@ class Llama(nn.Module):
             rotary = self.rotary
             rotary.get(int(positions[-1]) + 1)  # every position a key of this step can have
         if lib is not None:
-            try:  # the same layers and the final norm in one native call (model/step.py); it appends to the cache
+            try:  # the same layers in one native call, the final norm in one more (model/step.py); it appends to the cache
                 return self.native_step(lib, x.shape[0]).run(x, cos, sin, cache, rotary)  # (B, 1, hidden)
             except NotSupported as e:
                 backend.fallback(f"decode step: {e}")

@@ -52,6 +52,7 @@ class NativeStep:
         self.steps = (LayerStep * n)()  # one contiguous array: the whole step is one native call
         self.pre_rope = False
         self.plans: list[LayerPlan | None] = [None] * n  # the plan each layer points at now
+        self.no_cache = [LayerPlan() for _ in range(n)]  # the plans of a step without a cache: no parts
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (w_qkv, b_qkv), (w_gu, b_gu) = attn.qkv, mlp.gate_up
@@ -129,8 +130,7 @@ class NativeStep:
         """Each layer's attention plan: a ``KVCache`` keeps its own between steps (refreshed in
         place); another cache is described anew."""
         if cache is None:
-            self._empty = getattr(self, "_empty", None) or [LayerPlan() for _ in self.steps]
-            return self._empty
+            return self.no_cache
         r = self.hq // self.hkv
         if isinstance(cache, KVCache):
             return cache.kernel_plans(self.lib, r, rope)
