@@ -39,7 +39,7 @@
 
 namespace {
 
-constexpr int PREFETCH = 24;  // rows ahead: about 3 KB of fp16 rows at head_dim 64
+constexpr int PREFETCH = 48;  // rows ahead: about 3 KB of fp16 rows at head_dim 64
 
 // The channel that decode position `pos` holds for rows of this code width (0: natural order).
 inline int channel_of(int order, int pos) {
@@ -341,10 +341,126 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
     return true;
 }
 
+// Float rows (float32, fp16, bf16: BITS 0, 1, 2) have no scales, zeros or decode order, and
+// are the rows an fp16 cache streams at long context, so they get kernels of their own, with the
+// query heads in tiles of T known at compile time: a tile's queries (scores) or output sums
+// (values) stay in registers for the whole block, where the general kernels above reload them
+// for every row. Each row is read from memory once per block; a second tile (R > T) reads it
+// again from L1.
+template <int NV, int BITS>
+inline void load_float_row(const RowSource& s, int64_t slot, __m512* v) {
+    constexpr int D = 16 * NV;
+    if (BITS == 0) {
+        const float* x = (const float*)s.data + slot * D;
+        for (int k = 0; k < NV; k++) v[k] = _mm512_loadu_ps(x + 16 * k);
+    } else {
+        const uint16_t* x = (const uint16_t*)s.data + slot * D;
+        for (int k = 0; k < NV; k++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i*)(x + 16 * k));
+            v[k] = BITS == 1 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+    }
+}
+
+// Scores of T query heads (q: T rows of D, ls apart in out) over rows [i0, i0 + n).
+template <int NV, int BITS, int T>
+void score_float_tile(const RowSource& s, int64_t bh, const float* q, int i0, int n, float* out, int ls) {
+    constexpr int D = 16 * NV;
+    __m512 qr[T][NV];
+    for (int r = 0; r < T; r++)
+        for (int k = 0; k < NV; k++) qr[r][k] = _mm512_loadu_ps(q + r * D + 16 * k);
+    alignas(64) __m512 part[T][16];  // [head][token of the chunk]: 16 partial sums each
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n; i += 16) {
+        const int len = std::min(16, i0 + n - i);
+        for (int t = 0; t < len; t++) {
+            const int64_t slot = bh * s.slots + at.slot;
+            prefetch_row(s, bh, at.slot, PREFETCH, D * (BITS == 0 ? 4 : 2));
+            at.next();
+            __m512 v[NV];
+            load_float_row<NV, BITS>(s, slot, v);
+            for (int r = 0; r < T; r++) {
+                __m512 acc = _mm512_mul_ps(v[0], qr[r][0]);
+                for (int k = 1; k < NV; k++) acc = _mm512_fmadd_ps(v[k], qr[r][k], acc);
+                part[r][t] = acc;
+            }
+        }
+        for (int t = len; t < 16; t++)
+            for (int r = 0; r < T; r++) part[r][t] = _mm512_setzero_ps();
+        const __mmask16 keep = (__mmask16)((1u << len) - 1);
+        for (int r = 0; r < T; r++) _mm512_mask_storeu_ps(out + (int64_t)r * ls + (i - i0), keep, reduce16(part[r]));
+    }
+}
+
+// acc (T rows of D) += p (T rows, lp apart) . rows [i0, i0 + n).
+template <int NV, int BITS, int T>
+void value_float_tile(const RowSource& s, int64_t bh, const float* p, int lp, int i0, int n, float* acc) {
+    constexpr int D = 16 * NV;
+    __m512 a[T][NV];
+    for (int r = 0; r < T; r++)
+        for (int k = 0; k < NV; k++) a[r][k] = _mm512_setzero_ps();
+    Cursor at(s.start, i0, s.slots);
+    for (int t = 0; t < n; t++) {
+        const int64_t slot = bh * s.slots + at.slot;
+        prefetch_row(s, bh, at.slot, PREFETCH, D * (BITS == 0 ? 4 : 2));
+        at.next();
+        __m512 v[NV];
+        load_float_row<NV, BITS>(s, slot, v);
+        for (int r = 0; r < T; r++) {
+            const __m512 w = _mm512_set1_ps(p[(int64_t)r * lp + t]);
+            for (int k = 0; k < NV; k++) a[r][k] = _mm512_fmadd_ps(w, v[k], a[r][k]);
+        }
+    }
+    for (int r = 0; r < T; r++)
+        for (int k = 0; k < NV; k++) {
+            float* o = acc + (int64_t)r * D + 16 * k;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), a[r][k]));
+        }
+}
+
+// The R heads in tiles of at most TMAX (4 at head_dim 64, 2 at 128: T * NV registers of
+// queries or sums, leaving room for the row), as even as the count allows (R 5: 2 + 3).
+template <int NV, int BITS>
+void float_rows(bool values, const RowSource& s, int64_t bh, int R, const float* x, int lx, int i0, int n, float* out, int ls) {
+    constexpr int D = 16 * NV, TMAX = NV == 4 ? 4 : 2;
+    const int tiles = (R + TMAX - 1) / TMAX;
+    for (int j = 0, r0 = 0; j < tiles; j++) {
+        const int T = (R - r0) / (tiles - j);
+        const float* xr = values ? x + (int64_t)r0 * lx : x + (int64_t)r0 * D;
+        float* o = values ? out + (int64_t)r0 * D : out + (int64_t)r0 * ls;
+#define MINILLAMA_TILE(N)                                                      \
+    case N:                                                                    \
+        if (values)                                                            \
+            value_float_tile<NV, BITS, N>(s, bh, xr, lx, i0, n, o);            \
+        else                                                                   \
+            score_float_tile<NV, BITS, N>(s, bh, xr, i0, n, o, ls);            \
+        break;
+        switch (T) {
+            MINILLAMA_TILE(1)
+            MINILLAMA_TILE(2)
+            MINILLAMA_TILE(3)
+            MINILLAMA_TILE(4)
+        }
+#undef MINILLAMA_TILE
+        r0 += T;
+    }
+}
+
+template <int NV>
+void float_rows(bool values, const RowSource& s, int64_t bh, int R, const float* x, int lx, int i0, int n, float* out, int ls) {
+    if (s.bits == 0) return float_rows<NV, 0>(values, s, bh, R, x, lx, i0, n, out, ls);
+    if (s.bits == 1) return float_rows<NV, 1>(values, s, bh, R, x, lx, i0, n, out, ls);
+    float_rows<NV, 2>(values, s, bh, R, x, lx, i0, n, out, ls);
+}
+
 }  // namespace
 
 bool score_fast(SCORE_ARGS, Prep& prep) {
     if (R > 16 || !fast_kind(s, D, false)) return false;
+    if (s.kind == ROW_FLOAT) {
+        (D == 64 ? float_rows<4> : float_rows<8>)(false, s, bh, R, q, 0, i0, n, out, ls);
+        return true;
+    }
     return D == 64 ? score_fast<4>(s, bh, R, q, i0, n, out, ls, prep) : score_fast<8>(s, bh, R, q, i0, n, out, ls, prep);
 }
 
@@ -352,6 +468,10 @@ bool fast_reads(const RowSource& s, int D, bool values) { return fast_kind(s, D,
 
 bool value_fast(VALUE_ARGS) {
     if (R > 16 || !fast_kind(s, D, true)) return false;
+    if (s.kind == ROW_FLOAT) {
+        (D == 64 ? float_rows<4> : float_rows<8>)(true, s, bh, R, p, lp, i0, n, acc, 0);
+        return true;
+    }
     return D == 64 ? value_fast<4>(s, bh, R, p, lp, i0, n, acc) : value_fast<8>(s, bh, R, p, lp, i0, n, acc);
 }
 
