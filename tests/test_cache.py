@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from minillama.kv.cache import ContextFullError, KVCache
 from minillama.kv.codecs import CODECS, FloatCodec
 from minillama.kv.layered import LayeredStore
 from minillama.kv.quantize import dequantize_affine, quantize_affine
+from minillama.kv.ring import HUGE_PAGE, ring_buffer
 from minillama.kv.spec import PRESETS, parse_kv
 from minillama.model.loader import load_model
 from minillama.native import backend
@@ -523,3 +526,30 @@ def test_the_reference_path_runs_every_codec_on_cuda(tiny_dir, spec):
         cache = KVCache.for_model(lm.config, parse_kv(spec), 64, device=device)
         logits.append(run(lm.model, cache, t.to(device)).cpu())
     assert torch.allclose(logits[0], logits[1], atol=1e-3)
+
+
+def vm_flags(address: int) -> list[str]:
+    """The flags of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps (not Linux)")
+def test_a_large_ring_buffer_is_zeros_that_asked_for_huge_pages():
+    """Decode attention streams the whole cache every step; rings of 4 MB and more ask the kernel
+    for transparent huge pages before first touch (the mapping carries the `hg` flag), so a
+    layer's rows are a few TLB entries rather than thousands. Small ones are plain zeros."""
+    big = ring_buffer((2, 1, 3, 8192, 64), torch.float16, "cpu")  # 6 MB
+    assert big.shape == (2, 1, 3, 8192, 64) and big.dtype == torch.float16 and not big.any()
+    inside = big.data_ptr() - big.data_ptr() % HUGE_PAGE + HUGE_PAGE  # an aligned page of the buffer
+    assert "hg" in vm_flags(inside)
+    small = ring_buffer((1, 1, 4, 8), torch.uint8, "cpu")
+    assert small.shape == (1, 1, 4, 8) and not small.any()

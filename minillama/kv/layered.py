@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from minillama.kv.codecs import Affine, FloatCodec
-from minillama.kv.ring import Ring
+from minillama.kv.ring import Ring, ring_buffer
 from minillama.kv.store import TensorStore, layout
 from minillama.kv.write import encode, storage_form
 from minillama.native import backend, ops
@@ -86,7 +86,7 @@ class LayeredStore:
         self.layers = layers  # the cache's index of each member layer, in order
         n = len(layers)
         bufs = {
-            name: torch.zeros(n, batch, heads, shape.slots, shape.width, dtype=shape.dtype, device=device)
+            name: ring_buffer((n, batch, heads, shape.slots, shape.width), shape.dtype, device)
             for name, shape in layout(codec, group, spec, capacity, head_dim).items()
         }  # name -> (L, B, H, slots, width)
         self.stores = [

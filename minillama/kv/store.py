@@ -33,7 +33,7 @@ import torch
 
 from minillama.kv.codecs import Codec, exact_codec
 from minillama.kv.interface import PartView
-from minillama.kv.ring import Ring
+from minillama.kv.ring import Ring, ring_buffer
 from minillama.kv.spec import KVSpec
 
 
@@ -106,7 +106,7 @@ class TensorStore:
         shapes = layout(codec, group, spec, capacity, head_dim)
         if bufs is None:
             bufs = {
-                name: torch.zeros(batch, heads, shape.slots, shape.width, dtype=shape.dtype, device=device)
+                name: ring_buffer((batch, heads, shape.slots, shape.width), shape.dtype, device)
                 for name, shape in shapes.items()
             }
         rings = {name: Ring(bufs[name]) for name in shapes}  # each (B, H, slots, width)
