@@ -372,13 +372,14 @@ inline void pair_fields(const uint8_t* x, const uint8_t* y, __m512i* f) {
 // m, lane j: channel 16 m + j), each by one two-source byte permute with the odd bytes zeroed.
 template <int NV>
 inline void pair_codes3(const uint8_t* x, const uint8_t* y, __m512i* f) {
-    alignas(64) static const struct Index {
+    struct Index {  // constant-initialized: no guard, so no call the caller's loop must save registers around
         uint8_t b[4][64];
-        Index() {
+        constexpr Index() : b{} {
             for (int m = 0; m < 4; m++)
                 for (int j = 0; j < 16; j++) b[m][4 * j] = (uint8_t)(16 * m + j), b[m][4 * j + 2] = (uint8_t)(64 + 16 * m + j), b[m][4 * j + 1] = b[m][4 * j + 3] = 0;
         }
-    } index;
+    };
+    alignas(64) static constexpr Index index{};
     for (int h = 0; h < NV / 4; h++) {  // 64 channels at a time
         const __m512i a = codes3(x + 24 * h), c = codes3(y + 24 * h);
         for (int m = 0; m < 4; m++)
@@ -391,26 +392,28 @@ inline void pair_codes3(const uint8_t* x, const uint8_t* y, __m512i* f) {
 // registers (a runtime head count leaves them in memory: a load and a store per multiply-add).
 // wq[r] holds pair i's weight dwords at i NG (one per group); piece m's lanes take their group's (gidx[m]),
 // one permute per piece, head and pair, shared by the piece's F registers. Then out += acc b.
-template <int NV, int F, int RT, typename Pairs>
+template <int NV, int F, int RT, bool ONE, typename Pairs>
 inline void pair_heads(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 16 + 16], int NG, const float (*b)[16],
                        const __m512i* gidx, __m512 (*out)[NV]) {
     constexpr int NP = NV / F;
     __m512i acc[RT][NV];
     for (int r = 0; r < RT; r++)
         for (int k = 0; k < NV; k++) acc[r][k] = _mm512_setzero_si512();
+    // One loop body per case (ONE: one group per row): with both paths in the loop GCC kept a
+    // copy of every accumulator in memory, a store per multiply-add.
     for (int i = 0; i < npairs; i++) {
         __m512i w[RT], x[NV];
         pairs(i, x);
-        if (NG == 1) {  // one group per row: one broadcast per head serves every piece
+        if (ONE) {  // one broadcast per head serves every piece
             for (int r = 0; r < RT; r++) w[r] = _mm512_set1_epi32(wq[r][i]);
             for (int k = 0; k < NV; k++)
                 for (int r = 0; r < RT; r++) acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], x[k], w[r]);
-            continue;
-        }
-        for (int m = 0; m < NP; m++) {
-            for (int r = 0; r < RT; r++) w[r] = _mm512_permutexvar_epi32(gidx[m], _mm512_loadu_si512(wq[r] + i * NG));
-            for (int k = 0; k < F; k++)
-                for (int r = 0; r < RT; r++) acc[r][F * m + k] = _mm512_dpwssd_epi32(acc[r][F * m + k], x[F * m + k], w[r]);
+        } else {
+            for (int m = 0; m < NP; m++) {
+                for (int r = 0; r < RT; r++) w[r] = _mm512_permutexvar_epi32(gidx[m], _mm512_loadu_si512(wq[r] + i * NG));
+                for (int k = 0; k < F; k++)
+                    for (int r = 0; r < RT; r++) acc[r][F * m + k] = _mm512_dpwssd_epi32(acc[r][F * m + k], x[F * m + k], w[r]);
+            }
         }
     }
     for (int r = 0; r < RT; r++)
@@ -419,6 +422,13 @@ inline void pair_heads(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 1
             for (int k = 0; k < F; k++)
                 out[r][F * m + k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][F * m + k]), bm, out[r][F * m + k]);
         }
+}
+
+template <int NV, int F, int RT, typename Pairs>
+inline void pair_heads(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 16 + 16], int NG, const float (*b)[16],
+                       const __m512i* gidx, __m512 (*out)[NV]) {
+    if (NG == 1) return pair_heads<NV, F, RT, true>(pairs, npairs, wq, NG, b, gidx, out);
+    pair_heads<NV, F, RT, false>(pairs, npairs, wq, NG, b, gidx, out);
 }
 
 // Every head through pair_heads, in tiles of up to T = 29 / (NV + 1) heads (the accumulators and
@@ -469,9 +479,12 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         level_step = levels16(s.codebook, 1 << BITS, t);
         lut = _mm512_load_si512(t);
     }
-    for (int m = 0; m < NP; m++) {
+    for (int m = 0, g = 0; m < NP; m++) {  // counted, not divided: 32 divisions a call cost ~3 cycles a token
         alignas(64) int32_t t[16];
-        for (int j = 0; j < 16; j++) t[j] = (16 * m + j) * F / G;
+        for (int j = 0; j < 16; j++) {
+            while ((16 * m + j) * F >= (g + 1) * G) g++;
+            t[j] = g;
+        }
         gidx[m] = _mm512_load_si512(t);
     }
     alignas(64) __m512 out[16][NV];  // [head][register]: float sums in decode order
@@ -554,16 +567,23 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         }
         const int npairs = (len + 1) / 2;
         if (R <= 29 / (NV + 1)) {  // one tile of heads: each pair made in registers, used at once
-            auto make = [&](int q, __m512i* f) { make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f); };
+            auto make = [&](int q, __m512i* f) __attribute__((always_inline)) { make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f); };
             pair_all<NV, F>(make, npairs, wq, NG, b, gidx, out, R);
         } else {  // several tiles: the pairs made once, read back from L1 by each tile
             for (int q = 0; q < npairs; q++) make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, pairs[q]);
-            auto load = [&](int q, __m512i* f) {
+            auto load = [&](int q, __m512i* f) __attribute__((always_inline)) {
                 for (int k = 0; k < NV; k++) f[k] = _mm512_load_si512(&pairs[q][k]);
             };
             pair_all<NV, F>(load, npairs, wq, NG, b, gidx, out, R);
         }
     }
+    struct Order {  // channel c sits at lane j of register F m + k of the sums: c = (16 m + j) F + k
+        alignas(64) int32_t idx[D];
+        constexpr Order() : idx{} {
+            for (int c = 0; c < D; c++) idx[c] = (F * (c / (16 * F)) + c % F) * 16 + (c % (16 * F)) / F;
+        }
+    };
+    static constexpr Order order{};
     for (int r = 0; r < R; r++) {  // back to channel order, with the zeros' share
         alignas(64) float o[NV][16];
         for (int m = 0; m < NP; m++) {
@@ -571,9 +591,9 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
             for (int k = 0; k < F; k++) _mm512_store_ps(o[F * m + k], _mm512_add_ps(out[r][F * m + k], z));
         }
         float* dst = acc_out + (size_t)r * D;
-        for (int m = 0; m < NP; m++)
-            for (int k = 0; k < F; k++)
-                for (int j = 0; j < 16; j++) dst[(16 * m + j) * F + k] += o[F * m + k][j];
+        for (int n = 0; n < NV; n++)  // channels 16 n .. 16 n + 15, gathered from the decode order
+            _mm512_storeu_ps(dst + 16 * n, _mm512_add_ps(_mm512_loadu_ps(dst + 16 * n),
+                                                         _mm512_i32gather_ps(_mm512_load_si512(order.idx + 16 * n), &o[0][0], 4)));
     }
     return true;
 }
