@@ -113,13 +113,13 @@ def test_every_codec_runs_end_to_end_on_the_default_model(smollm):
     from minillama.kv.cache import KVCache
     from minillama.kv.codecs import CODECS
     from minillama.kv.spec import parse_kv
-    from minillama.model.generate import generate
+    from minillama.model.generate import GenerateOptions, generate
     from minillama.model.sampling import SamplingParams
 
     ids = smollm.tokenizer.encode("The capital of France is")
     for codec in CODECS:
         cache = KVCache.for_model(smollm.config, parse_kv(f"k={codec},v={codec},residual=2"), 64)
-        out = [t for t, _ in generate(smollm.model, ids, cache, 4, SamplingParams(temperature=0))]
+        out = [t for t, _ in generate(smollm.model, ids, cache, GenerateOptions(4, SamplingParams(temperature=0)))]
         assert len(out) == 4 and cache.position == len(ids) + 3, codec
 
 

@@ -475,12 +475,12 @@ def test_an_unknown_command_is_one_usage_line():
 
 def test_generate_stops_at_the_end_of_sequence_token_unless_told_to_go_on(model):
     from minillama.kv.cache import KVCache
-    from minillama.model.generate import generate
+    from minillama.model.generate import GenerateOptions, generate
 
     lm = load_model(str(model), "bfloat16")  # generate's defaults: bfloat16 weights, an fp16 cache
     ids = lm.tokenizer.encode("hello")
     cache = KVCache.for_model(lm.config, parse_kv("fp16"))
-    tokens = [t for t, _ in generate(lm.model, ids, cache, 12, SamplingParams(temperature=0))]
+    tokens = [t for t, _ in generate(lm.model, ids, cache, GenerateOptions(12, SamplingParams(temperature=0)))]
     cut = next(i for i in range(1, 12) if tokens[i] not in tokens[:i])  # a token that is new at its place
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": tokens[cut]}))
     stopped = invoke(["generate", "hello", "--model", model, "--max-tokens", "12"])

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from minillama.app.chat import ChatSession, handle_command
 from minillama.app.cli import cli
-from minillama.kv.cache import KVCache
+from minillama.kv.cache import ContextFullError, KVCache
 from minillama.kv.file import CacheFileError, read
 from minillama.kv.spec import parse_kv
-from minillama.model.generate import generate, prefill
+from minillama.model.generate import GenerateOptions, generate, prefill
 from minillama.model.loader import load_model
-from minillama.model.prompt_cache import load_prompt_cache, reuse_prefix, save_prompt_cache
+from minillama.model.prompt_cache import Completion, load_prompt_cache, reuse_prefix, save_prompt_cache
 from minillama.model.sampling import SamplingParams
 from tests.conftest import make_tiny
 
@@ -39,8 +39,10 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def greedy(lm, cache, ids=None, logits=None, n=24):
-    return [t for t, _ in generate(lm.model, ids or [], cache, n, GREEDY, logits=logits)]
+def greedy(lm, cache, ids, held=0, logits=None, n=24):
+    """n greedy tokens after the prompt `ids`, of which the cache holds the first `held` (all of them
+    with `logits`, the last one's)."""
+    return [t for t, _ in generate(lm.model, ids, cache, GenerateOptions(n, GREEDY), held=held, logits=logits)]
 
 
 def saved_file(lm, tmp_path, spec: str, ids: list[int], capacity: int = 256):
@@ -59,11 +61,11 @@ def test_save_load_continues_token_for_token_like_the_uninterrupted_run(tiny, tm
     ids = prompt(200)
     path, cache, logits = saved_file(tiny, tmp_path, spec, ids, capacity)
     assert (cache.evicted > 0) == (capacity < 200)  # 96 and 64: the ring wrapped and evicted
-    uninterrupted = greedy(tiny, cache, logits=logits)
+    uninterrupted = greedy(tiny, cache, ids, len(ids), logits)
     loaded = load_prompt_cache(tiny, path, spec, capacity)
     c, reused, resumed = reuse_prefix(loaded, ids)
     assert reused == 200 and torch.equal(resumed, logits)  # the exact prompt: nothing prefilled
-    assert greedy(tiny, c, logits=resumed) == uninterrupted
+    assert greedy(tiny, c, ids, len(ids), resumed) == uninterrupted
 
 
 @pytest.mark.parametrize("spec", ["fp16", "hadv2", "k=nuq3,v=int3cs,residual=5,sinks=2"])
@@ -263,7 +265,7 @@ def test_fuzzed_files_are_refused_or_loaded_but_never_crash(tiny, tmp_path_facto
     folder = tmp_path_factory.mktemp("fuzz")
     ids = prompt(90)
     path, cache, logits = saved_file(tiny, folder, "kivi4", ids, capacity=128)
-    expected = greedy(tiny, cache, logits=logits, n=6)
+    expected = greedy(tiny, cache, ids, len(ids), logits, n=6)
     data = bytearray(path.read_bytes())
     for at, mask in flips:
         data[at % len(data)] ^= mask
@@ -276,7 +278,56 @@ def test_fuzzed_files_are_refused_or_loaded_but_never_crash(tiny, tmp_path_facto
         assert "\n" not in str(e)
         return
     c, reused, resumed = reuse_prefix(loaded, ids)
-    assert greedy(tiny, c, ids[reused:] if resumed is None else None, resumed, n=6) == expected
+    assert greedy(tiny, c, ids, reused, resumed, n=6) == expected
+
+
+# -- the library's one-object run (what `minillama generate --prompt-cache` uses) -------------
+
+
+def test_a_completion_saves_its_prompt_and_the_next_one_resumes_it_token_for_token(tiny, tmp_path):
+    """The first run prefills the whole prompt and writes the file once it completes; the second,
+    over the same prompt, prefills nothing and samples the same tokens; a longer prompt reuses
+    the saved part and prefills only its new tokens."""
+    ids, path, spec = prompt(60), tmp_path / "run.kv", parse_kv("hadv2")
+    first = Completion(tiny, ids, spec, GenerateOptions(8, GREEDY), capacity=128, prompt_cache=path)
+    assert first.note is None and first.reused == 0 and not path.exists()
+    tokens = [t for t, _ in first]
+    assert path.exists() and len(tokens) == 8
+    again = Completion(tiny, ids, spec, GenerateOptions(8, GREEDY), capacity=128, prompt_cache=path)
+    assert again.reused == 60 and "reused 60 of 60" in again.note
+    assert [t for t, _ in again] == tokens
+    longer = Completion(
+        tiny, ids + prompt(5, seed=1), spec, GenerateOptions(2, GREEDY), capacity=128, prompt_cache=path
+    )
+    assert longer.reused == 60
+    list(longer)
+    assert read(path).tokens == ids + prompt(5, seed=1)  # the longer prompt replaced it
+
+
+def test_a_completion_stopped_early_or_read_only_leaves_the_file_as_it_was(tiny, tmp_path):
+    ids, path, spec = prompt(40), tmp_path / "run.kv", parse_kv("fp16")
+    list(Completion(tiny, ids, spec, GenerateOptions(2, GREEDY), capacity=64, prompt_cache=path))
+    before = path.read_bytes()
+    other = prompt(40, seed=3)
+    for _token in Completion(tiny, other, spec, GenerateOptions(8, GREEDY), capacity=64, prompt_cache=path):
+        break  # the caller stopped the run: not complete, nothing written
+    assert path.read_bytes() == before
+    list(Completion(tiny, other, spec, GenerateOptions(2, GREEDY), capacity=64, prompt_cache=path, read_only=True))
+    assert path.read_bytes() == before
+    with pytest.raises(ContextFullError):  # a full cache ends the run, and the prompt is saved first
+        list(Completion(tiny, other, spec, GenerateOptions(60, GREEDY), capacity=48, on_full="stop", prompt_cache=path))
+    assert read(path).tokens == other
+
+
+def test_generate_says_when_logits_and_the_cached_prompt_do_not_go_together(tiny):
+    cache = KVCache.for_model(tiny.config, parse_kv("fp16"), 32)
+    ids = prompt(5)
+    with pytest.raises(ValueError, match="logits go with"):
+        list(generate(tiny.model, ids, cache, GenerateOptions(2, GREEDY), held=5))  # whole prompt held, no logits
+    with pytest.raises(ValueError, match="logits go with"):
+        list(generate(tiny.model, ids, cache, GenerateOptions(2, GREEDY), logits=torch.zeros(tiny.config.vocab_size)))
+    with pytest.raises(ValueError, match="not within"):
+        list(generate(tiny.model, ids, cache, GenerateOptions(2, GREEDY), held=6))
 
 
 # -- the command line -------------------------------------------------------------------------

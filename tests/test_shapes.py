@@ -19,7 +19,7 @@ from minillama.kv.cache import KVCache
 from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import PRESETS, parse_kv
 from minillama.model.attention import attend
-from minillama.model.generate import generate
+from minillama.model.generate import GenerateOptions, generate
 from minillama.model.loader import load_model
 from minillama.model.sampling import SamplingParams
 from minillama.native import backend
@@ -56,7 +56,7 @@ def test_every_preset_decodes_100_tokens_on_every_shape(shaped, preset):
     prompt = list(range(3, 11))
     cache = KVCache.for_model(shaped.config, parse_kv(preset), 128)
     seen = len(backend.fallbacks())
-    tokens = [t for t, _ in generate(shaped.model, prompt, cache, 100, SamplingParams(temperature=0))]
+    tokens = [t for t, _ in generate(shaped.model, prompt, cache, GenerateOptions(100, SamplingParams(temperature=0)))]
     assert len(tokens) == 100 and cache.position == 8 + 99
     assert backend.fallbacks()[seen:] == []  # every part of every step ran on a kernel
 

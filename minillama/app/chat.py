@@ -24,7 +24,7 @@ from minillama.errors import UserError
 from minillama.kv.cache import KVCache
 from minillama.kv.file import CacheFileError, check_replaceable, read, read_header, write_atomic
 from minillama.kv.spec import KVSpec, parse_kv
-from minillama.model.generate import GenerationStats, generate, prefill
+from minillama.model.generate import GenerateOptions, GenerationStats, generate, prefill
 from minillama.model.loader import LoadedModel
 from minillama.model.prompt_cache import encode_prompt_cache, keep_common_prefix, load_prompt_cache
 from minillama.model.sampling import SamplingParams
@@ -156,16 +156,11 @@ class ChatSession:
         reply: list[int] = []
         try:
             with sigint_as_flag() as interrupted:
+                options = GenerateOptions(
+                    self.max_tokens, self.params, frozenset(self.stops), self.generator, self.prefill_chunk
+                )
                 for token, stats in generate(
-                    self.lm.model,
-                    new,
-                    self.cache,
-                    self.max_tokens,
-                    self.params,
-                    self.stops,
-                    self.generator,
-                    self.prefill_chunk,
-                    history=self.cached_ids,
+                    self.lm.model, self.cached_ids + new, self.cache, options, held=len(self.cached_ids)
                 ):
                     self.last.generation = stats
                     fed.append(token)

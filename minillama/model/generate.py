@@ -1,8 +1,9 @@
 """Generation as plain functions: prefill a prompt into the cache, then decode step by step.
 
-    logits = prefill(model, prompt_ids, cache)        # writes the prompt's K/V, chunk by chunk
-    for token, stats in generate(model, prompt_ids, cache, ...):  # streams tokens
+    options = GenerateOptions(max_new_tokens=64, sampling=SamplingParams(temperature=0.7))
+    for token, stats in generate(model, prompt_ids, cache, options):  # prefills, then streams tokens
         ...
+    logits = prefill(model, prompt_ids, cache)   # or only write a prompt's K/V, chunk by chunk
 
 The engine knows nothing about text; callers tokenize and detokenize.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,38 +78,51 @@ def decode_step(model: Llama, token: int, cache: Cache) -> torch.Tensor:
     return model(ids, cache)[0, -1].float()
 
 
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How a generation runs -- the knobs of ``minillama generate``: the most tokens to sample, how
+    each is sampled, the tokens that end it (yielded, not fed back), the random source (None:
+    torch's global one) and the prefill's chunk size."""
+
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    prefill_chunk: int = PREFILL_CHUNK
+
+
 def generate(
     model: Llama,
     prompt: list[int],
     cache: Cache,
-    max_new_tokens: int,
-    params: SamplingParams,
-    stop_ids: set[int] = frozenset(),
-    generator: torch.Generator | None = None,
-    prefill_chunk: int = PREFILL_CHUNK,
-    history: list[int] | None = None,
+    options: GenerateOptions | None = None,
+    *,
+    held: int = 0,
     logits: torch.Tensor | None = None,
 ) -> Iterator[tuple[int, GenerationStats]]:
-    """Prefill ``prompt`` (the tokens not yet in the cache) and yield sampled tokens with running stats.
+    """Prefill what `cache` does not hold of ``prompt`` and yield sampled tokens with running stats.
 
-    Stops after a stop token (which is yielded but not fed back) or max_new_tokens.
-    ``history`` (tokens already in the cache) only feeds the repeat penalty. ``logits`` (V,): the
-    cache already holds the whole prompt (``prompt`` is empty) and these are its last token's
-    logits, as a resumed prompt cache gives them.
+    The cache already holds the first ``held`` tokens of the prompt (a prefix reused from an earlier
+    turn or a prompt cache file: they only feed the repeat penalty); the rest are prefilled. When it
+    holds the whole prompt, ``logits`` (V,) are its last token's logits, as a resumed prompt cache
+    gives them. Stops after a stop token (yielded but not fed back) or ``max_new_tokens``.
     """
-    stats = GenerationStats(prompt_tokens=len(prompt))
+    o = options or GenerateOptions()
+    if not 0 <= held <= len(prompt):
+        raise ValueError(f"held {held} is not within the prompt's {len(prompt)} tokens")
+    if (logits is not None) != (held == len(prompt)):
+        raise ValueError("logits go with a prompt the cache holds whole (held == len(prompt)), and only then")
+    stats = GenerationStats(prompt_tokens=len(prompt) - held)
     t0 = time.perf_counter()
     if logits is None:
-        logits = prefill(model, prompt, cache, prefill_chunk)[0]  # (V,)
-    elif prompt:
-        raise ValueError("give either prompt tokens to prefill or the logits of a prompt already cached")
+        logits = prefill(model, prompt[held:], cache, o.prefill_chunk)[0]  # (V,)
     stats.prefill_s = time.perf_counter() - t0
-    seen = list(history or []) + list(prompt)
-    for i in range(max_new_tokens):
-        token = sample(logits, params, generator, seen)
+    seen = list(prompt)
+    for i in range(o.max_new_tokens):
+        token = sample(logits, o.sampling, o.generator, seen)
         seen.append(token)
         stats.generated_tokens += 1
-        if token in stop_ids or i == max_new_tokens - 1:
+        if token in o.stop_ids or i == o.max_new_tokens - 1:
             yield token, stats
             return
         t0 = time.perf_counter()

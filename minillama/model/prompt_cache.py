@@ -7,6 +7,12 @@ but the file (kv/file.py) is the packed cache itself, checked before it is trust
     saved = load_prompt_cache(lm, "doc.kv", "hadv2")          # the cache, its tokens, the last logits
     cache, reused, logits = reuse_prefix(saved, prompt_ids)   # keep the longest common prefix
 
+or all of it in one object, as ``minillama generate --prompt-cache doc.kv`` runs it:
+
+    run = Completion(lm, prompt_ids, parse_kv("hadv2"), GenerateOptions(64), prompt_cache="doc.kv")
+    for token, stats in run:   # prefills what the file did not hold; saves the file at the end
+        ...
+
 A file matches when it was made by the same model (config, a fingerprint of the weights,
 their dtype) with the same ``--kv`` spec; anything else is refused with one line, and the
 caller prefills from scratch.
@@ -17,14 +23,16 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from minillama.kv.cache import KVCache
-from minillama.kv.file import CacheFileError, SavedCache, encode, read, restore, save
+from minillama.kv.cache import ContextFullError, KVCache
+from minillama.kv.file import CacheFileError, SavedCache, check_replaceable, encode, read, restore, save, write_atomic
 from minillama.kv.spec import KVSpec
+from minillama.model.generate import GenerateOptions, GenerationStats, generate, prefill
 from minillama.model.loader import LoadedModel
 
 
@@ -159,3 +167,62 @@ def resume(
     cache, reused, logits = reuse_prefix(saved, prompt)
     note = f"prompt cache: reused {reused} of {len(prompt)} prompt tokens, loaded in {time.perf_counter() - t0:.2f} s"
     return Resumed(cache, reused, logits, note)
+
+
+class Completion:
+    """A prompt through to its sampled tokens, started from a prompt cache file when one matches and
+    saved to it for the next run: what ``minillama generate --prompt-cache FILE`` runs, for Python.
+
+    Made, it has looked at the file (``note`` says what it gave: None without a file, or why the
+    file was not used) and holds ``cache`` and ``reused`` (prompt tokens the cache already holds).
+    Iterated, it prefills the rest (``prefill_s``) and yields ``generate``'s (token, stats). When the
+    iteration ends -- the tokens are all sampled, a stop token came, or the cache filled up
+    (``ContextFullError``, raised after the save) -- the file is replaced atomically by the prompt's
+    cache as it was after the prefill, unless ``read_only`` or the file already held the whole
+    prompt. A run stopped early (an error, Ctrl-C, a ``break``) leaves the file as it was. Only a
+    missing file or a minillama cache file is ever replaced (``check_replaceable``)."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        prompt: list[int],
+        spec: KVSpec,
+        options: GenerateOptions | None = None,
+        *,
+        capacity: int | None = None,
+        on_full: str = "evict",
+        prompt_cache: str | Path | None = None,
+        read_only: bool = False,
+    ):
+        if not prompt:
+            raise ValueError("a completion needs at least one prompt token")
+        self.save_to = None if read_only else prompt_cache
+        if self.save_to:
+            check_replaceable(self.save_to)
+        self.lm, self.prompt, self.options = lm, prompt, options or GenerateOptions()
+        start = resume(lm, prompt_cache, spec, prompt, capacity, on_full)
+        self.cache, self.reused, self.note, self._logits = start.cache, start.reused, start.note, start.logits
+        self.prefill_s = 0.0
+
+    def __iter__(self) -> Iterator[tuple[int, GenerationStats]]:
+        logits, t0 = self._logits, time.perf_counter()
+        if logits is None:
+            logits = prefill(self.lm.model, self.prompt[self.reused :], self.cache, self.options.prefill_chunk)[
+                0
+            ]  # (V,)
+        self.prefill_s = time.perf_counter() - t0
+        pending = (  # the prompt's cache, written only once the run completes
+            encode_prompt_cache(self.lm, self.cache, self.prompt, logits)
+            if self.save_to and self.reused < len(self.prompt)
+            else None
+        )
+        try:
+            yield from generate(
+                self.lm.model, self.prompt, self.cache, self.options, held=len(self.prompt), logits=logits
+            )
+        except ContextFullError:
+            if pending:
+                write_atomic(self.save_to, pending)
+            raise
+        if pending:
+            write_atomic(self.save_to, pending)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import click
 import torch
@@ -81,18 +80,17 @@ def generate(
       minillama generate --prompt-file doc.txt --kv hadv2 --prompt-cache doc.kv   # the second run reuses doc.kv
     """
     from minillama.kv.cache import ContextFullError
-    from minillama.kv.file import check_replaceable, write_atomic
+    from minillama.kv.file import check_replaceable
     from minillama.kv.spec import parse_kv
-    from minillama.model.generate import generate as run
-    from minillama.model.generate import prefill
-    from minillama.model.prompt_cache import encode_prompt_cache, resume
+    from minillama.model.generate import GenerateOptions
+    from minillama.model.prompt_cache import Completion
     from minillama.model.sampling import SamplingParams
     from minillama.model.tokenizer import StreamDecoder
 
     if prompt_cache_ro and not prompt_cache:
         raise UserError("--prompt-cache-ro reads the --prompt-cache FILE: give that too")
     if prompt_cache and not prompt_cache_ro:
-        check_replaceable(prompt_cache)  # before any work: a file that is not a cache is never touched
+        check_replaceable(prompt_cache)  # before the model loads: a file that is not a cache is never touched
     text = read_prompt(prompt, prompt_file)
     spec = parse_kv(kv)
     lm = load(model_name, dtype, device, backend)
@@ -114,45 +112,28 @@ def generate(
             f"{len(ids) - capacity:,} or more are evicted (--on-full evict)",
             err=True,
         )
-    start = resume(lm, prompt_cache, spec, ids, capacity, on_full)
-    if start.note and not start.reused:  # why the file was not used, before the long prefill
-        then = "" if prompt_cache_ro else "; this run's cache replaces it when the run completes"
-        click.echo(f"{start.note}; prefilling the whole prompt{then}", err=True)
-    cache, reused, logits = start.cache, start.reused, start.logits
-    t0 = time.perf_counter()
-    if logits is None:
-        logits = prefill(lm.model, ids[reused:], cache)[0]  # (V,)
-    prefill_s = time.perf_counter() - t0
-    # The prompt's cache, kept in memory and written (atomically) only once the run completes.
-    pending = (
-        encode_prompt_cache(lm, cache, ids, logits)
-        if prompt_cache and not prompt_cache_ro and reused < len(ids)
-        else None
+    stops = frozenset() if ignore_eos else frozenset(lm.stop_ids())
+    options = GenerateOptions(
+        max_tokens, SamplingParams(temperature, top_k, top_p), stops, torch.Generator(device).manual_seed(seed)
     )
-    stops = set() if ignore_eos else lm.stop_ids()
+    run = Completion(
+        lm, ids, spec, options, capacity=capacity, on_full=on_full, prompt_cache=prompt_cache, read_only=prompt_cache_ro
+    )
+    if run.note and not run.reused:  # why the file was not used, before the long prefill
+        then = "" if prompt_cache_ro else "; this run's cache replaces it when the run completes"
+        click.echo(f"{run.note}; prefilling the whole prompt{then}", err=True)
     stream = StreamDecoder(tok)
     stats, ended = None, ""
     try:
-        for token, stats in run(  # noqa: B007 (the last stats are reported after the loop)
-            lm.model,
-            [],
-            cache,
-            max_tokens,
-            SamplingParams(temperature, top_k, top_p),
-            stops,
-            torch.Generator(device).manual_seed(seed),
-            history=ids,
-            logits=logits,
-        ):
-            if token in stops:
+        for token, stats in run:  # noqa: B007 (the last stats are reported after the loop)
+            if token in stops:  # the last token: generation ends after it (not printed)
                 ended = " (end of sequence)"
-                break
+                continue
             click.echo(stream.push(token), nl=False)
     except ContextFullError:
         ended = f" (the cache is full at --ctx {capacity:,}; --on-full evict goes on)"
     click.echo(stream.flush())
-    if pending:
-        write_atomic(prompt_cache, pending)
+    reused, prefill_s = run.reused, run.prefill_s
     new = len(ids) - reused
     speed = (
         f"prefilled {new} at {new / prefill_s:.1f} tok/s"
@@ -161,7 +142,7 @@ def generate(
     )
     generated = stats.generated_tokens if stats else 0
     click.echo(
-        (start.note + " | " if start.note and reused else "") + f"prompt {len(ids)} tokens, {speed} | generated "
+        (run.note + " | " if run.note and reused else "") + f"prompt {len(ids)} tokens, {speed} | generated "
         f"{generated} tokens{ended}, {stats.decode_tokens_per_s if stats else float('nan'):.1f} tok/s decode",
         err=True,
     )
