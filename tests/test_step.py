@@ -216,3 +216,32 @@ def test_a_step_made_under_inference_mode_also_runs_outside_it(model_dir):
         with torch.no_grad():
             out = lm.model(torch.tensor([[7]]), cache)
     assert out.shape == (1, 1, lm.config.vocab_size) and torch.isfinite(out).all()
+
+
+@needs_kernels
+def test_a_group_of_schemes_and_a_batch_past_16_rows_decode_in_the_one_native_call(model_dir, monkeypatch):
+    """A perplexity run decodes its windows x schemes as one batch (kv/group.py): 3 caches of 7
+    sequences each, 21 rows. The step takes each cache's rows through that cache's own attention
+    plan and the projections 16 rows at a time; every row's logits are those of its cache decoded
+    alone on the reference backend."""
+    from minillama.kv.group import CacheGroup
+
+    lm = load_model(str(model_dir), "float32")
+    specs, b, steps = ["fp16", "hadv2", "k4v3lmc"], 7, 4
+    ids = torch.randint(3, lm.config.vocab_size, (b, 70 + steps), generator=torch.Generator().manual_seed(0))
+
+    def decode(cache, rows, backend_name):
+        with torch.no_grad(), backend.using(backend_name):
+            lm.model(rows[:, :70], cache)
+            return torch.stack([lm.model(rows[:, t : t + 1], cache)[:, -1] for t in range(70, 70 + steps)])
+
+    calls = []
+    real = ops.decode_layers
+    monkeypatch.setattr(ops, "decode_layers", lambda lib, s: calls.append(1) or real(lib, s))
+    seen = len(backend.fallbacks())
+    group = CacheGroup([KVCache.for_model(lm.config, parse_kv(s), 128, batch=b) for s in specs])
+    together = decode(group, ids.repeat(len(specs), 1), "kernels-exact")  # (steps, 21, vocab)
+    assert backend.fallbacks()[seen:] == [] and len(calls) == steps
+    for j, spec in enumerate(specs):
+        alone = decode(KVCache.for_model(lm.config, parse_kv(spec), 128, batch=b), ids, "reference")
+        assert torch.allclose(together[:, j * b : (j + 1) * b], alone, atol=1e-3, rtol=1e-4), spec

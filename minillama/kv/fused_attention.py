@@ -100,13 +100,20 @@ def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> 
 
 
 def layer_plan(
-    lib, view: LayerView, r: int, d: int, rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None, keep: list
+    lib,
+    view: LayerView,
+    b: int,
+    r: int,
+    d: int,
+    rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
+    keep: list,
 ) -> LayerPlan:
-    """The parts of one layer as the attention kernel reads them (q, k, v and out left for the
-    caller), for r query heads per KV head of size d; NotSupported (nothing read) when a part has
-    no kernel that can read it. `keep` holds the tensors the plan points into alive."""
+    """The parts of one layer of a cache of b sequences as the attention kernel reads them (q, k, v
+    and out left for the caller), for r query heads per KV head of size d; NotSupported (nothing
+    read) when a part has no kernel that can read it. `keep` holds the tensors the plan points
+    into alive."""
     pre = rope is not None
-    plan = LayerPlan(R=r, D=d, rotate_k=int(view.k_codec.rotate and not pre), rotate_v=int(view.v_codec.rotate))
+    plan = LayerPlan(B=b, R=r, D=d, rotate_k=int(view.k_codec.rotate and not pre), rotate_v=int(view.v_codec.rotate))
     if view.key_center is not None and not pre:  # stored keys are centered: shift the new one alike
         center = view.key_center.float().contiguous()  # (B, H, 1, D)
         keep.append(center)
@@ -136,8 +143,8 @@ def decode_plan(
     the new k, v (B, Hkv, 1, D) and out (B, Hq, 1, D), all contiguous in one dtype the kernel takes."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
-    plan = layer_plan(lib, view, hq // hkv, d, rope, keep)
-    plan.B, plan.H, plan.dtype = b, hkv, DTYPE_CODE[q.dtype]
+    plan = layer_plan(lib, view, b, hq // hkv, d, rope, keep)
+    plan.H, plan.dtype = hkv, DTYPE_CODE[q.dtype]
     plan.q, plan.k, plan.v, plan.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     keep += [q, k, v, out]
     return plan
@@ -220,7 +227,7 @@ class CachePlans:
                 stale.update(shared.layers)
         for i in sorted(stale):  # made again from the layer's parts, as layer_plan describes them
             keep: list = []
-            self.plans[i] = layer_plan(self.lib, cache.layer(i), self.r, self.d, rope, keep)
+            self.plans[i] = layer_plan(self.lib, cache.layer(i), cache.batch, self.r, self.d, rope, keep)
             self.keep[i] = keep
         self.shapes = shapes
         for shared, t in zip(cache.stores, cache.tensor_of):

@@ -15,7 +15,7 @@ from torch import nn
 from minillama.kv.interface import Cache
 from minillama.model.attention import attend, attend_cache
 from minillama.model.config import LlamaConfig
-from minillama.model.linear import MAX_ROWS, DecodeLinear, concat_rows, project
+from minillama.model.linear import DecodeLinear, concat_rows, project
 from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
 from minillama.model.step import NativeStep
 from minillama.native import backend, ops
@@ -209,11 +209,11 @@ class Llama(nn.Module):
         return self._native_steps[key]
 
     def step_kernels(self, x: torch.Tensor):
-        """The compiled library for a decode step of x (B, 1, hidden) -- one token per sequence, at
-        most MAX_ROWS sequences, float32 or bfloat16, fused q/k/v -- on the kernels backend; else None."""
-        small = x.shape[1] == 1 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
+        """The compiled library for a decode step of x (B, 1, hidden) -- one token per sequence (any
+        number of them), float32 or bfloat16, fused q/k/v -- on the kernels backend; else None."""
+        step = x.shape[1] == 1 and x.dtype in (torch.float32, torch.bfloat16)
         fused = self.model.layers[0].self_attn.qkv is not None
-        return backend.library(x.device) if small and fused and not torch.is_grad_enabled() else None
+        return backend.library(x.device) if step and fused and not torch.is_grad_enabled() else None
 
     def hidden(self, tokens: torch.Tensor, cache: Cache | None = None, last_only: bool = False) -> torch.Tensor:
         """The final normalized hidden states (B, T, hidden) that ``lm_head`` turns into logits.

@@ -17,6 +17,7 @@ import torch
 
 from minillama.kv.cache import KVCache
 from minillama.kv.fused_attention import layer_plan
+from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache
 from minillama.native import ops
 from minillama.native.abi import DTYPE_CODE, LayerPlan, LayerStep
@@ -51,8 +52,10 @@ class NativeStep:
         self.norm, self.eps = model.model.norm.weight, model.model.norm.eps  # the final norm
         self.steps = (LayerStep * n)()  # one contiguous array: the whole step is one native call
         self.pre_rope = False
-        self.plans: list[LayerPlan | None] = [None] * n  # the plan each layer points at now
-        self.no_cache = [LayerPlan() for _ in range(n)]  # the plans of a step without a cache: no parts
+        self.plans: list[list[LayerPlan]] = [[] for _ in range(n)]  # the plans each layer points at now
+        self.plan_ids: list[list[int]] = [[] for _ in range(n)]
+        self.pointers: list = [None] * n  # each layer's array of plan pointers
+        self.no_cache = [[LayerPlan(B=batch)] for _ in range(n)]  # the plans of a step without a cache: no parts
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (w_qkv, b_qkv), (w_gu, b_gu) = attn.qkv, mlp.gate_up
@@ -102,11 +105,14 @@ class NativeStep:
         cache has a part no kernel reads."""
         pre = cache is not None and cache.pre_rope
         rope = rotary.halves if pre else None
-        plans = self._plans(cache, rope)  # every plan before any layer runs: all or nothing
-        for step, plan, now in zip(self.steps, plans, self.plans):
-            if plan is not now:  # a plan made anew (a KVCache refreshes its plans in place)
-                step.attn = ctypes.pointer(plan)
-        self.plans = list(plans)  # (a KVCache refreshes its own list in place)
+        plans = self._plans(cache, rope)  # [layer][cache of the batch]: every plan before any layer runs
+        for i, (step, layer) in enumerate(zip(self.steps, plans)):
+            if [id(p) for p in layer] != self.plan_ids[i]:  # a plan made anew (a KVCache refreshes its own in place)
+                pointers = (ctypes.POINTER(LayerPlan) * len(layer))(*(ctypes.pointer(p) for p in layer))
+                self.pointers[i] = pointers  # kept alive while the step points at them
+                step.attn, step.nattn = pointers, len(layer)
+                self.plan_ids[i] = [id(p) for p in layer]
+        self.plans = plans  # (and the plans themselves alive while their ids are compared)
         if pre != self.pre_rope:
             for step in self.steps:
                 step.pre_rope = int(pre)
@@ -115,24 +121,39 @@ class NativeStep:
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         ops.decode_layers(self.lib, self.steps)
+        members = cache.caches if isinstance(cache, CacheGroup) else [cache] if cache is not None else []
         if isinstance(cache, KVCache):
             cache.count_kernel_read()
             cache.append_stacked(self.new_k, self.new_v)  # the one place the cache grows
         elif cache is not None:
-            for i in range(len(self.steps)):
-                cache.layer(i).count_kernel_read()
+            for member in members:
+                if isinstance(member, KVCache):
+                    member.count_kernel_read()
+                else:
+                    for i in range(len(self.steps)):
+                        member.layer(i).count_kernel_read()
             # fresh tensors: another cache may keep what it is given, and the step reuses its buffers
             new_k, new_v = self.new_k.clone(), self.new_v.clone()  # (L, B, Hkv, 1, D) each
             cache.append(list(zip(new_k, new_v)))
         return ops.add_rms_norm(self.lib, self.x, None, self.norm, self.eps)[1]  # final norm: a new tensor
 
-    def _plans(self, cache: Cache | None, rope) -> list[LayerPlan]:
-        """Each layer's attention plan: a ``KVCache`` keeps its own between steps (refreshed in
+    def _plans(self, cache: Cache | None, rope) -> list[list[LayerPlan]]:
+        """Each layer's attention plans, one per cache whose rows the batch holds in turn (a
+        ``CacheGroup`` holds several): a ``KVCache`` keeps its own between steps (refreshed in
         place); another cache is described anew."""
         if cache is None:
             return self.no_cache
         r = self.hq // self.hkv
-        if isinstance(cache, KVCache):
-            return cache.kernel_plans(self.lib, r, rope)
+        per_cache = []
         self._keep: list = []  # alive while the layers run
-        return [layer_plan(self.lib, cache.layer(i), r, self.d, rope, self._keep) for i in range(len(self.steps))]
+        for member in cache.caches if isinstance(cache, CacheGroup) else [cache]:
+            if isinstance(member, KVCache):
+                per_cache.append(member.kernel_plans(self.lib, r, rope))
+            else:
+                per_cache.append(
+                    [
+                        layer_plan(self.lib, member.layer(i), member.batch, r, self.d, rope, self._keep)
+                        for i in range(len(self.steps))
+                    ]
+                )
+        return [list(layer) for layer in zip(*per_cache)]

@@ -126,7 +126,8 @@ class LayerStep(ctypes.Structure):
         ("x", ctypes.c_void_p),
         ("k_new", ctypes.c_void_p),
         ("v_new", ctypes.c_void_p),
-        ("attn", ctypes.POINTER(LayerPlan)),
+        ("attn", ctypes.POINTER(ctypes.POINTER(LayerPlan))),  # one plan per cache of the batch's rows
+        ("nattn", ctypes.c_int),
         ("scratch", ctypes.c_void_p),
         ("timing", ctypes.POINTER(ctypes.c_double)),
     ]

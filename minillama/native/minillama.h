@@ -111,7 +111,9 @@ struct LayerPlan {
 };
 
 // One decode step of one layer (step.cpp): RMSNorm, q/k/v, RoPE, attention, o_proj, residual,
-// RMSNorm, gate/up, SiLU x up, down, residual. Weights, norms, biases and x in `dtype`.
+// RMSNorm, gate/up, SiLU x up, down, residual. Weights, norms, biases and x in `dtype`. The B
+// rows may belong to several caches (a group of KV schemes decoded as one batch, kv/group.py):
+// attention reads each cache's rows through its own plan.
 struct LayerStep {
     int B, hidden, Hq, Hkv, D, I, dtype;
     float eps;
@@ -131,7 +133,8 @@ struct LayerStep {
     void* x;             // (B, hidden): the residual stream, updated in place
     void* k_new;         // (B, Hkv, D): the new key as the cache stores it
     void* v_new;         // (B, Hkv, D): the new value
-    const LayerPlan* attn;  // the cache's parts of this layer (q, k, v, out are the step's own)
+    const LayerPlan* const* attn;  // the caches' parts of this layer, one plan per cache whose rows follow
+    int nattn;                     // each other in the batch (plan B rows each; q, k, v, out are the step's own)
     void* scratch;       // step_scratch_bytes(...) bytes
     double* timing;      // null, or STEP_PHASES seconds the call adds its phases' wall time to (profiling)
 };
@@ -192,5 +195,5 @@ static_assert(sizeof(RowSource) == 128, "RowSource layout changed: update native
 static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56, "RowSource layout");
 static_assert(sizeof(Part) == 136, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
-static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8, "LayerStep layout changed: update native/abi.py");
+static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 160, "TokenWrite layout changed: update native/abi.py");
