@@ -31,6 +31,7 @@ from minillama.eval.datasets import load as load_text
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
+from minillama.model import step
 from minillama.model.generate import decode_step, prefill
 from minillama.model.loader import load_model
 from minillama.native import backend, ops
@@ -79,14 +80,14 @@ def main() -> None:
     ops.decode_layers = timed("native layer calls", ops.decode_layers)
     KVCache.kernel_plans = timed("layer plans (Python)", KVCache.kernel_plans)
     KVCache.append_stacked = timed("cache append (encode + write)", KVCache.append_stacked)
-    lm.model.lm_head.forward = timed("final LM head", lm.model.lm_head.forward)
+    step.lm_head = timed("final LM head", step.lm_head)
     steps(3)
     acc.clear()
     timed_total = steps(args.steps)
     parts = {k: v / args.steps * 1000 for k, v in acc.items()}
 
     phases = torch.zeros(3, dtype=torch.float64)  # projections, attention, rest: seconds, inside the layer calls
-    native = lm.model.native_step(backend.library(), 1)
+    native = step.native_step(lm.model, backend.library(), 1)
     native.time_phases(phases)
     steps(args.steps)
     native.time_phases(None)

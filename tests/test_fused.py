@@ -18,7 +18,7 @@ from minillama.kv.codecs import CODECS
 from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import PRESETS, parse_kv
 from minillama.model.attention import attend
-from minillama.native import backend
+from minillama.native import backend, ops
 from minillama.native.build import TARGETS, build
 
 
@@ -128,56 +128,43 @@ def test_fused_equals_reference_for_other_head_shapes(lib, head_dim, q_per_kv, s
 
 
 @pytest.mark.parametrize("n_out,n_in", [(7, 576), (576, 1536), (1029, 100), (64, 4096), (5, 3)])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4])
-def test_bf16_skinny_product_kernel_equals_float_math(lib, n_out, n_in, bias, rows):
-    """DecodeLinear's kernel path: y = x W^T (+ b) with bf16 weights, accumulated in float32."""
-    from minillama.model.linear import DecodeLinear
-
-    layer = DecodeLinear(n_in, n_out, bias=bias).to(torch.bfloat16)
-    x = torch.randn(rows, 1, n_in).to(torch.bfloat16)
-    with torch.no_grad():
-        fast = layer(x)  # a few rows, bf16 weights: the kernel
-        reference = torch.nn.functional.linear(
-            x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float()
-        )
-        with backend.using("reference"):
-            torch_bf16 = layer(x)
-    assert fast.shape == (rows, 1, n_out) and fast.dtype == torch.bfloat16
-    # Both round the float32 result to bf16 once: within one bf16 ulp of exact float math.
-    assert torch.allclose(fast.float(), reference, rtol=2**-7, atol=1e-3)
-    assert torch.allclose(fast.float(), torch_bf16.float(), rtol=2**-6, atol=2e-3)
+@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+def test_bf16_skinny_product_kernel_equals_float_math(lib, n_out, n_in, rows):
+    """The native step's projections and LM head (native/linear.cpp): y = x W^T with bf16 weights,
+    accumulated in float32, before the one rounding F.linear makes."""
+    w = torch.randn(n_out, n_in).to(torch.bfloat16)
+    x = torch.randn(rows, n_in).to(torch.bfloat16)
+    fast = ops.gemm_rows(lib, x, w)  # (rows, n_out) float32
+    reference = torch.nn.functional.linear(x.float(), w.float())
+    assert fast.shape == (rows, n_out) and fast.dtype == torch.float32
+    assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5 * n_in**0.5)  # float sums in another order
+    torch_bf16 = torch.nn.functional.linear(x, w)  # torch's own bf16 product, rounded once
+    assert torch.allclose(fast.to(torch.bfloat16).float(), torch_bf16.float(), rtol=2**-6, atol=2e-3)
 
 
 FRESH = itertools.count()
 
 
-def test_a_projection_the_kernel_does_not_take_is_recorded_as_a_fallback(lib):
-    """float16 weights: the skinny-product kernel refuses them, F.linear computes the product, and
-    the reason is recorded (shown by --debug, bench's fallbacks and chat's /stats), not swallowed."""
-    from minillama.model.linear import DecodeLinear
+def test_an_lm_head_the_kernel_does_not_take_is_recorded_as_a_fallback(lib):
+    """float16 weights: the skinny-product kernel refuses them, F.linear computes the LM head after
+    the native step, and the reason is recorded (shown by --debug, bench's fallbacks and chat's
+    /stats), not swallowed."""
+    from minillama.model.step import lm_head
 
     n_out = 32 + next(FRESH)  # a reason is recorded once: each build target's run gets its own shape
-    layer = DecodeLinear(64, n_out, bias=False).to(torch.float16)
-    x = torch.randn(1, 1, 64).to(torch.float16)
-    seen = len(backend.fallbacks())
-    with torch.no_grad():
-        y = layer(x)
-    assert torch.equal(y, torch.nn.functional.linear(x, layer.weight))
-    assert any(f"projection ({n_out}, 64) torch.float16" in reason for reason in backend.fallbacks()[seen:])
+    w = torch.randn(n_out, 64).to(torch.float16)
+    h = torch.randn(2, 1, 64).to(torch.float16)
+    y = lm_head(lib, w, h)
+    assert torch.equal(y, torch.nn.functional.linear(h, w))
+    assert any(f"LM head ({n_out}, 64) torch.float16" in reason for reason in backend.fallbacks())
 
 
 @pytest.mark.parametrize("n_out,n_in", [(7, 576), (1029, 100), (5, 3)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_float32_skinny_product_kernel_equals_f_linear(lib, n_out, n_in, rows):
     """The same kernel with float32 weights (perplexity runs W windows in float32)."""
-    from minillama.model.linear import DecodeLinear
-
-    layer = DecodeLinear(n_in, n_out, bias=True)
-    x = torch.randn(rows, 1, n_in)
-    with torch.no_grad():
-        fast = layer(x)
-        with backend.using("reference"):
-            reference = layer(x)
+    w, x = torch.randn(n_out, n_in), torch.randn(rows, n_in)
+    fast = ops.gemm_rows(lib, x, w)
+    reference = torch.nn.functional.linear(x, w)
     # float32 sums of n_in products in another order: within a few ulps of the sum's magnitude
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5 * n_in**0.5)

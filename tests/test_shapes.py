@@ -97,7 +97,7 @@ def test_a_head_dim_no_kernel_supports_takes_the_reference_with_the_reason(tmp_p
     t = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
     outs = []
     for name in ("kernels", "reference"):
-        with backend.using(name):
+        with backend.using(name), torch.no_grad():
             cache = KVCache.for_model(lm.config, parse_kv("fp16"), 32)
             outs.append(
                 torch.cat([lm.model(t[:, :4], cache)] + [lm.model(t[:, i : i + 1], cache) for i in range(4, 12)], 1)

@@ -15,7 +15,7 @@ import torch
 
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import PRESETS, parse_kv
-from minillama.model.llama import Llama
+from minillama.model import step
 from minillama.model.loader import load_model
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
@@ -56,12 +56,12 @@ def decode_logits(lm, preset: str, batch: int, steps: int = 10) -> torch.Tensor:
 
 def layer_by_layer(monkeypatch):
     """Make the native step unavailable, as on a cache no kernel reads: the model then runs its
-    PyTorch layers (with the same attention and projection kernels)."""
+    PyTorch layers, plain PyTorch (model/llama.py)."""
 
-    def refuse(self, lib, batch):
+    def refuse(model, lib, batch):
         raise NotSupported("disabled by the test")
 
-    monkeypatch.setattr(Llama, "native_step", refuse)
+    monkeypatch.setattr(step, "native_step", refuse)
 
 
 @needs_kernels
@@ -69,23 +69,28 @@ def layer_by_layer(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_native_step_gives_the_logits_of_the_layers(model_dir, preset, dtype, batch, monkeypatch):
+    """Exact attention kernels on one side (kernels-exact), the PyTorch layers on the other, in the
+    model's dtype; the native step runs once per decode step, for every layer."""
     lm = load_model(str(model_dir), dtype)
     calls = []
     real = ops.decode_layers
     monkeypatch.setattr(ops, "decode_layers", lambda lib, steps: calls.append(1) or real(lib, steps))
     seen = len(backend.fallbacks())
-    with backend.using("kernels"):
+    with backend.using("kernels-exact"):
         native = decode_logits(lm, preset, batch)
     assert backend.fallbacks()[seen:] == []
     assert len(calls) == 10  # one native call per step for every layer
     layer_by_layer(monkeypatch)
-    with backend.using("kernels"):
+    with backend.using("kernels-exact"):
         layers = decode_logits(lm, preset, batch)
-    # The same kernels read the same cache; the sums of norms and RoPE are ordered differently.
-    # float32: float rounding. bfloat16: a sum that lands on the other side of a bf16 rounding
-    # step moves a value by one bf16 step (2^-8 relative), so logits agree to about a percent.
+    assert "decode step: disabled by the test" in backend.fallbacks()  # recorded (once: reasons are kept as a set)
+    # float32: float rounding, and on k4v3lm/k4v3lmc a value on a boundary of the fitted grid
+    # that the other encoder sends to the neighbouring level (2.3e-4, see the next test).
+    # bfloat16: a sum that lands on the other side of a bf16 rounding step moves a value by one
+    # bf16 step (2^-8 relative), so logits agree to about a percent.
     if dtype == "float32":
-        assert torch.allclose(native, layers, atol=2e-5, rtol=1e-4)
+        assert torch.allclose(native, layers, atol=1e-3, rtol=1e-4)
+        assert torch.equal(native.argmax(-1), layers.argmax(-1))
     else:
         assert (native - layers).abs().max() <= 0.03 * layers.abs().max()
         assert (native.argmax(-1) == layers.argmax(-1)).float().mean() >= 0.9
@@ -193,15 +198,25 @@ def decode_through_changes(lm, spec: str) -> torch.Tensor:
 def test_plans_kept_between_steps_follow_the_cache(model_dir, spec, monkeypatch):
     """A KVCache describes its layers to the native step once and refreshes the counts and ring
     slots at each step (kv/fused_attention.py: CachePlans). Every change of the cache's parts
-    must reach the kernels: the step's logits equal those of the layer-by-layer path, which
-    describes the cache anew at every call."""
+    must reach the kernels: the step's logits equal those of the same step with the cache
+    described anew at every call (its kept plans dropped first), and the PyTorch layers'."""
     lm = load_model(str(model_dir), "float32")
     with backend.using("kernels-exact"):
         kept = decode_through_changes(lm, spec)
+    real = KVCache.kernel_plans
+
+    def anew(cache, lib, r, rope=None):
+        cache._plans = None
+        return real(cache, lib, r, rope)
+
+    monkeypatch.setattr(KVCache, "kernel_plans", anew)
+    with backend.using("kernels-exact"):
+        described_anew = decode_through_changes(lm, spec)
+    assert torch.allclose(kept, described_anew, atol=2e-5, rtol=1e-4)
     layer_by_layer(monkeypatch)
     with backend.using("kernels-exact"):
-        anew = decode_through_changes(lm, spec)
-    assert torch.allclose(kept, anew, atol=2e-5, rtol=1e-4)
+        layers = decode_through_changes(lm, spec)
+    assert torch.allclose(kept, layers, atol=1e-3, rtol=1e-4)
 
 
 @needs_kernels

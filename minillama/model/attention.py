@@ -11,10 +11,11 @@ query length, so K and V are never copied per query head. Long prompts are atten
 blocks of QUERY_BLOCK queries, so a no-cache forward over 8k tokens never holds an
 8k x 8k score matrix per head.
 
-With the kernels backend (native/backend.py) chunks go to PyTorch's fused
-``scaled_dot_product_attention`` (``fast=True``: no score matrix in memory, and several times
-faster for long chunks) and single decode tokens to the C++
-kernels over the packed cache (kv/fused_attention.py); tests hold both to the explicit path.
+Plain PyTorch throughout: with ``fast=True`` (every backend but ``reference``) chunks go to
+PyTorch's fused ``scaled_dot_product_attention`` (no score matrix in memory, and several times
+faster for long chunks); tests hold it to the explicit path. On the kernels backend a decode
+token never comes here: the native step (model/step.py) attends over the packed cache in C++
+(native/layer_attention.cpp), and this file is the specification those kernels are tested against.
 """
 
 from __future__ import annotations
@@ -25,12 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from minillama.kv.codecs import CODECS, Codec
-from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.group import GroupView
 from minillama.kv.interface import LayerView
 from minillama.model.rope import RotaryTable, apply_rope
-from minillama.native import backend
-from minillama.native.abi import NotSupported
 
 QUERY_BLOCK = 1024  # queries per score matrix: (B, Hkv, n_rep*1024, P+T) floats at most
 
@@ -105,27 +103,25 @@ def attend(
 
 
 def attend_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView, rotary: RotaryTable | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    view: LayerView,
+    rotary: RotaryTable | None = None,
+    fast: bool = False,
 ) -> torch.Tensor:
     """New tokens' q (B, Hq, T, D) and k (after RoPE), v (B, Hkv, T, D) against one layer of the
     cache (``cache.layer(i)``). ``rotary`` is given when keys are stored before RoPE.
 
-    With the kernels backend one decode token goes to the fused kernels, which read the packed
-    cache in place; anything else reads the past (dequantized, in storage space) and attends by
-    ``attend``. Keys stored before RoPE are first turned back into plain keys and rotated for
-    their positions (``rotary``: model/rope.py: RotaryTable)."""
+    Reads the past (dequantized, in storage space) and attends by ``attend``. Keys stored before
+    RoPE are first turned back into plain keys and rotated for their positions (``rotary``:
+    model/rope.py: RotaryTable)."""
     if isinstance(view, GroupView):  # several caches as one batch: each attended alone (kv/group.py)
-        return torch.cat([attend_cache(q[rows], k[rows], v[rows], sub, rotary) for rows, sub in view.splits()])
-    lib = backend.library(q.device)
-    if q.shape[2] == 1 and lib is not None:
-        try:
-            return fused_decode_attention(lib, q, k, v, view, rotary.halves if rotary is not None else None)
-        except NotSupported as e:
-            backend.fallback(f"decode attention: {e}")
+        return torch.cat([attend_cache(q[rows], k[rows], v[rows], sub, rotary, fast) for rows, sub in view.splits()])
     past_k, past_v = view.read(q.dtype)  # read the past before this step writes anything
     k_codec, v_codec, center = view.k_codec, view.v_codec, view.key_center
     if rotary is not None:  # stored before RoPE: back to plain keys, then rotated for their positions
         cos_k, sin_k = rotary.at(view.positions(q.device))  # (held, D) each
         past_k = apply_rope(plain_keys(past_k, k_codec, center), cos_k, sin_k).to(q.dtype)
         k_codec, center = PLAIN, None
-    return attend(q, k, v, (past_k, past_v), k_codec, v_codec, center, fast=backend.fast_paths())
+    return attend(q, k, v, (past_k, past_v), k_codec, v_codec, center, fast=fast)

@@ -1,10 +1,9 @@
-"""Linear layers with a fast path for decode steps: a few rows against float32 or bfloat16 weights.
+"""Linear layers, and the fused projections (q/k/v, gate/up) as one matrix product each.
 
-``DecodeLinear`` is an ``nn.Linear`` (same parameters, same names, same results up to
-float rounding). When the backend runs the kernels (native/backend.py) and the input has at
-most ``MAX_ROWS`` rows (one decode token, or the windows of a perplexity run), the product
-goes to the skinny matrix kernel (``native/linear.cpp``), which streams the weights once for
-all rows at close to memory bandwidth; in every other case it is ``F.linear``, the reference.
+``DecodeLinear`` is an ``nn.Linear`` (same parameters, same names, same results up to float
+rounding) that widens bfloat16 weights for long inputs on the CPU (below). Decode steps on the
+kernels backend do not come here: the native step (model/step.py) streams the weights with its
+own matrix-vector kernel (native/linear.cpp).
 """
 
 from __future__ import annotations
@@ -13,29 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillama.native import backend, ops
-from minillama.native.abi import NotSupported
-
-MAX_ROWS = 16  # up to here the product is bound by reading the weights, where BLAS is weakest
+LONG = 16  # rows above which a bfloat16 product on the CPU is widened to float32
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) @ weight (out, in)^T + bias: the skinny-product kernel for a few rows, else F.linear."""
+    """x (..., in) @ weight (out, in)^T + bias."""
     rows = x.numel() // weight.shape[1]
-    if rows > MAX_ROWS and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+    if rows > LONG and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
         # Prefill against bf16 weights: CPUs without bf16 instructions run torch's bf16 matrix
         # product 5-10x slower than float32, so widen the weights for the product and round once.
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    lib = backend.library(weight.device)
-    if lib is not None and rows <= MAX_ROWS and not torch.is_grad_enabled():
-        try:
-            y = ops.gemm_rows(lib, x.reshape(rows, -1), weight)  # (M, out) float32
-        except NotSupported as e:  # float16 weights, a strided view: the reference, recorded
-            backend.fallback(f"projection {tuple(weight.shape)} {weight.dtype}: {e}")
-            return F.linear(x, weight, bias)
-        if bias is not None:
-            y += bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # (..., out), rounded once like torch's linear
     return F.linear(x, weight, bias)
 
 

@@ -13,13 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillama.kv.interface import Cache
+from minillama.model import step
 from minillama.model.attention import attend, attend_cache
 from minillama.model.config import LlamaConfig
 from minillama.model.linear import DecodeLinear, concat_rows, project
 from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
-from minillama.model.step import NativeStep
-from minillama.native import backend, ops
-from minillama.native.abi import NotSupported
 
 
 class RMSNorm(nn.Module):
@@ -47,11 +45,10 @@ class Attention(nn.Module):
 
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
-    def forward(self, x, cos, sin, cache: Cache | None, layer: int, rotary: RotaryTable | None = None, lib=None):
+    def forward(self, x, cos, sin, cache: Cache | None, layer: int, rotary: RotaryTable | None = None, fast=False):
         """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output and the
-        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``lib`` (a
-        decode step on the kernels backend: one token, fused q/k/v, float32 cos/sin): RoPE by the
-        compiled kernel, in place (native/ops.py: rope_)."""
+        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``fast``:
+        PyTorch's fused attention for the new tokens where it applies (model/attention.py)."""
         b, t, _ = x.shape
         if self.qkv is not None:  # one matrix product for q, k and v (their weights are views of it)
             qkv = project(x, *self.qkv)  # (B, T, (Hq + 2 Hkv) D)
@@ -62,15 +59,12 @@ class Attention(nn.Module):
         k = k.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
         pre = cache is not None and cache.pre_rope
-        if lib is not None and self.qkv is not None:  # in place on the fused output (q and k are views of it)
-            q, k_rope = ops.rope_(lib, q, cos, sin), ops.rope_(lib, k.clone() if pre else k, cos, sin)
-        else:
-            q, k_rope = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k_rope = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         stored = k if pre else k_rope
         if cache is None:
-            out = attend(q, k_rope, v, None, None, None, fast=backend.fast_paths())
+            out = attend(q, k_rope, v, None, None, None, fast=fast)
         else:
-            out = attend_cache(q, k_rope, v, cache.layer(layer), rotary if pre else None)
+            out = attend_cache(q, k_rope, v, cache.layer(layer), rotary if pre else None, fast)
         out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
         return self.o_proj(out), (stored, v)
 
@@ -83,12 +77,9 @@ class MLP(nn.Module):
         self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
-    def forward(self, x, lib=None):
+    def forward(self, x):
         if self.gate_up is not None:  # gate and up in one matrix product
-            gate_up = project(x, *self.gate_up)  # (..., 2I)
-            if lib is not None:  # a decode step on the kernels backend: SiLU x up in one call
-                return self.down_proj(ops.silu_mul(lib, gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)  # (..., I) each
+            gate, up = project(x, *self.gate_up).chunk(2, dim=-1)  # (..., I) each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)  # SwiGLU
@@ -102,16 +93,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, layer, rotary=None, lib=None):
-        if lib is not None:  # a decode step on the kernels backend: each norm (with the residual add
-            # before it) one compiled call (native/ops.py), the same steps as below
-            _, normed = ops.add_rms_norm(lib, x, None, self.input_layernorm.weight, self.input_layernorm.eps)
-            h, kv = self.self_attn(normed, cos, sin, cache, layer, rotary, lib)
-            x, normed = ops.add_rms_norm(
-                lib, x, h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
-            )
-            return x + self.mlp(normed, lib), kv
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary)
+    def forward(self, x, cos, sin, cache, layer, rotary=None, fast=False):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fast)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -134,7 +117,7 @@ class Llama(nn.Module):
         self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)  # (D/2,)
         self.rotary: RotaryTable | None = None  # angles of every position, for keys stored before RoPE
-        self._native_steps: dict = {}  # (library, batch, dtype) -> NativeStep (model/step.py)
+        self._native_steps: dict = {}  # (library, batch, dtype) -> the native step's description (model/step.py)
 
     def fuse_projections(self) -> Llama:
         """Concatenate q/k/v and gate/up weights so each group is one matrix product.
@@ -196,55 +179,38 @@ class Llama(nn.Module):
         With a cache, the tokens continue the cached sequence at ``cache.position`` and
         their keys/values are appended to it; without one, they start at position 0.
         """
-        return self.lm_head(self.hidden(tokens, cache, last_only))  # (B, T, vocab)
-
-    def native_step(self, lib, batch: int) -> NativeStep:
-        """The layers described to the native decode step for this batch size, built on first use
-        (pointers to the weights: derived data, made again when ``.to()`` or an assigning
-        ``load_state_dict`` gives the weights new storage; the step keeps the tensors it points
-        at alive, so a pointer never outlives its memory)."""
-        key = (id(lib), batch, self.dtype)
-        if key not in self._native_steps:
-            self._native_steps[key] = NativeStep(self, lib, batch)
-        return self._native_steps[key]
-
-    def step_kernels(self, x: torch.Tensor):
-        """The compiled library for a decode step of x (B, 1, hidden) -- one token per sequence (any
-        number of them), float32 or bfloat16, fused q/k/v -- on the kernels backend; else None."""
-        step = x.shape[1] == 1 and x.dtype in (torch.float32, torch.bfloat16)
-        fused = self.model.layers[0].self_attn.qkv is not None
-        return backend.library(x.device) if step and fused and not torch.is_grad_enabled() else None
+        return self._run(tokens, cache, last_only, logits=True)  # (B, T, vocab)
 
     def hidden(self, tokens: torch.Tensor, cache: Cache | None = None, last_only: bool = False) -> torch.Tensor:
         """The final normalized hidden states (B, T, hidden) that ``lm_head`` turns into logits.
 
         Evaluations keep these instead of logits: 576 floats per token rather than 49k."""
+        return self._run(tokens, cache, last_only, logits=False)
+
+    def _run(self, tokens: torch.Tensor, cache: Cache | None, last_only: bool, logits: bool) -> torch.Tensor:
         b, t = tokens.shape
         positions = (
             cache.query_positions(t, tokens.device) if cache is not None else torch.arange(t, device=tokens.device)
         )
         x = self.model.embed_tokens(tokens)  # (B, T, hidden)
-        lib = self.step_kernels(x)
-        cos, sin = rope_tables(
-            self.inv_freq, positions, torch.float32 if lib is not None else self.dtype
-        )  # (T, D) each
         rotary = None
         if cache is not None and cache.pre_rope:
             if self.rotary is None or self.rotary.inv_freq.device != self.inv_freq.device:
                 self.rotary = RotaryTable(self.inv_freq)
             rotary = self.rotary
             rotary.get(int(positions[-1]) + 1)  # every position a key of this step can have
-        if lib is not None:
-            try:  # the same layers in one native call, the final norm in one more (model/step.py); it appends to the cache
-                return self.native_step(lib, x.shape[0]).run(x, cos, sin, cache, rotary)  # (B, 1, hidden)
-            except NotSupported as e:
-                backend.fallback(f"decode step: {e}")
+        out = step.decode(self, x, positions, cache, rotary, logits)  # the kernels backend's whole step
+        if out is not None:
+            return out  # (B, 1, vocab or hidden)
+        cos, sin = rope_tables(self.inv_freq, positions, self.dtype)  # (T, D) each
+        fast = step.fast_paths()
         new_kv = []
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, cache, i, rotary, lib)
+            x, kv = layer(x, cos, sin, cache, i, rotary, fast)
             new_kv.append(kv)
         if cache is not None:
             cache.append(new_kv)  # the one place the cache grows
         if last_only:
             x = x[:, -1:]
-        return self.model.norm(x)  # (B, T, hidden)
+        x = self.model.norm(x)  # (B, T, hidden)
+        return self.lm_head(x) if logits else x

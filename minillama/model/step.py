@@ -1,12 +1,17 @@
-"""The decode step on the kernels backend: one native call per layer (native/step.cpp).
+"""The decode step on the kernels backend: every layer in one native call (native/step.cpp).
 
-``model/llama.py`` is the specification: for one token per sequence its ``DecoderLayer`` makes
-about twenty PyTorch calls and four kernel calls, each costing microseconds of dispatch on a
-small CPU. ``NativeStep`` describes each layer to the C++ step once (weights, norms, biases:
-pointers that never change) and per step adds what does: the hidden state, the RoPE angles of
-the position and the attention plan of the layer's cache (kv/fused_attention.py). The new keys
-and values of every layer are then appended to the cache in one ``cache.append``, as the
-reference does. Tests hold the logits of both paths equal (tests/test_step.py).
+``model/llama.py`` is the specification, plain PyTorch: for one token per sequence its
+``DecoderLayer`` makes about twenty PyTorch calls, each costing microseconds of dispatch on a
+small CPU. This module is the other path and the one place that chooses between them
+(``decode``): on the kernels backend a step of one token per sequence runs here, whole or not at
+all; anything else (prefill, the reference backend, a cache no kernel reads -- the reason is
+recorded, native/backend.py: fallback) runs the PyTorch layers.
+
+``NativeStep`` describes each layer to the C++ step once (weights, norms, biases: pointers that
+never change) and per step adds what does: the hidden state, the RoPE angles of the position
+and the attention plans of the layer's caches (kv/fused_attention.py). The new keys and values
+of every layer are then appended to the cache in one call, as the reference does. Tests hold
+the logits of both paths equal (tests/test_step.py).
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from minillama.kv.cache import KVCache
 from minillama.kv.fused_attention import layer_plan
 from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache
-from minillama.native import ops
-from minillama.native.abi import DTYPE_CODE, LayerPlan, LayerStep
+from minillama.model.rope import rope_tables
+from minillama.native import backend, ops
+from minillama.native.abi import DTYPE_CODE, LayerPlan, LayerStep, NotSupported
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -146,14 +152,75 @@ class NativeStep:
         r = self.hq // self.hkv
         per_cache = []
         self._keep: list = []  # alive while the layers run
-        for member in cache.caches if isinstance(cache, CacheGroup) else [cache]:
+        for member in cache.caches if isinstance(cache, CacheGroup) else [cache]:  # a group holds KVCaches
             if isinstance(member, KVCache):
                 per_cache.append(member.kernel_plans(self.lib, r, rope))
             else:
                 per_cache.append(
                     [
-                        layer_plan(self.lib, member.layer(i), member.batch, r, self.d, rope, self._keep)
+                        layer_plan(self.lib, member.layer(i), self.batch, r, self.d, rope, self._keep)
                         for i in range(len(self.steps))
                     ]
                 )
         return [list(layer) for layer in zip(*per_cache)]
+
+
+def fast_paths() -> bool:
+    """Whether the PyTorch layers may use PyTorch's fused attention for prefill chunks (every
+    backend but ``reference``, which is the plain math throughout)."""
+    return backend.fast_paths()
+
+
+def decode(
+    model, x: torch.Tensor, positions: torch.Tensor, cache: Cache | None, rotary=None, logits: bool = True
+) -> torch.Tensor | None:
+    """The kernel-or-PyTorch decision, made here only. x (B, 1, hidden) after the embedding, one token
+    per sequence at `positions`: on the kernels backend the whole step -- every layer in one native
+    call, the final norm, and with `logits` the LM head (the matrix-vector kernel) -> (B, 1, vocab),
+    else the final hidden state (B, 1, hidden); the cache grown. None when the PyTorch layers run
+    instead: not a decode step, the reference backend, a dtype or layout the step does not take,
+    or a cache part no kernel reads (recorded as a fallback; nothing ran)."""
+    if x.shape[1] != 1:  # a prefill chunk: the PyTorch layers, fused attention (fast_paths)
+        return None
+    lib = backend.library(x.device)
+    if lib is None:  # the reference backend, or no kernels on this machine (describe() says why)
+        return None
+    if x.dtype not in (torch.float32, torch.bfloat16) or model.model.layers[0].self_attn.qkv is None:
+        backend.fallback(
+            f"decode step: {x.dtype} weights or unfused projections (the step takes fused float32/bfloat16)"
+        )
+        return None
+    if torch.is_grad_enabled():
+        backend.fallback("decode step: autograd is on (the kernels run under torch.no_grad() or inference_mode)")
+        return None
+    cos, sin = rope_tables(model.inv_freq, positions, torch.float32)  # (1, D) each
+    try:
+        h = native_step(model, lib, x.shape[0]).run(x, cos, sin, cache, rotary)  # (B, 1, hidden)
+    except NotSupported as e:
+        backend.fallback(f"decode step: {e}")
+        return None
+    return lm_head(lib, model.lm_head.weight, h) if logits else h
+
+
+def lm_head(lib, weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """h (B, 1, hidden) -> logits (B, 1, vocab) in h's dtype, rounded once as F.linear rounds: the
+    head's weights streamed by the matrix-vector kernel, 16 rows at a time."""
+    rows = h.reshape(h.shape[0], -1)  # (B, hidden)
+    try:
+        chunks = [ops.gemm_rows(lib, rows[i : i + 16], weight) for i in range(0, rows.shape[0], 16)]
+        y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # (B, vocab) float32
+    except NotSupported as e:  # the step has run: the same product in PyTorch, recorded
+        backend.fallback(f"LM head {tuple(weight.shape)} {weight.dtype}: {e}")
+        return torch.nn.functional.linear(h, weight)
+    return y.to(h.dtype).unsqueeze(1)  # (B, 1, vocab)
+
+
+def native_step(model, lib, batch: int) -> NativeStep:
+    """The model's layers described to the native step for this batch size, built on first use and
+    kept on the model (``model._native_steps``: derived data, dropped when ``.to()`` or an assigning
+    ``load_state_dict`` gives the weights new storage; the step keeps the tensors it points at
+    alive, so a pointer never outlives its memory)."""
+    key = (id(lib), batch, model.dtype)
+    if key not in model._native_steps:
+        model._native_steps[key] = NativeStep(model, lib, batch)
+    return model._native_steps[key]

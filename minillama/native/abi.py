@@ -166,8 +166,6 @@ SIGNATURES = {  # name: (argument types, return type)
     "exact_is_faster": ([_I, ctypes.POINTER(RowSource), _I], _I),
     "gemm_rows": ([_P, _I, _P, _I, _I, _I, _I, _P], _I),
     "add_rms_norm": ([_P, _P, _P, _I, _I, _I, _F, _P, _P], _I),
-    "rope_rows": ([_P, _I, _I, _I, _I, _I64, _P, _P], _I),
-    "silu_mul": ([_P, _I, _I, _I, _P], _I),
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
     "write_token": ([ctypes.POINTER(TokenWrite)], _I),

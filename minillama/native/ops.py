@@ -69,28 +69,6 @@ def add_rms_norm(
     return s, out
 
 
-def rope_(lib, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """model/rope.py's apply_rope in place on x (B, H, 1, D) for one position; cos, sin (1, D) float32.
-    x's heads must be D apart and its batch rows evenly spaced (a view of the fused q/k/v output is)."""
-    b, h, _, d = x.shape
-    if x.stride(-1) != 1 or x.stride(1) != d:
-        raise NotSupported("rope_: heads must be contiguous rows of D")
-    check(
-        lib.rope_rows(_p(x), _code(x, "rope_"), b, h, d, x.stride(0), _p(cos.contiguous()), _p(sin.contiguous())),
-        "rope_",
-    )
-    return x
-
-
-def silu_mul(lib, gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up from the fused gate|up projection (..., 2I) -> (..., I)."""
-    gate_up = gate_up.contiguous()
-    i = gate_up.shape[-1] // 2
-    out = torch.empty(*gate_up.shape[:-1], i, dtype=gate_up.dtype)
-    check(lib.silu_mul(_p(gate_up), _code(gate_up, "silu_mul"), gate_up.numel() // (2 * i), i, _p(out)), "silu_mul")
-    return out
-
-
 def prepare_rows(lib, x: torch.Tensor, rotate: bool, center: torch.Tensor | None) -> torch.Tensor:
     """x (..., n, D) -> float16 (..., n, D): x H (rotate), minus center (..., 1, D) broadcast over n.
     Raises NotSupported for non-finite results too: the reference refuses them with a clear error."""
