@@ -3,6 +3,7 @@
     python bench/peers.py --context 512 --context 8192 --json bench/results/peers.json
     python bench/peers.py --context 512 --rounds 7     # minillama / llama.cpp, timed in turn: the ratio
     python bench/peers.py --context 8192 --rounds 7 --pairs fp16:f16,hadv2:q4_0,k4v3hc:q4_0
+    python bench/peers.py --context 512 --context 8192 --rounds 3 --prefill   # prompt speed, in turn
 
 For each peer: decode tokens/s at each context (cache filled by a chunked prefill of the
 evaluation text, median of timed steps after a warm-up) and cached-path perplexity on the
@@ -223,21 +224,70 @@ def llama_cpp_decoder(gguf: Path, ids: list[int], context: int, steps: int, room
     return lambda: llama_cpp_rate(llm, steps)
 
 
+def minillama_prefiller(folder: Path, ids: list[int], context: int, kv: str = "fp16"):
+    """A bf16-weights minillama; each call prefills ids[:context] into a fresh `kv` cache (chunks
+    of 512, as every prompt goes in) and returns the prompt tokens per second."""
+    from minillama.kv.cache import KVCache
+    from minillama.kv.spec import parse_kv
+    from minillama.model.generate import prefill
+    from minillama.model.loader import load_model
+
+    lm = load_model(str(folder), "bfloat16")
+
+    def run() -> float:
+        cache = KVCache.for_model(lm.config, parse_kv(kv), context + 8)
+        t0 = time.perf_counter()
+        prefill(lm.model, ids[:context], cache)
+        return context / (time.perf_counter() - t0)
+
+    return run
+
+
+def llama_cpp_prefiller(gguf: Path, ids: list[int], context: int, kv: str = "f16"):
+    """minillama_prefiller's twin: llama.cpp (batches of 512) evaluates ids[:context] from an empty
+    context each call; None without llama-cpp-python."""
+    llm = open_llama(gguf, context + 8, kv)
+    if llm is None:
+        return None
+
+    def run() -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids[:context])
+        return context / (time.perf_counter() - t0)
+
+    return run
+
+
 def pair_rows(
-    folder: Path, gguf: Path, ids: list[int], contexts: list[int], steps: int, rounds: int, pairs: list[tuple[str, str]]
+    folder: Path,
+    gguf: Path,
+    ids: list[int],
+    contexts: list[int],
+    steps: int,
+    rounds: int,
+    pairs: list[tuple[str, str]],
+    prefill: bool = False,
 ) -> list[dict]:
     """minillama (bf16 weights, --kv A) against llama.cpp (the same weights as a BF16 GGUF, K/V
     type B) for each pair (A, B), interleaved round by round at each context: the ratio a target
-    is judged on."""
+    is judged on. Decode tokens/s after a prompt of `context` tokens, or with `prefill` the
+    prompt's own tokens/s."""
     rows = []
     for context in contexts:
         room = (WARMUP + steps) * rounds + 64
         for ours, theirs in pairs:
-            other = llama_cpp_decoder(gguf, ids, context, steps, room, theirs)
+            if prefill:
+                other = llama_cpp_prefiller(gguf, ids, context, theirs)
+                mine = minillama_prefiller(folder, ids, context, ours) if other is not None else None
+            else:
+                other = llama_cpp_decoder(gguf, ids, context, steps, room, theirs)
+                mine = minillama_decoder(folder, ids, context, steps, room, ours) if other is not None else None
             if other is None:
                 return rows
-            pair = {"minillama": minillama_decoder(folder, ids, context, steps, room, ours), "llama_cpp": other}
-            row = {"pair": f"minillama {ours} / llama.cpp-bf16w-{theirs}", "context": context}
+            pair = {"minillama": mine, "llama_cpp": other}
+            what = "prefill " if prefill else ""  # decode rows keep the label earlier files have
+            row = {"pair": f"{what}minillama {ours} / llama.cpp-bf16w-{theirs}", "context": context}
             row.update(interleave(pair, rounds))
             print(json.dumps(row), file=sys.stderr)
             rows.append(row)
@@ -296,6 +346,11 @@ def main() -> None:
         help="with --rounds: minillama --kv and llama.cpp K/V type to pair, e.g. fp16:f16,hadv2:q4_0",
     )
     ap.add_argument(
+        "--prefill",
+        action="store_true",
+        help="with --rounds: time the prompt (each engine prefills --context tokens from empty), not the decode",
+    )
+    ap.add_argument(
         "--hf-dtype",
         action="append",
         default=None,
@@ -321,7 +376,7 @@ def main() -> None:
         pairs = [tuple(p.split(":")) for p in args.pairs.split(",")]
         if any(len(p) != 2 or p[1] not in ("f16", "q8_0", "q4_0") for p in pairs):
             ap.error(f"--pairs {args.pairs!r}: give KV:TYPE pairs, TYPE one of f16, q8_0, q4_0")
-        rows = pair_rows(folder, bf16, ids, contexts, args.decode_tokens, args.rounds, pairs)
+        rows = pair_rows(folder, bf16, ids, contexts, args.decode_tokens, args.rounds, pairs, args.prefill)
     elif "transformers" not in args.skip:
         dtypes = [getattr(torch, d) for d in (args.hf_dtype or ["float32", "bfloat16"])]
         rows += hf_rows(folder, ids, contexts, args.decode_tokens, dtypes)
