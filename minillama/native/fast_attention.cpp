@@ -362,6 +362,16 @@ inline void load_float_row(const RowSource& s, int64_t slot, __m512* v) {
     }
 }
 
+// The row at the cursor (its slot of head bh) into v, the one PREFETCH rows ahead asked for, the
+// cursor moved on.
+template <int NV, int BITS>
+inline void next_float_row(const RowSource& s, int64_t bh, Cursor& at, __m512* v) {
+    const int64_t slot = bh * s.slots + at.slot;
+    prefetch_row(s, bh, at.slot, PREFETCH, 16 * NV * (BITS == 0 ? 4 : 2));
+    at.next();
+    load_float_row<NV, BITS>(s, slot, v);
+}
+
 // Scores of T query heads (q: T rows of D, ls apart in out) over rows [i0, i0 + n).
 template <int NV, int BITS, int T>
 void score_float_tile(const RowSource& s, int64_t bh, const float* q, int i0, int n, float* out, int ls) {
@@ -374,11 +384,8 @@ void score_float_tile(const RowSource& s, int64_t bh, const float* q, int i0, in
     for (int i = i0; i < i0 + n; i += 16) {
         const int len = std::min(16, i0 + n - i);
         for (int t = 0; t < len; t++) {
-            const int64_t slot = bh * s.slots + at.slot;
-            prefetch_row(s, bh, at.slot, PREFETCH, D * (BITS == 0 ? 4 : 2));
-            at.next();
             __m512 v[NV];
-            load_float_row<NV, BITS>(s, slot, v);
+            next_float_row<NV, BITS>(s, bh, at, v);
             for (int r = 0; r < T; r++) {
                 __m512 acc = _mm512_mul_ps(v[0], qr[r][0]);
                 for (int k = 1; k < NV; k++) acc = _mm512_fmadd_ps(v[k], qr[r][k], acc);
@@ -401,11 +408,8 @@ void value_float_tile(const RowSource& s, int64_t bh, const float* p, int lp, in
         for (int k = 0; k < NV; k++) a[r][k] = _mm512_setzero_ps();
     Cursor at(s.start, i0, s.slots);
     for (int t = 0; t < n; t++) {
-        const int64_t slot = bh * s.slots + at.slot;
-        prefetch_row(s, bh, at.slot, PREFETCH, D * (BITS == 0 ? 4 : 2));
-        at.next();
         __m512 v[NV];
-        load_float_row<NV, BITS>(s, slot, v);
+        next_float_row<NV, BITS>(s, bh, at, v);
         for (int r = 0; r < T; r++) {
             const __m512 w = _mm512_set1_ps(p[(int64_t)r * lp + t]);
             for (int k = 0; k < NV; k++) a[r][k] = _mm512_fmadd_ps(w, v[k], a[r][k]);
