@@ -24,6 +24,7 @@ from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.fused_attention import decode_plan
 from minillama.kv.spec import KVSpec
+from minillama.model import step
 from minillama.model.attention import attend_cache
 from minillama.model.generate import decode_step, prefill
 from minillama.model.loader import LoadedModel
@@ -177,7 +178,7 @@ def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 10) -> float:
     q = torch.randn(1, cfg.num_attention_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype)
     k, v = (torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype) for _ in range(2))
     rotary = lm.model.rotary if cache.pre_rope else None
-    lib = backend.library()
+    lib = step.kernels()
     if lib is None:
         return median_ms(lambda: attend_cache(q, k, v, cache.layer(0), rotary), repeats)
     keep: list = []
@@ -195,7 +196,7 @@ def projection_ms(model, repeats: int = 10) -> float:
     """Median ms of one step's projections alone: every layer's fused q/k/v, o, fused gate/up and
     down, then the LM head, in that order, on one row (the kernel a decode step calls when the
     backend has one, else F.linear). With ``attention_ms`` this splits a step into its parts."""
-    lib = backend.library()
+    lib = step.kernels()
     mats = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp

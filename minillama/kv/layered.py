@@ -21,8 +21,8 @@ import torch
 from minillama.kv.codecs import Affine, FloatCodec
 from minillama.kv.ring import Ring, ring_buffer
 from minillama.kv.store import TensorStore, layout
-from minillama.kv.write import encode, storage_form
-from minillama.native import backend, ops
+from minillama.kv.write import encode, kernels, storage_form
+from minillama.native import ops
 from minillama.native.abi import DTYPE_CODE, NotSupported, RingRef, TokenWrite
 
 
@@ -200,7 +200,7 @@ class LayeredStore:
         first append of centered keys) or the values are not finite: ``append`` then does it."""
         lead, stores = self.stores[0], self.stores
         codec, n_layers = lead.codec, len(stores)
-        lib = backend.library(x.device)
+        lib = kernels(x.device)
         kind = _token_kind(codec)
         if lib is None or kind is None or x.dtype not in DTYPE_CODE or lead.residual.buf.dtype != torch.float16:
             return None

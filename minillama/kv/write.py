@@ -21,10 +21,17 @@ from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 
 
+def kernels(device):
+    """The compiled cache-write kernels (native/encode.cpp) when the backend runs the kernels, else
+    None: the one place a cache write chooses between them and the PyTorch functions, which stay
+    as the reference (a test holds the bytes equal)."""
+    return backend.library(device)
+
+
 def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """x (L, B, H, n, D) in the model's dtype -> storage form in `dtype`: x H (rotated codecs),
     minus `center` (L, B, H, 1, D) when keys are centered."""
-    lib = backend.library(x.device)
+    lib = kernels(x.device)
     if lib is not None and dtype == torch.float16:
         try:
             return ops.prepare_rows(lib, x, codec.rotate, center)
@@ -38,7 +45,7 @@ def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dty
 
 def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None) -> dict[str, torch.Tensor]:
     """x (B, H, T, D) in storage form -> the codec's parts, each (B, H, rows, width)."""
-    lib = backend.library(x.device)
+    lib = kernels(x.device)
     if lib is not None and isinstance(codec, Affine) and x.dtype == torch.float16 and bool(torch.isfinite(x).all()):
         try:
             return ops.encode_affine(

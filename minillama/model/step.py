@@ -165,6 +165,12 @@ class NativeStep:
         return [list(layer) for layer in zip(*per_cache)]
 
 
+def kernels(device=None):
+    """The compiled library when the backend runs the kernels (native/backend.py), else None: what
+    ``decode`` steps with, and what ``bench`` times its parts with."""
+    return backend.library(device)
+
+
 def fast_paths() -> bool:
     """Whether the PyTorch layers may use PyTorch's fused attention for prefill chunks (every
     backend but ``reference``, which is the plain math throughout)."""
@@ -182,7 +188,7 @@ def decode(
     or a cache part no kernel reads (recorded as a fallback; nothing ran)."""
     if x.shape[1] != 1:  # a prefill chunk: the PyTorch layers, fused attention (fast_paths)
         return None
-    lib = backend.library(x.device)
+    lib = kernels(x.device)
     if lib is None:  # the reference backend, or no kernels on this machine (describe() says why)
         return None
     if x.dtype not in (torch.float32, torch.bfloat16) or model.model.layers[0].self_attn.qkv is None:
