@@ -142,22 +142,22 @@ def bench_row(
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
         token = int(logits.argmax())
-    step = statistics.median(times)
+    step_s = statistics.median(times)
     read = weight_bytes_per_token(lm.model) + cache.bytes.last_read
     attention, projections = attention_ms(lm, cache), projection_ms(lm.model)
     layer_bytes = cache.bytes.last_read / lm.config.num_hidden_layers  # what one layer's attention read last step
     return BenchRow(
         kv=str(spec),
         context=context,
-        decode_ms_per_token=1000 * step,
-        decode_tokens_per_s=1 / step,
+        decode_ms_per_token=1000 * step_s,
+        decode_tokens_per_s=1 / step_s,
         attention_ms_per_layer=attention,
         attention_gb_s=layer_bytes / attention / 1e6,
         projection_ms=projections,
         prefill_tokens_per_s=prefill_tps,
         cache_bytes=sum(cache.live_bytes().values()),
         bytes_read_per_token=read,
-        roofline_pct=100 * read / step / bandwidth,
+        roofline_pct=100 * read / step_s / bandwidth,
         peak_rss_mb=peak_rss_mb(),
         model=lm.name,
         dtype=dtype,
