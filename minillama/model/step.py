@@ -127,12 +127,11 @@ class NativeStep:
         self.cos.copy_(cos)
         self.sin.copy_(sin)
         ops.decode_layers(self.lib, self.steps)
-        members = cache.caches if isinstance(cache, CacheGroup) else [cache] if cache is not None else []
         if isinstance(cache, KVCache):
             cache.count_kernel_read()
             cache.append_stacked(self.new_k, self.new_v)  # the one place the cache grows
         elif cache is not None:
-            for member in members:
+            for member in cache.caches if isinstance(cache, CacheGroup) else [cache]:
                 if isinstance(member, KVCache):
                     member.count_kernel_read()
                 else:
