@@ -128,7 +128,7 @@ def test_fused_equals_reference_for_other_head_shapes(lib, head_dim, q_per_kv, s
 
 
 @pytest.mark.parametrize("n_out,n_in", [(7, 576), (576, 1536), (1029, 100), (64, 4096), (5, 3)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 21])  # 21: past 16 rows the kernel takes them 16 at a time
 def test_bf16_skinny_product_kernel_equals_float_math(lib, n_out, n_in, rows):
     """The native step's projections and LM head (native/linear.cpp): y = x W^T with bf16 weights,
     accumulated in float32, before the one rounding F.linear makes."""
@@ -160,7 +160,7 @@ def test_an_lm_head_the_kernel_does_not_take_is_recorded_as_a_fallback(lib):
 
 
 @pytest.mark.parametrize("n_out,n_in", [(7, 576), (1029, 100), (5, 3)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 37])
 def test_float32_skinny_product_kernel_equals_f_linear(lib, n_out, n_in, rows):
     """The same kernel with float32 weights (perplexity runs W windows in float32)."""
     w, x = torch.randn(n_out, n_in), torch.randn(rows, n_in)

@@ -209,11 +209,9 @@ def decode(
 
 def lm_head(lib, weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """h (B, 1, hidden) -> logits (B, 1, vocab) in h's dtype, rounded once as F.linear rounds: the
-    head's weights streamed by the matrix-vector kernel, 16 rows at a time."""
-    rows = h.reshape(h.shape[0], -1)  # (B, hidden)
+    head's weights streamed by the matrix-vector kernel."""
     try:
-        chunks = [ops.gemm_rows(lib, rows[i : i + 16], weight) for i in range(0, rows.shape[0], 16)]
-        y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # (B, vocab) float32
+        y = ops.gemm_rows(lib, h.reshape(h.shape[0], -1), weight)  # (B, vocab) float32
     except NotSupported as e:  # the step has run: the same product in PyTorch, recorded
         backend.fallback(f"LM head {tuple(weight.shape)} {weight.dtype}: {e}")
         return torch.nn.functional.linear(h, weight)

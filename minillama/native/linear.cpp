@@ -258,10 +258,9 @@ static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float
     }
 }
 
-// Each thread takes a contiguous share of W's rows (a multiple of 4), so each streams one region.
-extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
-    if ((dtype != 0 && dtype != 2) || (xdtype != 0 && xdtype != 2)) return MINILLAMA_E_DTYPE;
-    if (M < 1 || M > 16 || N < 1 || K < 1) return MINILLAMA_E_SHAPE;
+// At most 16 rows of x against all of W. Each thread takes a contiguous share of W's rows (a
+// multiple of 4), so each streams one region.
+static void gemm16(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
     PreparedX p{M, K, xdtype, dtype, x, {}, {}, false, false};
     prepare_x(p);
 #pragma omp parallel
@@ -275,5 +274,15 @@ extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, in
         const int n0 = std::min(N, tid * share), n1 = std::min(N, n0 + share);
         if (n0 < n1) rows(p, W, n0, n1, N, y);
     }
+}
+
+// Any number of rows, 16 at a time (the weights stream once per 16 rows: a decode step's batch,
+// or the windows and schemes of a perplexity run decoded together).
+extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
+    if ((dtype != 0 && dtype != 2) || (xdtype != 0 && xdtype != 2)) return MINILLAMA_E_DTYPE;
+    if (M < 1 || N < 1 || K < 1) return MINILLAMA_E_SHAPE;
+    const size_t xsize = xdtype == 0 ? 4 : 2;
+    for (int m = 0; m < M; m += 16)
+        gemm16((const char*)x + (size_t)m * K * xsize, xdtype, W, dtype, std::min(16, M - m), N, K, y + (size_t)m * N);
     return MINILLAMA_OK;
 }

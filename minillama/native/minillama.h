@@ -155,7 +155,7 @@ int route_supported(int route, int values, const RowSource* src, int R, int D);
 int exact_is_faster(int values, const RowSource* src, int D);
 
 // Projections (linear.cpp): y (M, N) float32 = x (M, K) @ W (N, K)^T; x and W float32 or bfloat16
-// (dtype codes), M <= 16.
+// (dtype codes), any M (the weights stream once per 16 rows).
 int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y);
 
 // Small decode-step ops (decode_ops.cpp), float32 or bfloat16, rounded as PyTorch rounds.

@@ -27,7 +27,7 @@ def _code(t: torch.Tensor, what: str, allowed=(torch.float32, torch.bfloat16)) -
 
 def gemm_rows(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T -> (M, N) float32 (``F.linear`` without bias, before rounding), x and
-    weight float32 or bfloat16, M <= 16: the weights stream once for all M rows (native/linear.cpp)."""
+    weight float32 or bfloat16, any M: the weights stream once per 16 rows (native/linear.cpp)."""
     code = _code(weight, "gemm_rows")
     if not weight.is_contiguous():
         raise NotSupported("gemm_rows: weights must be contiguous")

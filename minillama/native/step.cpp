@@ -62,15 +62,6 @@ static void add_rounded(const void* x, const void* h, int dtype, int64_t n, void
 
 static inline size_t esize(int dtype) { return dtype == 0 ? 4 : 2; }
 
-// y (M, N) = x (M, K) @ W^T for any M: the product kernel takes at most 16 rows, so larger
-// batches (the windows and schemes of a perplexity run) go through it 16 rows at a time.
-static int gemm_any(const void* x, int dt, const void* w, int M, int N, int K, float* y) {
-    for (int m = 0; m < M; m += 16)
-        if (int st = gemm_rows((const char*)x + (size_t)m * K * esize(dt), dt, w, dt, std::min(16, M - m), N, K, y + (size_t)m * N))
-            return st;
-    return MINILLAMA_OK;
-}
-
 static int decode_layer(const LayerStep* step) {
     const LayerStep& s = *step;
     const int B = s.B, E = s.hidden, D = s.D, Hq = s.Hq, Hkv = s.Hkv, dt = s.dtype;
@@ -98,7 +89,7 @@ static int decode_layer(const LayerStep* step) {
     Laps t{s.timing};
     if (int st = add_rms_norm(s.x, nullptr, s.w_in, dt, B, E, s.eps, nullptr, normed)) return st;
     t.lap(STEP_REST);
-    if (int st = gemm_any(normed, dt, s.w_qkv, B, QKV, E, y)) return st;
+    if (int st = gemm_rows(normed, dt, s.w_qkv, dt, B, QKV, E, y)) return st;
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_qkv, dt, B, QKV, qkv);
     for (int bb = 0; bb < B; bb++) {  // q, k, v out of the fused row; the stored key (and v) for the cache
@@ -122,17 +113,17 @@ static int decode_layer(const LayerStep* step) {
     }
     t.lap(STEP_ATTENTION);
 
-    if (int st = gemm_any(a, dt, s.w_o, B, E, Hq * D, y)) return st;
+    if (int st = gemm_rows(a, dt, s.w_o, dt, B, E, Hq * D, y)) return st;
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_o, dt, B, E, h);
     add_rms_norm(s.x, h, s.w_post, dt, B, E, s.eps, s.x, normed);  // x <- round(x + h), normed
     t.lap(STEP_REST);
-    if (int st = gemm_any(normed, dt, s.w_gu, B, 2 * s.I, E, y)) return st;
+    if (int st = gemm_rows(normed, dt, s.w_gu, dt, B, 2 * s.I, E, y)) return st;
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_gu, dt, B, 2 * s.I, gu);
     silu_mul(gu, dt, B, s.I, act);
     t.lap(STEP_REST);
-    if (int st = gemm_any(act, dt, s.w_down, B, E, s.I, y)) return st;
+    if (int st = gemm_rows(act, dt, s.w_down, dt, B, E, s.I, y)) return st;
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_down, dt, B, E, h);
     add_rounded(s.x, h, dt, (int64_t)B * E, s.x);
