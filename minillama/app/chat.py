@@ -159,9 +159,7 @@ class ChatSession:
                 options = GenerateOptions(
                     self.max_tokens, self.params, frozenset(self.stops), self.generator, self.prefill_chunk
                 )
-                for token, stats in generate(
-                    self.lm.model, self.cached_ids + new, self.cache, options, held=len(self.cached_ids)
-                ):
+                for token, stats in generate(self.lm.model, ids, self.cache, options, held=len(self.cached_ids)):
                     self.last.generation = stats
                     fed.append(token)
                     if token in self.stops:

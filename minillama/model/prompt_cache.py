@@ -205,24 +205,21 @@ class Completion:
         self.prefill_s = 0.0
 
     def __iter__(self) -> Iterator[tuple[int, GenerationStats]]:
-        logits, t0 = self._logits, time.perf_counter()
+        model, logits, t0 = self.lm.model, self._logits, time.perf_counter()
         if logits is None:
-            logits = prefill(self.lm.model, self.prompt[self.reused :], self.cache, self.options.prefill_chunk)[
-                0
-            ]  # (V,)
+            logits = prefill(model, self.prompt[self.reused :], self.cache, self.options.prefill_chunk)[0]  # (V,)
         self.prefill_s = time.perf_counter() - t0
         pending = (  # the prompt's cache, written only once the run completes
             encode_prompt_cache(self.lm, self.cache, self.prompt, logits)
             if self.save_to and self.reused < len(self.prompt)
             else None
         )
+        full = None
         try:
-            yield from generate(
-                self.lm.model, self.prompt, self.cache, self.options, held=len(self.prompt), logits=logits
-            )
-        except ContextFullError:
-            if pending:
-                write_atomic(self.save_to, pending)
-            raise
+            yield from generate(model, self.prompt, self.cache, self.options, held=len(self.prompt), logits=logits)
+        except ContextFullError as e:  # the run completed at the cache's end: saved, then raised
+            full = e
         if pending:
             write_atomic(self.save_to, pending)
+        if full is not None:
+            raise full
