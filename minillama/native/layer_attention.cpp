@@ -310,7 +310,7 @@ extern "C" int attend_layer(const LayerPlan* plan) {
             }
         }  // (an implicit barrier: every thread needs every query)
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        // This thread's tokens: a contiguous range of whole blocks, the same for every head.
+        // This thread's tokens: a contiguous range of whole SPLITs, the same for every head.
         const int splits = (held + SPLIT - 1) / SPLIT;
         const int a = std::min(held, (int)((int64_t)splits * t / nt) * SPLIT);
         const int b = std::min(held, (int)((int64_t)splits * (t + 1) / nt) * SPLIT);
