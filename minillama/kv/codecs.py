@@ -112,6 +112,10 @@ class Codec:
         """Stored bytes per token per KV head (scales of per-channel groups spread over G tokens)."""
         return sum(p.width * p.dtype.itemsize / p.tokens_per_row for p in self.parts(head_dim, group))
 
+    def body_bits(self, head_dim: int, group: int) -> float:
+        """Bits per element of a quantized row as stored: codes plus scales (and zeros)."""
+        return 8 * self.bytes_per_token(head_dim, group) / head_dim
+
     def param_bytes(self, head_dim: int) -> int:
         """Bytes of per-sequence parameters per KV head (calibrated codecs)."""
         return 0

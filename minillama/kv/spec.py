@@ -17,6 +17,8 @@ A spec is plain data; the cache (``cache.py``) and its stores (``store.py``) act
   ``quantized_kv_start``): short contexts pay no quantization error.
 * ``kfirst=CODEC,first=N``: the first N layers store keys with another codec (per-layer
   bits: the first layers of Llama models are the most sensitive to key error).
+* ``layers=K/V;K/V;...``: every layer's (K, V) codecs, overriding ``k=`` and ``v=`` (mixed
+  precision by layer; ``minillama kv allocate`` writes one from sensitivity maps, kv/allocate.py).
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ class KVSpec:
                 f"--kv first={self.first} names more layers than the model's {n_layers}: give first=1..{n_layers}"
             )
         if n_layers is not None and self.layer_codecs and len(self.layer_codecs) != n_layers:
-            raise UserError(f"{self} gives codecs for {len(self.layer_codecs)} layers; the model has {n_layers}")
+            raise UserError(
+                f"--kv layers= gives codecs for {len(self.layer_codecs)} layers; the model has {n_layers}: "
+                f"give one K/V pair per layer"
+            )
         for v in [self.v] + [v for _, v in self.layer_codecs]:
             v.validate(head_dim, self.vgroup)
         for k in [self.k] + ([self.kfirst] if self.kfirst else []) + [k for k, _ in self.layer_codecs]:
@@ -146,6 +151,7 @@ PRESET_NOTES: dict[str, str] = {
 GRAMMAR = (
     "k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
     "[,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]"
+    "[,layers=K/V;K/V;...]"
 )
 NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start", "first")
 WORDS = {"rope": ("post", "pre"), "positions": ("absolute", "cache")}
@@ -167,7 +173,7 @@ def parse_kv(text: str) -> KVSpec:
     fields: dict[str, str] = {}
     for item in text.split(","):
         m = _FIELD.match(item.strip())
-        if not m or m.group(1) not in ("k", "v", "kfirst", *NUMBERS, *WORDS):
+        if not m or m.group(1) not in ("k", "v", "kfirst", "layers", *NUMBERS, *WORDS):
             raise UserError(f"malformed --kv item {shown(item)}: expected {GRAMMAR} ({_choices()})")
         if m.group(1) in fields:  # k=int4,k=int2 would silently run the last one
             raise UserError(
@@ -175,6 +181,12 @@ def parse_kv(text: str) -> KVSpec:
                 f"{m.group(1)}={shown(m.group(2).strip())}): give each key once"
             )
         fields[m.group(1)] = m.group(2).strip()
+    if "layers" in fields:  # k= and v= default to the first layer's codecs
+        first_pair = _layers(fields["layers"])[0]
+        fields.setdefault("k", first_pair[0].name)
+        fields.setdefault("v", first_pair[1].name)
+        if "kfirst" in fields:
+            raise UserError("--kv layers= names every layer's codecs: drop kfirst= and first=")
     if "k" not in fields or "v" not in fields:
         raise UserError(f"--kv {shown(text)} must name both k= and v= codecs ({_choices()})")
     if ("kfirst" in fields) != ("first" in fields):
@@ -207,7 +219,9 @@ def parse_kv(text: str) -> KVSpec:
     if positions == "cache" and rope != "pre":
         raise UserError("--kv positions=cache needs rope=pre: keys stored after RoPE carry their old positions")
     kfirst = CODECS[fields["kfirst"]] if "kfirst" in fields else None
+    layers = _layers(fields["layers"]) if "layers" in fields else ()
     quantized = k.quantized or v.quantized or (kfirst is not None and kfirst.quantized)
+    quantized = quantized or any(c.quantized for pair in layers for c in pair)
     residual = nums.get("residual", 32 if quantized else 0)
     return KVSpec(
         k,
@@ -223,4 +237,19 @@ def parse_kv(text: str) -> KVSpec:
         start=nums.get("start", 0),
         kfirst=kfirst,
         first=nums.get("first", 0),
+        layer_codecs=layers,
     )
+
+
+def _layers(text: str) -> tuple[tuple[Codec, Codec], ...]:
+    """``K/V;K/V;...`` -> each layer's (K, V) codecs."""
+    out = []
+    for i, item in enumerate(text.split(";")):
+        pair = item.strip().split("/")
+        if len(pair) != 2 or any(c not in CODECS for c in pair):
+            raise UserError(
+                f"--kv layers= item {i} {shown(item)}: write one K/V pair of codecs per layer, e.g. layers=lm4h/lm3h;lm3h/lm2h "
+                f"(codecs: {', '.join(CODECS)})"
+            )
+        out.append((CODECS[pair[0]], CODECS[pair[1]]))
+    return tuple(out)
