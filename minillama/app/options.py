@@ -60,6 +60,19 @@ def read_text_file(path: str) -> str:
         raise UserError(f"{path} is not UTF-8 text: convert it to UTF-8 first") from None
 
 
+def read_json(path: str):
+    """The JSON value in the file at `path`, or one clear error line."""
+    import json
+
+    text = read_text_file(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{path} is not JSON ({e.msg} at line {e.lineno}): give the file a --json run printed"
+        ) from None
+
+
 def text_options(default_dataset: str | None):
     """--text FILE / --dataset NAME: where an evaluation text comes from."""
     from minillama.eval.datasets import DATASETS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from minillama.app.options import model_options
+from minillama.app.options import Finite, model_options
 
 
 def describe_codecs() -> str:
@@ -36,10 +36,15 @@ def describe_codecs() -> str:
 @click.option("--list", "list_", is_flag=True, help="Print presets and codecs with their bits/element formula.")
 @model_options(device=False)
 @click.option("--tokens", default=2048, show_default=True, type=click.IntRange(1), help="Tokens held.")
-@click.option("--json", "as_json", is_flag=True, help="With inspect: print JSON.")
-def kv(spec, path, list_, model_name, tokens, as_json):
-    """Explain KV cache specs: `--list`, the exact byte budget of SPEC, or `inspect FILE`: what a
-    saved cache file (generate/chat --prompt-cache, chat /save) holds.
+@click.option("--json", "as_json", is_flag=True, help="With inspect or allocate: print JSON.")
+@click.option(
+    "--map", "maps", multiple=True, metavar="FILE", help="With allocate: a sensitivity map (ppl --sensitivity --json)."
+)
+@click.option("--bits", type=Finite(min=0, min_open=True), help="With allocate: average bits per element.")
+def kv(spec, path, list_, model_name, tokens, as_json, maps, bits):
+    """Explain KV cache specs: `--list`, the exact byte budget of SPEC, `inspect FILE`: what a
+    saved cache file (generate/chat --prompt-cache, chat /save) holds, or `allocate`: a spec
+    with each layer's codecs chosen from sensitivity maps under a budget of bits.
 
     \b
     Examples:
@@ -47,11 +52,22 @@ def kv(spec, path, list_, model_name, tokens, as_json):
       minillama kv hadv2 --tokens 8192
       minillama kv k=int4h,v=int2h,group=64,sinks=4 --tokens 896
       minillama kv inspect doc.kv --json
+      minillama kv allocate --map k3v2lm.json --map k4v3lmc.json --bits 3.0
     """
+    from minillama.errors import UserError
+
+    if (maps or bits is not None) and spec != "allocate":
+        raise UserError("--map and --bits go with allocate: minillama kv allocate --map MAP.json ... --bits B")
+    if spec == "allocate":
+        if path:
+            raise UserError(f"unexpected argument {path!r}: give the maps with --map FILE")
+        if not maps or bits is None:
+            raise UserError("kv allocate needs at least one --map FILE (ppl --sensitivity --json) and --bits B")
+        allocate_command(maps, bits, model_name, tokens, as_json)
+        return
     if spec == "inspect":
         import json
 
-        from minillama.errors import UserError
         from minillama.eval.budget import format_inspect, inspect_file
 
         if not path:
@@ -60,8 +76,6 @@ def kv(spec, path, list_, model_name, tokens, as_json):
         click.echo(json.dumps(info, indent=2) if as_json else format_inspect(info))
         return
     if path:
-        from minillama.errors import UserError
-
         raise UserError(f"unexpected argument {path!r}: give one SPEC (or inspect FILE)")
     if list_ or not spec:
         click.echo(describe_codecs())
@@ -75,3 +89,43 @@ def kv(spec, path, list_, model_name, tokens, as_json):
     parsed = parse_kv(spec)
     cfg = LlamaConfig.from_file(resolve_model_path(resolve_model(model_name)) / "config.json")
     click.echo(byte_budget(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, parsed, tokens))
+
+
+def allocate_command(maps, bits, model_name, tokens, as_json) -> None:
+    """``kv allocate``: read the maps, choose, print the summary and the spec (last line)."""
+    import json
+
+    from minillama.app.default_model import resolve_model
+    from minillama.app.options import read_json
+    from minillama.eval.allocation import allocate_from_maps
+    from minillama.kv.budget import formula_live_bytes
+    from minillama.model.config import LlamaConfig
+    from minillama.model.loader import resolve_model_path
+
+    cfg = LlamaConfig.from_file(resolve_model_path(resolve_model(model_name)) / "config.json")
+    loaded = [(path, read_json(path)) for path in maps]
+    a = allocate_from_maps(loaded, bits, cfg.num_hidden_layers, cfg.head_dim)
+    live = formula_live_bytes(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, a.spec, tokens)
+    effective = 8 * sum(live.values()) / (cfg.num_hidden_layers * 2 * cfg.n_kv_heads * cfg.head_dim * tokens)
+    if as_json:
+        info = {
+            "kv": a.spec.canonical(),
+            "budget": bits,
+            "body_bits": a.bits,
+            "bits_per_element": effective,
+            "tokens": tokens,
+            "kld_sum": a.cost,
+            "counts": a.counts,
+            "notes": a.notes,
+        }
+        click.echo(json.dumps(info, indent=2))
+        return
+    for note in a.notes:
+        click.echo(f"note: {note}")
+    for side, label in (("k", "keys"), ("v", "values")):
+        click.echo(f"{label}: " + ", ".join(f"{n} x{c}" for n, c in sorted(a.counts[side].items())))
+    click.echo(
+        f"body {a.bits:.3f} bits/element (budget {bits:g}); {effective:.3f} with sinks and residual at {tokens} tokens; "
+        f"sum of the maps' KLDs {a.cost:.5f}"
+    )
+    click.echo(a.spec.canonical())

@@ -1,0 +1,179 @@
+"""Mixed precision by layer: ``layers=`` specs, the greedy allocation (kv/allocate.py) and the
+spec it makes from sensitivity maps (eval/allocation.py, ``minillama kv allocate``).
+
+A ``layers=`` spec names every layer's K and V codec; its bits are the per-layer codecs' bits
+averaged, the cache holds exactly those bytes, and the kernels read each layer with its own
+codec. The allocation spends a budget of bits where the maps say a tensor loses the most."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from minillama.app.cli import cli
+from minillama.errors import UserError
+from minillama.eval.allocation import allocate_from_maps
+from minillama.eval.synthetic import fill_synthetic
+from minillama.kv.allocate import Choice, allocate
+from minillama.kv.budget import formula_live_bytes
+from minillama.kv.cache import KVCache
+from minillama.kv.codecs import CODECS
+from minillama.kv.spec import parse_kv
+from minillama.native import backend
+
+MIXED = "k=lm3h,v=lm2h,group=64,residual=0,layers=lm4h/lm3h;lm3h/lm2h"
+
+
+def test_a_layers_spec_names_every_layer_and_reads_back_from_its_canonical_form():
+    spec = parse_kv(MIXED)
+    assert [(k.name, v.name) for k, v in spec.layer_codecs] == [("lm4h", "lm3h"), ("lm3h", "lm2h")]
+    assert [spec.tensors(i)[0][0].name for i in range(2)] == ["lm4h", "lm3h"]
+    assert parse_kv(spec.canonical()).canonical() == spec.canonical()
+    # k= and v= default to the first layer's codecs
+    assert (
+        parse_kv("layers=int4/int2;int2/int2,group=64").canonical()
+        == parse_kv("k=int4,v=int2,group=64,layers=int4/int2;int2/int2").canonical()
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("k=lm3h,v=lm2h,layers=lm3h/lm2h;lm9h/lm2h", "layers= item 1"),
+        ("k=lm3h,v=lm2h,layers=lm3h", "one K/V pair of codecs per layer"),
+        ("layers=lm3h/lm2h,kfirst=int8,first=1", "drop kfirst="),
+    ],
+)
+def test_a_malformed_layers_spec_is_refused_in_one_line(text, message):
+    with pytest.raises(UserError, match=message):
+        parse_kv(text)
+
+
+def test_a_layers_spec_must_give_every_layer():
+    with pytest.raises(UserError, match="codecs for 2 layers; the model has 3"):
+        KVCache(parse_kv(MIXED), 3, 2, 64, 256)
+
+
+def test_the_bits_of_a_mixed_spec_are_its_layers_bits_averaged():
+    """Lloyd-Max codes of b bits + one float16 scale per 64 channels: b + 16/64 bits a value.
+    Layer 0 stores 4 and 3 bits, layer 1 3 and 2: (4.25 + 3.25 + 3.25 + 2.25) / 4 = 3.25."""
+    spec = parse_kv(MIXED)
+    cache = KVCache(spec, 2, 2, 64, 256)
+    fill_synthetic(cache, 128)
+    assert cache.bits_per_element() == pytest.approx(3.25)
+    assert sum(formula_live_bytes(2, 2, 64, spec, 128).values()) == sum(cache.live_bytes().values())
+    assert [CODECS[c].body_bits(64, 64) for c in ("lm2h", "lm3h", "lm4h")] == [2.25, 3.25, 4.25]
+
+
+def priced(*rows: tuple[float, float]) -> list[Choice]:
+    return [Choice(CODECS["int4"], bits, cost) for bits, cost in rows]
+
+
+def test_the_greedy_takes_the_upgrade_that_removes_most_loss_per_bit():
+    # Tensor 0 gains 0.9 for one bit, tensor 1 gains 0.5: with room for one upgrade, tensor 0 gets it.
+    choices = [priced((2, 1.0), (3, 0.1)), priced((2, 0.6), (3, 0.1))]
+    assert allocate(choices, 2.5) == [1, 0]
+    assert allocate(choices, 3.0) == [1, 1]
+    assert allocate(choices, 2.0) == [0, 0]
+    # A bigger step can be worth more per bit than the small one before it.
+    assert allocate([priced((2, 1.0), (3, 0.9), (4, 0.0))], 4.0) == [2]
+
+
+def test_the_allocation_stays_within_budget_and_is_deterministic():
+    g = torch.Generator().manual_seed(0)
+    costs = torch.rand(40, 3, generator=g).sort(dim=1, descending=True).values.tolist()
+    choices = [priced((2.25, c[0]), (3.25, c[1]), (4.25, c[2])) for c in costs]
+    for budget in (2.25, 2.6, 3.0, 3.7, 4.25, 9.0):
+        pick = allocate(choices, budget)
+        assert pick == allocate(choices, budget)
+        assert sum(c[i].bits for c, i in zip(choices, pick)) / len(choices) <= budget + 1e-9
+    with pytest.raises(UserError, match="below the cheapest choice"):
+        allocate(choices, 2.0)
+
+
+def sensitivity_map(spec: str, klds: dict[tuple[int, str], float]) -> list[dict]:
+    rows = [{"kv": spec, "layer": i, "tensor": t, "kld_mean": x, "ppl": 1.0} for (i, t), x in klds.items()]
+    return rows + [{"kv": spec, "layer": None, "tensor": "all", "kld_mean": sum(klds.values()), "ppl": 1.0}]
+
+
+LOW = sensitivity_map("k3v2lm", {(0, "k"): 0.02, (0, "v"): 0.01, (1, "k"): 0.001, (1, "v"): 0.04})
+HIGH = sensitivity_map(
+    "k=lm4h,v=lm3h,group=64,residual=8,sinks=4", {(0, "k"): 0.002, (0, "v"): 0.001, (1, "k"): 0.0005, (1, "v"): 0.004}
+)
+
+
+def test_maps_price_each_tensor_and_the_budget_goes_where_they_lose_most():
+    # From (lm3h, lm2h) everywhere: 2.75 bits. One more bit per tensor at 3.0 bits buys one
+    # upgrade: layer 1's values lose 0.036 less at lm3h, the largest gain.
+    a = allocate_from_maps([("low", LOW), ("high", HIGH)], 3.0, 2, 64)
+    assert [(k.name, v.name) for k, v in a.spec.layer_codecs] == [("lm3h", "lm2h"), ("lm3h", "lm3h")]
+    assert a.bits == pytest.approx(3.0) and a.cost == pytest.approx(0.02 + 0.01 + 0.001 + 0.004)
+    assert (a.spec.residual, a.spec.sinks, a.spec.kgroup) == (8, 4, 64)  # the first map's spec
+    cheapest = allocate_from_maps([("low", LOW), ("high", HIGH)], 2.75, 2, 64)
+    assert [(k.name, v.name) for k, v in cheapest.spec.layer_codecs] == [("lm3h", "lm2h")] * 2
+
+
+def test_maps_of_other_group_sizes_or_other_files_are_refused():
+    other = sensitivity_map("k=lm4h,v=lm3h,group=32", {(0, "k"): 0.1, (0, "v"): 0.1, (1, "k"): 0.1, (1, "v"): 0.1})
+    with pytest.raises(UserError, match="a codec's bits depend on its group"):
+        allocate_from_maps([("low", LOW), ("other", other)], 3.0, 2, 64)
+    with pytest.raises(UserError, match="not a sensitivity map"):
+        allocate_from_maps([("x", {"kv": "k3v2lm"})], 3.0, 2, 64)
+    with pytest.raises(UserError, match="every map must cover every layer"):
+        allocate_from_maps([("low", LOW)], 3.0, 3, 64)
+
+
+def test_kv_allocate_prints_a_spec_that_runs(tiny_dir, tmp_path):
+    paths = []
+    for name, rows in (("low", LOW), ("high", HIGH)):
+        paths += ["--map", str(tmp_path / f"{name}.json")]
+        (tmp_path / f"{name}.json").write_text(json.dumps(rows))
+    result = CliRunner().invoke(cli, ["kv", "allocate", "--model", str(tiny_dir), *paths, "--bits", "3.0"])
+    assert result.exit_code == 0, result.output
+    spec = parse_kv(result.stdout.strip().splitlines()[-1])
+    assert [(k.name, v.name) for k, v in spec.layer_codecs] == [("lm3h", "lm2h"), ("lm3h", "lm3h")]
+    info = json.loads(
+        CliRunner().invoke(cli, ["kv", "allocate", "--model", str(tiny_dir), *paths, "--bits", "3", "--json"]).stdout
+    )
+    assert info["body_bits"] == pytest.approx(3.0) and info["counts"]["v"] == {"lm2h": 1, "lm3h": 1}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bits", "3"], "needs at least one --map"),
+        (["--map", "missing.json", "--bits", "3"], "cannot read missing.json"),
+        (["--map", "{dir}/bad.json", "--bits", "3"], "is not JSON"),
+        (["--map", "{dir}/low.json", "--bits", "1"], "below the cheapest choice"),
+    ],
+)
+def test_kv_allocate_errors_are_one_line(tiny_dir, tmp_path, args, message):
+    (tmp_path / "low.json").write_text(json.dumps(LOW))
+    (tmp_path / "bad.json").write_text("{")
+    args = [a.format(dir=tmp_path) for a in args]
+    result = CliRunner().invoke(cli, ["kv", "allocate", "--model", str(tiny_dir), *args])
+    assert result.exit_code != 0 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
+def test_a_mixed_spec_decodes_on_the_kernels_as_on_the_reference(tiny):
+    """Each layer's plan reads its own codec: the whole native step on a mixed cache gives the
+    logits of the plain PyTorch model, and nothing falls back."""
+    ids = torch.randint(3, tiny.config.vocab_size, (2, 80), generator=torch.Generator().manual_seed(3))
+    logits = []
+    for name in ("kernels-exact", "reference"):
+        with backend.using(name):
+            before = set(backend.fallbacks())
+            cache = KVCache.for_model(tiny.config, parse_kv(MIXED.replace("residual=0", "residual=8")), 128, batch=2)
+            with torch.no_grad():
+                tiny.model(ids[:, :70], cache)
+                logits.append(torch.stack([tiny.model(ids[:, t : t + 1], cache)[:, -1] for t in range(70, 80)]))
+            if name == "kernels-exact":
+                assert set(backend.fallbacks()) == before  # no new reason: no part fell back
+                r = tiny.config.num_attention_heads // tiny.config.n_kv_heads
+                assert len(cache.kernel_plans(backend.library(), r)) == 2  # NotSupported if a layer had no kernel
+    assert torch.allclose(logits[0], logits[1], atol=1e-3, rtol=1e-4)
