@@ -177,3 +177,24 @@ def test_a_mixed_spec_decodes_on_the_kernels_as_on_the_reference(tiny):
                 r = tiny.config.num_attention_heads // tiny.config.n_kv_heads
                 assert len(cache.kernel_plans(backend.library(), r)) == 2  # NotSupported if a layer had no kernel
     assert torch.allclose(logits[0], logits[1], atol=1e-3, rtol=1e-4)
+
+
+def test_the_mixes_are_within_their_budgets_on_the_default_models_shape():
+    """k3v2mix and k4v3mix were allocated at 2.81 and 3.81 bits for 30 layers x head_dim 64."""
+    for name, budget in (("k3v2mix", 2.81), ("k4v3mix", 3.81)):
+        spec = parse_kv(name)
+        assert len(spec.layer_codecs) == 30 and str(spec) == name
+        body = sum(k.body_bits(64, 64) + v.body_bits(64, 64) for k, v in spec.layer_codecs) / 60
+        assert budget - 0.05 < body <= budget
+        cache = KVCache(spec, 30, 3, 64, 1024)
+        fill_synthetic(cache, 896)
+        assert sum(formula_live_bytes(30, 3, 64, spec, 896).values()) == sum(cache.live_bytes().values())
+
+
+def test_a_mix_is_refused_by_a_model_with_other_layers(tiny_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("one two three four five six seven eight nine ten " * 20, encoding="utf-8")
+    args = ["ppl", "--model", str(tiny_dir), "--text", str(text), "--tokens", "64", "--prefill", "16"]
+    result = CliRunner().invoke(cli, [*args, "--kv", "k3v2mix"])
+    assert result.exit_code != 0 and "k3v2mix is a mix for a 30-layer model" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

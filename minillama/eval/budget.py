@@ -27,7 +27,8 @@ def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tok
         + (" center=1" if spec.center else "")
         + (" rope=pre" if spec.rope == "pre" else "")
         + (" positions=cache" if spec.positions == "cache" else "")
-        + (f" start={spec.start}" if spec.start else ""),
+        + (f" start={spec.start}" if spec.start else "")
+        + (f"; layers: {spec.layer_mix()}" if spec.layer_codecs else ""),
         f"model: {n_layers} layers x {n_kv_heads} KV heads x head_dim {head_dim}; {tokens} tokens",
         *(f"  {k:<9}{v:>14,d} bytes" for k, v in live.items()),
         f"  {'live':<9}{sum(live.values()):>14,d} bytes ({sum(live.values()) / 2**20:.2f} MiB, {sum(live.values()) / fp16:.1%} of fp16)",

@@ -70,12 +70,27 @@ class KVSpec:
         k = self.kfirst if self.kfirst is not None and 0 <= layer < self.first else self.k
         return [(k, self.kgroup, self.center), (self.v, self.vgroup, False)]
 
+    def layer_mix(self) -> str:
+        """How many layers store K and V with each codec ("" without layers=): "K lm3h x28, lm4h x2; V lm2h x30"."""
+        sides = []
+        for t, label in ((0, "K"), (1, "V")):
+            counts: dict[str, int] = {}
+            for pair in self.layer_codecs:
+                counts[pair[t].name] = counts.get(pair[t].name, 0) + 1
+            sides.append(f"{label} " + ", ".join(f"{c} x{n}" for c, n in sorted(counts.items())))
+        return "; ".join(sides) if self.layer_codecs else ""
+
     def validate(self, head_dim: int, n_layers: int | None = None) -> None:
         if n_layers is not None and self.kfirst is not None and self.first > n_layers:
             raise UserError(
                 f"--kv first={self.first} names more layers than the model's {n_layers}: give first=1..{n_layers}"
             )
         if n_layers is not None and self.layer_codecs and len(self.layer_codecs) != n_layers:
+            if self.name in MIXES:
+                raise UserError(
+                    f"--kv {self.name} is a mix for a {len(self.layer_codecs)}-layer model (SmolLM2-135M); this one has "
+                    f"{n_layers} layers: make one for it with minillama kv allocate"
+                )
             raise UserError(
                 f"--kv layers= gives codecs for {len(self.layer_codecs)} layers; the model has {n_layers}: "
                 f"give one K/V pair per layer"
@@ -133,6 +148,24 @@ PRESETS: dict[str, str] = {
     "k4v4lmc": "k=lm4h,v=lm4h,group=64,residual=8,sinks=4,center=1",
 }
 
+
+# Per-layer mixes for the default model (SmolLM2-135M, 30 layers), written by `minillama kv
+# allocate` from its sensitivity maps on Hamlet (bench/results/sensitivity_{k4v4lmc,k4v3lmc,
+# k3v2lm}_hamlet_w1.json; docs/quality.md): one K/V pair per layer, so a model with another
+# layer count refuses them. Checked on wikitext-2, a text the maps never saw.
+MIXES: dict[str, str] = {
+    # --bits 2.81: lm3h keys (lm4h in layers 20 and 23), lm2h values (lm3h in layer 1)
+    "k3v2mix": "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1,layers="
+    "lm3h/lm2h;lm3h/lm3h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;"
+    "lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;"
+    "lm4h/lm2h;lm3h/lm2h;lm3h/lm2h;lm4h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h",
+    # --bits 3.81: lm4h keys, values lm3h in most layers, lm4h in 8, lm2h in 5
+    "k4v3mix": "k=lm4h,v=lm3h,group=64,residual=8,sinks=4,center=1,layers="
+    "lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm3h;"
+    "lm4h/lm3h;lm4h/lm2h;lm4h/lm3h;lm4h/lm2h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;"
+    "lm4h/lm4h;lm4h/lm3h;lm4h/lm2h;lm4h/lm4h;lm4h/lm4h;lm4h/lm2h;lm4h/lm3h;lm4h/lm2h;lm4h/lm3h;lm4h/lm3h",
+}
+
 PRESET_NOTES: dict[str, str] = {
     "hadv2": "KIVI int4 keys + Hadamard-rotated 2-bit values (the method minillama reproduces)",
     "kivi4": "KIVI: per-channel int4 keys, per-token int4 values",
@@ -146,6 +179,8 @@ PRESET_NOTES: dict[str, str] = {
     "k4v3hc": "k4v3h with centered keys (per-sequence channel mean subtracted)",
     "k4v3lmc": "Lloyd-Max 4-bit keys (centered) and 3-bit values, group 64, residual 8, 4 sinks",
     "k4v4lmc": "Lloyd-Max 4-bit keys (centered) and 4-bit values, group 64, residual 8, 4 sinks",
+    "k3v2mix": "~3.0 bits: Lloyd-Max keys 3/4-bit and values 2/3-bit by layer (kv allocate; SmolLM2-135M)",
+    "k4v3mix": "~4.0 bits: Lloyd-Max 4-bit keys, values 2/3/4-bit by layer (kv allocate; SmolLM2-135M)",
 }
 
 GRAMMAR = (
@@ -159,14 +194,14 @@ _FIELD = re.compile(r"^([a-z]+)=(.+)$")
 
 
 def _choices() -> str:
-    return f"presets: {', '.join(PRESETS)}; codecs: {', '.join(CODECS)}"
+    return f"presets: {', '.join([*PRESETS, *MIXES])}; codecs: {', '.join(CODECS)}"
 
 
 def parse_kv(text: str) -> KVSpec:
     """Parse a preset name or a spec in the grammar above (GRAMMAR)."""
     text = text.strip()
-    if text in PRESETS:
-        spec = parse_kv(PRESETS[text])
+    if text in PRESETS or text in MIXES:
+        spec = parse_kv(PRESETS.get(text) or MIXES[text])
         return KVSpec(**{**spec.__dict__, "name": text})
     if "=" not in text:
         raise UserError(f"unknown --kv preset {shown(text)} ({_choices()})")
@@ -230,7 +265,7 @@ def parse_kv(text: str) -> KVSpec:
         vgroup,
         residual,
         nums.get("sinks", 0),
-        name=text if text not in PRESETS.values() else "",
+        name=text if text not in PRESETS.values() and text not in MIXES.values() else "",
         center=bool(nums.get("center", 0)),
         rope=rope,
         positions=positions,

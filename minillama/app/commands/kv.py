@@ -10,11 +10,14 @@ from minillama.app.options import Finite, model_options
 def describe_codecs() -> str:
     """Every preset and codec with its bits/element formula, as ``minillama kv --list`` prints them."""
     from minillama.kv.codecs import CODECS
-    from minillama.kv.spec import GRAMMAR, PRESET_NOTES, PRESETS
+    from minillama.kv.spec import GRAMMAR, MIXES, PRESET_NOTES, PRESETS, parse_kv
 
     lines = ["Presets (--kv NAME):"]
     for name, text in PRESETS.items():
         lines.append(f"  {name:<9} {text:<56} {PRESET_NOTES.get(name, '')}")
+    lines += ["", "Per-layer mixes for the default model's 30 layers (kv allocate; layers= lists each layer's K/V):"]
+    for name, text in MIXES.items():
+        lines.append(f"  {name:<9} {parse_kv(text).layer_mix():<56} {PRESET_NOTES.get(name, '')}")
     lines += ["", f"Codecs (--kv {GRAMMAR}); bits/element (G = group, T = tokens held):"]
     for c in CODECS.values():
         lines.append(f"  {c.name:<7} {c.bits_formula():<58} {c.about}")
@@ -122,8 +125,7 @@ def allocate_command(maps, bits, model_name, tokens, as_json) -> None:
         return
     for note in a.notes:
         click.echo(f"note: {note}")
-    for side, label in (("k", "keys"), ("v", "values")):
-        click.echo(f"{label}: " + ", ".join(f"{n} x{c}" for n, c in sorted(a.counts[side].items())))
+    click.echo(f"layers: {a.spec.layer_mix()}")
     click.echo(
         f"body {a.bits:.3f} bits/element (budget {bits:g}); {effective:.3f} with sinks and residual at {tokens} tokens; "
         f"sum of the maps' KLDs {a.cost:.5f}"
