@@ -73,6 +73,7 @@ SCORE_SPECS = [
     "k4v3hc",
     "kivi2",
     "k=int3c,v=int4,group=16,residual=3",
+    "k=int3h,v=int4,group=64,residual=3",
     "k=int4,v=int2,group=64,residual=5,sinks=4",
     "k=int2h,v=int3h,group=64,residual=0",
 ]
@@ -122,21 +123,23 @@ def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_codebook_keys_hold_the_int16_level_bound_where_a_target_reads_them(lib, d):
-    """Lloyd-Max 4-bit keys (one scale a row) on the integer route: the query becomes int8 per
-    chunk of 8 channels (a_c = max |q| / 127 over the chunk) and the levels 16-bit (off by at most
-    max |L| / 4094), so a score is off by at most s_t sum_d (a_c / 2 (|L| + step / 2) + |q_d| step / 2)."""
-    spec = f"k=lm4h,v=int4,kgroup={d},residual=0"
+@pytest.mark.parametrize("bits", [3, 4])
+def test_codebook_keys_hold_the_int16_level_bound_where_a_target_reads_them(lib, d, bits):
+    """Lloyd-Max 3- and 4-bit keys (one scale a row) on the integer route: the query becomes int8
+    per chunk of 8 channels (a_c = max |q| / 127 over the chunk) and the levels 16-bit (off by at
+    most max |L| / 4094), so a score is off by at most s_t sum_d (a_c / 2 (|L| + step / 2) + |q_d|
+    step / 2). 3-bit rows are widened to the 4-bit layout first (where vpermb exists)."""
+    spec = f"k=lm{bits}h,v=int4,kgroup={d},residual=0"
     cache = filled(spec, 301, 1, head_dim=d)
     store = cache.layers[0][0]
     codes, parts = body(store)  # (B, H, m, D)
     m = store.n_body
     q = torch.randn(1, 2, 3, d)  # (B, H, R, D), in the key codec's space
     got = torch.empty(1, 2, 3, m)
-    with skipped_where_unread("codebook keys"):
+    with skipped_where_unread(f"{bits}-bit codebook keys"):
         integer_call(lib, cache, False, q, got)
     exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)  # (B, H, R, m)
-    book = gaussian_codebook(4)
+    book = gaussian_codebook(bits)
     step = book.abs().max() / 2047
     levels = book[codes.long()].abs()  # (B, H, m, D)
     a = q.abs().reshape(1, 2, 3, d // 8, 8).amax(-1).repeat_interleave(8, -1) / 127  # (B, H, R, D)
@@ -267,7 +270,7 @@ def test_integer_values_keep_the_mass_of_a_long_tail(lib):
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 
-@pytest.mark.parametrize("spec", ["kivi4", "hadv2", "k4v3hc", "k=int4c,v=int2h,group=8,residual=8,sinks=4"])
+@pytest.mark.parametrize("spec", ["kivi4", "hadv2", "k4v3hc", "k3v2lm", "k=int4c,v=int2h,group=8,residual=8,sinks=4"])
 @pytest.mark.parametrize("n, capacity", [(45, 1200), (700, 200)])  # 700 into 200: the ring wraps
 def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n, capacity):
     """Sinks and residual stay exact; the body's score error e moves every softmax weight by at

@@ -48,8 +48,38 @@ inline float levels16(const float* book, int n, int16_t* out) {
     return step;
 }
 
+#if MINILLAMA_VBMI
+// 64 3-bit codes (24 bytes, 8 codes per 3 bytes, lowest bits first) -> 64 bytes, channel order:
+// qword j gets bytes 3j .. 3j + 2 (vpermb), then vpmultishiftqb takes the 8 bits at offsets
+// 0, 3, .., 21 of it into bytes: 64 codes in four instructions (BMI2's pdep, 8 codes at a time,
+// measured ~100 cycles per call on this project's VMs).
+inline __m512i codes3(const uint8_t* row) {
+    alignas(64) static const uint8_t spread[64] = {
+        0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 0, 0, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0, 9, 10, 11, 0, 0, 0, 0, 0,
+        12, 13, 14, 0, 0, 0, 0, 0, 15, 16, 17, 0, 0, 0, 0, 0, 18, 19, 20, 0, 0, 0, 0, 0, 21, 22, 23, 0, 0, 0, 0, 0};
+    const __m512i shifts = _mm512_set1_epi64(0x1512'0F0C'0906'0300ll);  // 21, 18, .., 0
+    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFF, row);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(_mm512_load_si512(spread), bytes)),
+                            _mm512_set1_epi8(7));
+}
+
+#endif
+
+#if MINILLAMA_VBMI
+// A 3-bit row (3 D / 8 bytes) -> the 4-bit layout score_vnni reads (D / 2 bytes, byte j = channel
+// 2j | channel 2j + 1 << 4): codes3 per 64 channels, then each byte pair summed as lo + 16 hi.
+inline void codes3_as_nibbles(const uint8_t* row, int D, uint8_t* out) {
+    for (int c = 0; c < D; c += 64) {
+        const __m512i pairs = _mm512_maddubs_epi16(codes3(row + 3 * c / 8), _mm512_set1_epi16(0x1001));
+        _mm256_storeu_si256((__m256i*)(out + c / 2), _mm512_cvtepi16_epi8(pairs));
+    }
+}
+#endif
+
 // Integer scores for 4-bit keys: per-token codes with one scale per row (affine or a codebook),
-// or KIVI per-channel codes. NC = D / 8: the dword chunks of a row (8 channels each).
+// or KIVI per-channel codes. NC = D / 8: the dword chunks of a row (8 channels each). 3-bit rows
+// (with vpermb) are first widened to that 4-bit layout, 16 rows at a time on the stack
+// (codes3_as_nibbles), and then read as 4-bit rows whose codes stop at 7.
 //
 // Sixteen tokens at a time, chunk c of every token's row is brought into one register (lane t =
 // the 4 bytes of channels 8c .. 8c + 7 of token t: sixteen consecutive rows transposed by
@@ -166,7 +196,8 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     static_assert(sizeof(VnniQuery<NC>) <= sizeof(Prep::bytes), "Prep is too small");
     VnniQuery<NC>& st = *reinterpret_cast<VnniQuery<NC>*>(prep.bytes);
     static const Transpose16<NC> transpose;
-    const bool channel = s.kind == ROW_CHANNEL, book = s.codebook != nullptr;
+    const bool channel = s.kind == ROW_CHANNEL, book = s.codebook != nullptr, three = s.bits == 3;
+    const int row_bytes = three ? 3 * D / 8 : D / 2;
     // A codebook's 16-bit levels (levels16), offset to U = L16 + 2048 in [1, 4095] and split into
     // bytes U = 256 H + Lo: one vpshufb table each, two vpdpbusd per chunk, and the offset's
     // share 2048 sum(q8) taken back out (st.offset).
@@ -174,7 +205,8 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     float level_step = 1.f;  // a codebook level is level_step * L16
     if (book) {
         int16_t l16[16];
-        level_step = levels16(s.codebook, 16, l16);
+        level_step = levels16(s.codebook, 1 << s.bits, l16);
+        for (int l = 1 << s.bits; l < 16; l++) l16[l] = 0;  // codes past the book's levels never occur
         alignas(64) uint8_t th[64], tl[64];
         for (int j = 0; j < 64; j++) {
             const int u = 2048 + l16[j % 16];
@@ -218,7 +250,12 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 }
             }
         }
-        prefetch_rows(s, bh, at.slot, 32, 16, D / 2, channel ? 0 : 1);  // two chunks ahead
+        prefetch_rows(s, bh, at.slot, 32, 16, row_bytes, channel ? 0 : 1);  // two chunks ahead
+        alignas(64) int32_t slot[16];  // 3-bit rows: the ring slot of each of the 16 tokens
+        if (three) {
+            Cursor c = at;
+            for (int t = 0; t < len; t++) slot[t] = c.slot, c.next();
+        }
         // Where each of the 16 tokens' rows starts, in 4-byte words (a short chunk repeats a row).
         __m512i base = _mm512_setzero_si512();
         alignas(64) float tscale[16] = {0.f}, tzero[16] = {0.f};
@@ -254,9 +291,19 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         }
         __m512i lo[NC], hi[NC], rows[NC];
         alignas(64) __m512i bytes[NC][4];  // codebooks: (H, Lo) of the low nibbles, then of the high
-        if (whole) transpose((const int32_t*)s.data + whole_first * words, rows);
+        if (three) {  // widened to 4-bit rows first (a short chunk repeats its last row)
+#if MINILLAMA_VBMI
+            alignas(64) uint8_t nibbles[16 * D / 2];
+            for (int t = 0; t < 16; t++)
+                codes3_as_nibbles((const uint8_t*)s.data + (bh * s.slots + slot[std::min(t, len - 1)]) * (int64_t)row_bytes, D,
+                                  nibbles + t * D / 2);
+            transpose((const int32_t*)nibbles, rows);
+#endif
+        } else if (whole) {
+            transpose((const int32_t*)s.data + whole_first * words, rows);
+        }
         for (int c = 0; c < NC; c++) {
-            const __m512i w = whole ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
+            const __m512i w = whole || three ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
             lo[c] = _mm512_and_si512(w, nib);
             hi[c] = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
             if (book) {
@@ -306,22 +353,6 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
 // (w16_t | w16_t+1 << 16) adds both tokens' products into the channel's lane: no horizontal
 // sums, 32 multiply-adds per instruction. The int32 sums (at most 32 tokens x 255 x 32767)
 // become floats once per sub-block, times b; the channels come back in order once per call.
-#if MINILLAMA_VBMI
-// 64 3-bit codes (24 bytes, 8 codes per 3 bytes, lowest bits first) -> 64 bytes, channel order:
-// qword j gets bytes 3j .. 3j + 2 (vpermb), then vpmultishiftqb takes the 8 bits at offsets
-// 0, 3, .., 21 of it into bytes: 64 codes in four instructions (BMI2's pdep, 8 codes at a time,
-// measured ~100 cycles per call on this project's VMs).
-inline __m512i codes3(const uint8_t* row) {
-    alignas(64) static const uint8_t spread[64] = {
-        0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 0, 0, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0, 9, 10, 11, 0, 0, 0, 0, 0,
-        12, 13, 14, 0, 0, 0, 0, 0, 15, 16, 17, 0, 0, 0, 0, 0, 18, 19, 20, 0, 0, 0, 0, 0, 21, 22, 23, 0, 0, 0, 0, 0};
-    const __m512i shifts = _mm512_set1_epi64(0x1512'0F0C'0906'0300ll);  // 21, 18, .., 0
-    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFF, row);
-    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(_mm512_load_si512(spread), bytes)),
-                            _mm512_set1_epi8(7));
-}
-
-#endif
 
 #if !MINILLAMA_VBMI
 // Without vpermb, 3-bit rows (8 codes per 3 bytes, lowest bits first) are unpacked to D bytes in
@@ -603,7 +634,7 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
 bool vnni_keys(const RowSource& s, int D) {
     // Codebooks are read as 16-bit levels (score_vnni): as bytes they moved the small levels by
     // up to 3% (3-bit Lloyd-Max: 0.2451 -> 14/59), a bias, not noise, that perplexity showed.
-    if ((D != 64 && D != 128) || s.bits != 4 || s.cos || s.center) return false;
+    if ((D != 64 && D != 128) || !(s.bits == 4 || (s.bits == 3 && MINILLAMA_VBMI)) || s.cos || s.center) return false;
     if (s.codebook) return s.kind == ROW_TOKEN && s.group == D;
     if (s.kind == ROW_CHANNEL) return s.group > 0 && s.zero;
     return s.kind == ROW_TOKEN && s.group == D && s.zero;
