@@ -1,9 +1,9 @@
 // AVX-512 VNNI block kernels: integer dot products over the packed codes, every row read once
 // for all R query heads that share it.
 //
-//   keys    (score_vnni) 4-bit codes, per token (one scale a row; affine or a codebook) or KIVI
-//           per channel: sixteen tokens' rows transposed so that each vpdpbusd lane is one
-//           token, against an int8 query with one step per 8 channels.
+//   keys    (score_vnni) 4-bit codes (3-bit ones widened to them), per token (one scale a row;
+//           affine or a codebook) or KIVI per channel: sixteen tokens' rows transposed so that
+//           each vpdpbusd lane is one token, against an int8 query with one step per 8 channels.
 //   values  (value_vnni) 2/3/4/8-bit per-token codes (affine or a codebook): token pairs' codes
 //           as int16 lanes, vpdpwssd against int16 attention weights.
 //
