@@ -1,9 +1,9 @@
 """Linear layers, and the fused projections (q/k/v, gate/up) as one matrix product each.
 
-``DecodeLinear`` is an ``nn.Linear`` (same parameters, same names, same results up to float
-rounding) that widens bfloat16 weights for long inputs on the CPU (below). Decode steps on the
-kernels backend do not come here: the native step (model/step.py) streams the weights with its
-own matrix-vector kernel (native/linear.cpp).
+``Linear`` is an ``nn.Linear`` (same parameters, same names, same results up to float
+rounding) whose product is ``project``: it widens bfloat16 weights for long inputs on CPUs
+without bf16 support (below). Decode steps on the kernels backend do not come here: the native
+step (model/step.py) streams the weights with its own matrix-vector kernel (native/linear.cpp).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def concat_rows(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
     return weight, bias
 
 
-class DecodeLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product is ``project`` (bf16 widened where the CPU lacks bf16 products)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias)

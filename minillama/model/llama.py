@@ -16,7 +16,7 @@ from minillama.kv.interface import Cache
 from minillama.model import step
 from minillama.model.attention import attend, attend_cache
 from minillama.model.config import LlamaConfig
-from minillama.model.linear import DecodeLinear, concat_rows, project
+from minillama.model.linear import Linear, concat_rows, project
 from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
 
 
@@ -38,10 +38,10 @@ class Attention(nn.Module):
         super().__init__()
         d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.n_kv_heads
         self.hq, self.hkv, self.d = hq, hkv, d
-        self.q_proj = DecodeLinear(cfg.hidden_size, hq * d, bias=cfg.attention_bias)
-        self.k_proj = DecodeLinear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
-        self.v_proj = DecodeLinear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
-        self.o_proj = DecodeLinear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_proj = Linear(cfg.hidden_size, hq * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
 
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
@@ -72,9 +72,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = DecodeLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = DecodeLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = DecodeLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
     def forward(self, x):
@@ -114,7 +114,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = DecodeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)  # (D/2,)
         self.rotary: RotaryTable | None = None  # angles of every position, for keys stored before RoPE
         self._native_steps: dict = {}  # (library, batch, dtype) -> the native step's description (model/step.py)
