@@ -63,9 +63,6 @@ inline __m512i codes3(const uint8_t* row) {
                             _mm512_set1_epi8(7));
 }
 
-#endif
-
-#if MINILLAMA_VBMI
 // A 3-bit row (3 D / 8 bytes) -> the 4-bit layout score_vnni reads (D / 2 bytes, byte j = channel
 // 2j | channel 2j + 1 << 4): codes3 per 64 channels, then each byte pair summed as lo + 16 hi.
 inline void codes3_as_nibbles(const uint8_t* row, int D, uint8_t* out) {
