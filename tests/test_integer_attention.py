@@ -123,12 +123,12 @@ def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_codebook_keys_hold_the_int16_level_bound_where_a_target_reads_them(lib, d, bits):
-    """Lloyd-Max 3- and 4-bit keys (one scale a row) on the integer route: the query becomes int8
+    """Lloyd-Max 2-, 3- and 4-bit keys (one scale a row) on the integer route: the query becomes int8
     per chunk of 8 channels (a_c = max |q| / 127 over the chunk) and the levels 16-bit (off by at
     most max |L| / 4094), so a score is off by at most s_t sum_d (a_c / 2 (|L| + step / 2) + |q_d|
-    step / 2). 3-bit rows are widened to the 4-bit layout first (where vpermb exists)."""
+    step / 2). 2- and 3-bit rows are widened to the 4-bit layout first (where vpermb exists)."""
     spec = f"k=lm{bits}h,v=int4,kgroup={d},residual=0"
     cache = filled(spec, 301, 1, head_dim=d)
     store = cache.layers[0][0]

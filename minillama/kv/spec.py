@@ -151,19 +151,24 @@ PRESETS: dict[str, str] = {
 
 # Per-layer mixes for the default model (SmolLM2-135M, 30 layers), written by `minillama kv
 # allocate` from its sensitivity maps on Hamlet (bench/results/sensitivity_{k4v4lmc,k4v3lmc,
-# k3v2lm}_hamlet_w1.json; docs/quality.md): one K/V pair per layer, so a model with another
+# k3v2lm,k2v2lmc}_hamlet_w1.json, in that order; docs/quality.md): one K/V pair per layer, so a model with another
 # layer count refuses them. Checked on wikitext-2, a text the maps never saw.
 MIXES: dict[str, str] = {
-    # --bits 2.81: lm3h keys (lm4h in layers 20 and 23), lm2h values (lm3h in layer 1)
+    # --bits 2.3: lm2h keys (lm3h in 3 layers), lm2h values
+    "k2v2mix": "k=lm2h,v=lm2h,group=64,residual=8,sinks=4,center=1,layers="
+    "lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm3h/lm2h;lm2h/lm2h;lm2h/lm2h;lm3h/lm2h;lm2h/lm2h;"
+    "lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;"
+    "lm3h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h",
+    # --bits 2.81: keys lm2h / lm3h / lm4h in 14 / 8 / 8 layers, values lm2h / lm3h in 21 / 9
     "k3v2mix": "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1,layers="
-    "lm3h/lm2h;lm3h/lm3h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;"
-    "lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;"
-    "lm4h/lm2h;lm3h/lm2h;lm3h/lm2h;lm4h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm2h",
-    # --bits 3.81: lm4h keys, values lm3h in most layers, lm4h in 8, lm2h in 5
+    "lm2h/lm3h;lm3h/lm3h;lm2h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm3h;lm3h/lm2h;lm3h/lm2h;lm4h/lm3h;lm3h/lm2h;"
+    "lm3h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm4h/lm3h;lm4h/lm2h;lm2h/lm2h;lm4h/lm3h;lm4h/lm2h;lm2h/lm2h;"
+    "lm4h/lm3h;lm2h/lm2h;lm2h/lm2h;lm4h/lm3h;lm4h/lm3h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h",
+    # --bits 3.81: keys lm4h (lm2h in one layer), values lm3h / lm4h / lm2h in 17 / 9 / 4
     "k4v3mix": "k=lm4h,v=lm3h,group=64,residual=8,sinks=4,center=1,layers="
-    "lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm3h;"
-    "lm4h/lm3h;lm4h/lm2h;lm4h/lm3h;lm4h/lm2h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;"
-    "lm4h/lm4h;lm4h/lm3h;lm4h/lm2h;lm4h/lm4h;lm4h/lm4h;lm4h/lm2h;lm4h/lm3h;lm4h/lm2h;lm4h/lm3h;lm4h/lm3h",
+    "lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm3h;"
+    "lm4h/lm3h;lm4h/lm2h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;"
+    "lm4h/lm4h;lm4h/lm3h;lm4h/lm2h;lm4h/lm4h;lm4h/lm4h;lm4h/lm2h;lm4h/lm3h;lm2h/lm2h;lm4h/lm3h;lm4h/lm3h",
 }
 
 PRESET_NOTES: dict[str, str] = {
@@ -179,8 +184,9 @@ PRESET_NOTES: dict[str, str] = {
     "k4v3hc": "k4v3h with centered keys (per-sequence channel mean subtracted)",
     "k4v3lmc": "Lloyd-Max 4-bit keys (centered) and 3-bit values, group 64, residual 8, 4 sinks",
     "k4v4lmc": "Lloyd-Max 4-bit keys (centered) and 4-bit values, group 64, residual 8, 4 sinks",
-    "k3v2mix": "~3.0 bits: Lloyd-Max keys 3/4-bit and values 2/3-bit by layer (kv allocate; SmolLM2-135M)",
-    "k4v3mix": "~4.0 bits: Lloyd-Max 4-bit keys, values 2/3/4-bit by layer (kv allocate; SmolLM2-135M)",
+    "k2v2mix": "~2.5 bits: Lloyd-Max keys 2/3-bit, values 2-bit by layer (kv allocate; SmolLM2-135M)",
+    "k3v2mix": "~3.0 bits: Lloyd-Max keys 2/3/4-bit, values 2/3-bit by layer (kv allocate; SmolLM2-135M)",
+    "k4v3mix": "~4.0 bits: Lloyd-Max keys 2/4-bit, values 2/3/4-bit by layer (kv allocate; SmolLM2-135M)",
 }
 
 GRAMMAR = (

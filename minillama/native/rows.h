@@ -274,7 +274,7 @@ bool fast_reads(const RowSource& s, int D, bool values);
 // Integer scores of 4-bit keys on AVX2 CPUs (avx2_attention.cpp); int4_keys: whether score_int4 reads them.
 bool int4_keys(const RowSource& s, int D);
 bool score_int4(SCORE_ARGS, Prep& prep);
-// Integer (VNNI) scores of 3- and 4-bit keys (vnni_attention.cpp); vnni_keys: whether score_vnni reads these rows.
+// Integer (VNNI) scores of 2-, 3- and 4-bit keys (vnni_attention.cpp); vnni_keys: whether score_vnni reads these rows.
 bool vnni_keys(const RowSource& s, int D);
 bool score_vnni(SCORE_ARGS, Prep& prep);
 // Integer (VNNI, int16 weights) values of per-token codes; vnni_values: whether value_vnni reads them.

@@ -1,7 +1,7 @@
 // AVX-512 VNNI block kernels: integer dot products over the packed codes, every row read once
 // for all R query heads that share it.
 //
-//   keys    (score_vnni) 4-bit codes (3-bit ones widened to them), per token (one scale a row;
+//   keys    (score_vnni) 4-bit codes (2- and 3-bit ones widened to them), per token (one scale a row;
 //           affine or a codebook) or KIVI per channel: sixteen tokens' rows transposed so that
 //           each vpdpbusd lane is one token, against an int8 query with one step per 8 channels.
 //   values  (value_vnni) 2/3/4/8-bit per-token codes (affine or a codebook): token pairs' codes
@@ -63,20 +63,34 @@ inline __m512i codes3(const uint8_t* row) {
                             _mm512_set1_epi8(7));
 }
 
-// A 3-bit row (3 D / 8 bytes) -> the 4-bit layout score_vnni reads (D / 2 bytes, byte j = channel
-// 2j | channel 2j + 1 << 4): codes3 per 64 channels, then each byte pair summed as lo + 16 hi.
-inline void codes3_as_nibbles(const uint8_t* row, int D, uint8_t* out) {
+// 64 2-bit codes (16 bytes, four per byte, lowest bits first) -> 64 bytes, channel order: as
+// codes3, qword j gets bytes 2j, 2j + 1 and vpmultishiftqb takes the bits at 0, 2, .., 14.
+inline __m512i codes2(const uint8_t* row) {
+    alignas(64) static const uint8_t spread[64] = {
+        0, 1, 0, 0, 0, 0, 0, 0, 2, 3, 0, 0, 0, 0, 0, 0, 4, 5, 0, 0, 0, 0, 0, 0, 6, 7, 0, 0, 0, 0, 0, 0,
+        8, 9, 0, 0, 0, 0, 0, 0, 10, 11, 0, 0, 0, 0, 0, 0, 12, 13, 0, 0, 0, 0, 0, 0, 14, 15, 0, 0, 0, 0, 0, 0};
+    const __m512i shifts = _mm512_set1_epi64(0x0E0C'0A08'0604'0200ll);  // 14, 12, .., 0
+    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)0xFFFF, row);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(_mm512_load_si512(spread), bytes)),
+                            _mm512_set1_epi8(3));
+}
+
+// A 2- or 3-bit row (BITS D / 8 bytes) -> the 4-bit layout score_vnni reads (D / 2 bytes, byte j
+// = channel 2j | channel 2j + 1 << 4): codes2/codes3 per 64 channels, then each byte pair summed
+// as lo + 16 hi.
+inline void codes_as_nibbles(const uint8_t* row, int bits, int D, uint8_t* out) {
     for (int c = 0; c < D; c += 64) {
-        const __m512i pairs = _mm512_maddubs_epi16(codes3(row + 3 * c / 8), _mm512_set1_epi16(0x1001));
+        const __m512i codes = bits == 3 ? codes3(row + 3 * c / 8) : codes2(row + c / 4);
+        const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_set1_epi16(0x1001));
         _mm256_storeu_si256((__m256i*)(out + c / 2), _mm512_cvtepi16_epi8(pairs));
     }
 }
 #endif
 
 // Integer scores for 4-bit keys: per-token codes with one scale per row (affine or a codebook),
-// or KIVI per-channel codes. NC = D / 8: the dword chunks of a row (8 channels each). 3-bit rows
-// (with vpermb) are first widened to that 4-bit layout, 16 rows at a time on the stack
-// (codes3_as_nibbles), and then read as 4-bit rows whose codes stop at 7.
+// or KIVI per-channel codes. NC = D / 8: the dword chunks of a row (8 channels each). 2- and 3-bit
+// rows (with vpermb) are first widened to that 4-bit layout, 16 rows at a time on the stack
+// (codes_as_nibbles), and then read as 4-bit rows whose codes stop at 3 or 7.
 //
 // Sixteen tokens at a time, chunk c of every token's row is brought into one register (lane t =
 // the 4 bytes of channels 8c .. 8c + 7 of token t: sixteen consecutive rows transposed by
@@ -193,8 +207,8 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     static_assert(sizeof(VnniQuery<NC>) <= sizeof(Prep::bytes), "Prep is too small");
     VnniQuery<NC>& st = *reinterpret_cast<VnniQuery<NC>*>(prep.bytes);
     static const Transpose16<NC> transpose;
-    const bool channel = s.kind == ROW_CHANNEL, book = s.codebook != nullptr, three = s.bits == 3;
-    const int row_bytes = three ? 3 * D / 8 : D / 2;
+    const bool channel = s.kind == ROW_CHANNEL, book = s.codebook != nullptr, narrow = s.bits < 4;
+    const int row_bytes = s.bits * D / 8;
     // A codebook's 16-bit levels (levels16), offset to U = L16 + 2048 in [1, 4095] and split into
     // bytes U = 256 H + Lo: one vpshufb table each, two vpdpbusd per chunk, and the offset's
     // share 2048 sum(q8) taken back out (st.offset).
@@ -248,8 +262,8 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             }
         }
         prefetch_rows(s, bh, at.slot, 32, 16, row_bytes, channel ? 0 : 1);  // two chunks ahead
-        alignas(64) int32_t slot[16];  // 3-bit rows: the ring slot of each of the 16 tokens
-        if (three) {
+        alignas(64) int32_t slot[16];  // 2- and 3-bit rows: the ring slot of each of the 16 tokens
+        if (narrow) {
             Cursor c = at;
             for (int t = 0; t < len; t++) slot[t] = c.slot, c.next();
         }
@@ -288,19 +302,19 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         }
         __m512i lo[NC], hi[NC], rows[NC];
         alignas(64) __m512i bytes[NC][4];  // codebooks: (H, Lo) of the low nibbles, then of the high
-        if (three) {  // widened to 4-bit rows first (a short chunk repeats its last row)
+        if (narrow) {  // widened to 4-bit rows first (a short chunk repeats its last row)
 #if MINILLAMA_VBMI
             alignas(64) uint8_t nibbles[16 * D / 2];
             for (int t = 0; t < 16; t++)
-                codes3_as_nibbles((const uint8_t*)s.data + (bh * s.slots + slot[std::min(t, len - 1)]) * (int64_t)row_bytes, D,
-                                  nibbles + t * D / 2);
+                codes_as_nibbles((const uint8_t*)s.data + (bh * s.slots + slot[std::min(t, len - 1)]) * (int64_t)row_bytes,
+                                 s.bits, D, nibbles + t * D / 2);
             transpose((const int32_t*)nibbles, rows);
 #endif
         } else if (whole) {
             transpose((const int32_t*)s.data + whole_first * words, rows);
         }
         for (int c = 0; c < NC; c++) {
-            const __m512i w = whole || three ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
+            const __m512i w = whole || narrow ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
             lo[c] = _mm512_and_si512(w, nib);
             hi[c] = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
             if (book) {
@@ -631,7 +645,8 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
 bool vnni_keys(const RowSource& s, int D) {
     // Codebooks are read as 16-bit levels (score_vnni): as bytes they moved the small levels by
     // up to 3% (3-bit Lloyd-Max: 0.2451 -> 14/59), a bias, not noise, that perplexity showed.
-    if ((D != 64 && D != 128) || !(s.bits == 4 || (s.bits == 3 && MINILLAMA_VBMI)) || s.cos || s.center) return false;
+    if ((D != 64 && D != 128) || !(s.bits == 4 || ((s.bits == 2 || s.bits == 3) && MINILLAMA_VBMI)) || s.cos || s.center)
+        return false;
     if (s.codebook) return s.kind == ROW_TOKEN && s.group == D;
     if (s.kind == ROW_CHANNEL) return s.group > 0 && s.zero;
     return s.kind == ROW_TOKEN && s.group == D && s.zero;
