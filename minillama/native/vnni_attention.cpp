@@ -49,39 +49,39 @@ inline float levels16(const float* book, int n, int16_t* out) {
 }
 
 #if MINILLAMA_VBMI
-// 64 3-bit codes (24 bytes, 8 codes per 3 bytes, lowest bits first) -> 64 bytes, channel order:
-// qword j gets bytes 3j .. 3j + 2 (vpermb), then vpmultishiftqb takes the 8 bits at offsets
-// 0, 3, .., 21 of it into bytes: 64 codes in four instructions (BMI2's pdep, 8 codes at a time,
-// measured ~100 cycles per call on this project's VMs).
-inline __m512i codes3(const uint8_t* row) {
-    alignas(64) static const uint8_t spread[64] = {
-        0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 5, 0, 0, 0, 0, 0, 6, 7, 8, 0, 0, 0, 0, 0, 9, 10, 11, 0, 0, 0, 0, 0,
-        12, 13, 14, 0, 0, 0, 0, 0, 15, 16, 17, 0, 0, 0, 0, 0, 18, 19, 20, 0, 0, 0, 0, 0, 21, 22, 23, 0, 0, 0, 0, 0};
-    const __m512i shifts = _mm512_set1_epi64(0x1512'0F0C'0906'0300ll);  // 21, 18, .., 0
-    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFF, row);
-    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(_mm512_load_si512(spread), bytes)),
-                            _mm512_set1_epi8(7));
-}
+// 64 codes of BITS = 2 or 3 bits (8 codes per BITS bytes, lowest bits first) -> 64 bytes,
+// channel order: qword j gets bytes BITS j .. BITS j + BITS - 1 (vpermb), then vpmultishiftqb
+// takes the 8 bits at offsets 0, BITS, .., 7 BITS of it into bytes and a mask keeps the codes:
+// 64 codes in four instructions (BMI2's pdep, 8 codes at a time, measured ~100 cycles per call
+// on this project's VMs). Unpack holds the two constant operands, made at compile time.
+template <int BITS>
+struct Unpack {
+    alignas(64) uint8_t spread[64] = {};  // vpermb: byte 8j + b <- byte BITS j + b
+    long long shifts = 0;                 // vpmultishiftqb: byte j of each qword <- bit offset BITS j
+    constexpr Unpack() {
+        for (int j = 0; j < 8; j++) {
+            for (int b = 0; b < BITS; b++) spread[8 * j + b] = (uint8_t)(BITS * j + b);
+            shifts |= (long long)(BITS * j) << (8 * j);
+        }
+    }
+};
 
-// 64 2-bit codes (16 bytes, four per byte, lowest bits first) -> 64 bytes, channel order: as
-// codes3, qword j gets bytes 2j, 2j + 1 and vpmultishiftqb takes the bits at 0, 2, .., 14.
-inline __m512i codes2(const uint8_t* row) {
-    alignas(64) static const uint8_t spread[64] = {
-        0, 1, 0, 0, 0, 0, 0, 0, 2, 3, 0, 0, 0, 0, 0, 0, 4, 5, 0, 0, 0, 0, 0, 0, 6, 7, 0, 0, 0, 0, 0, 0,
-        8, 9, 0, 0, 0, 0, 0, 0, 10, 11, 0, 0, 0, 0, 0, 0, 12, 13, 0, 0, 0, 0, 0, 0, 14, 15, 0, 0, 0, 0, 0, 0};
-    const __m512i shifts = _mm512_set1_epi64(0x0E0C'0A08'0604'0200ll);  // 14, 12, .., 0
-    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)0xFFFF, row);
-    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(_mm512_load_si512(spread), bytes)),
-                            _mm512_set1_epi8(3));
+template <int BITS>
+inline __m512i codes(const uint8_t* row) {
+    static constexpr Unpack<BITS> table{};  // constant-initialized: no guard in the loops that call this
+    const __m512i bytes = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (8 * BITS)) - 1), row);
+    const __m512i spread = _mm512_permutexvar_epi8(_mm512_load_si512(table.spread), bytes);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(table.shifts), spread),
+                            _mm512_set1_epi8((1 << BITS) - 1));
 }
 
 // A 2- or 3-bit row (BITS D / 8 bytes) -> the 4-bit layout score_vnni reads (D / 2 bytes, byte j
-// = channel 2j | channel 2j + 1 << 4): codes2/codes3 per 64 channels, then each byte pair summed
+// = channel 2j | channel 2j + 1 << 4): codes<BITS> per 64 channels, then each byte pair summed
 // as lo + 16 hi.
 inline void codes_as_nibbles(const uint8_t* row, int bits, int D, uint8_t* out) {
     for (int c = 0; c < D; c += 64) {
-        const __m512i codes = bits == 3 ? codes3(row + 3 * c / 8) : codes2(row + c / 4);
-        const __m512i pairs = _mm512_maddubs_epi16(codes, _mm512_set1_epi16(0x1001));
+        const __m512i unpacked = bits == 3 ? codes<3>(row + 3 * c / 8) : codes<2>(row + c / 4);
+        const __m512i pairs = _mm512_maddubs_epi16(unpacked, _mm512_set1_epi16(0x1001));
         _mm256_storeu_si256((__m256i*)(out + c / 2), _mm512_cvtepi16_epi8(pairs));
     }
 }
@@ -423,7 +423,7 @@ inline void pair_codes3(const uint8_t* x, const uint8_t* y, __m512i* f) {
     };
     alignas(64) static constexpr Index index{};
     for (int h = 0; h < NV / 4; h++) {  // 64 channels at a time
-        const __m512i a = codes3(x + 24 * h), c = codes3(y + 24 * h);
+        const __m512i a = codes<3>(x + 24 * h), c = codes<3>(y + 24 * h);
         for (int m = 0; m < 4; m++)
             f[4 * h + m] = _mm512_maskz_permutex2var_epi8((__mmask64)0x5555555555555555ull, a, _mm512_load_si512(index.b[m]), c);
     }
