@@ -131,7 +131,7 @@ class NativeStep:
             cache.count_kernel_read()
             cache.append_stacked(self.new_k, self.new_v)  # the one place the cache grows
         elif cache is not None:
-            for member in cache.caches if isinstance(cache, CacheGroup) else [cache]:
+            for member in _members(cache):
                 if isinstance(member, KVCache):
                     member.count_kernel_read()
                 else:
@@ -151,7 +151,7 @@ class NativeStep:
         r = self.hq // self.hkv
         per_cache = []
         self._keep: list = []  # alive while the layers run
-        for member in cache.caches if isinstance(cache, CacheGroup) else [cache]:  # a group holds KVCaches
+        for member in _members(cache):
             if isinstance(member, KVCache):
                 per_cache.append(member.kernel_plans(self.lib, r, rope))
             else:
@@ -162,6 +162,11 @@ class NativeStep:
                     ]
                 )
         return [list(layer) for layer in zip(*per_cache)]
+
+
+def _members(cache: Cache) -> list:
+    """The caches whose rows the batch holds, in order: a ``CacheGroup``'s, or the cache itself."""
+    return cache.caches if isinstance(cache, CacheGroup) else [cache]
 
 
 def kernels(device=None):
