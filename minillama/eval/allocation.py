@@ -33,7 +33,6 @@ class Allocation:
     spec: KVSpec  # the first map's spec with every layer's codecs
     bits: float  # average body bits per element of the choice
     cost: float  # the sum of the chosen tensors' map KLDs (an estimate of the whole's KLD)
-    counts: dict[str, dict[str, int]]  # "k"/"v" -> codec name -> layers
     notes: list[str]
 
 
@@ -94,8 +93,4 @@ def allocate_from_maps(maps: list[tuple[str, list[dict]]], budget: float, n_laye
     layers = tuple((chosen[2 * i].codec, chosen[2 * i + 1].codec) for i in range(n_layers))
     first = map_spec(maps[0][1], maps[0][0])
     spec = replace(first, layer_codecs=layers, kfirst=None, first=0, name="")
-    counts: dict[str, dict[str, int]] = {"k": {}, "v": {}}
-    for j, c in enumerate(chosen):
-        side = counts["kv"[j % 2]]
-        side[c.codec.name] = side.get(c.codec.name, 0) + 1
-    return Allocation(spec, sum(c.bits for c in chosen) / len(chosen), sum(c.cost for c in chosen), counts, notes)
+    return Allocation(spec, sum(c.bits for c in chosen) / len(chosen), sum(c.cost for c in chosen), notes)

@@ -70,15 +70,22 @@ class KVSpec:
         k = self.kfirst if self.kfirst is not None and 0 <= layer < self.first else self.k
         return [(k, self.kgroup, self.center), (self.v, self.vgroup, False)]
 
+    def codec_counts(self) -> dict[str, dict[str, int]]:
+        """With layers=: how many layers store K ("k") and V ("v") with each codec, by name."""
+        counts: dict[str, dict[str, int]] = {"k": {}, "v": {}}
+        for pair in self.layer_codecs:
+            for side, codec in zip("kv", pair):
+                counts[side][codec.name] = counts[side].get(codec.name, 0) + 1
+        return counts
+
     def layer_mix(self) -> str:
-        """How many layers store K and V with each codec ("" without layers=): "K lm3h x28, lm4h x2; V lm2h x30"."""
-        sides = []
-        for t, label in ((0, "K"), (1, "V")):
-            counts: dict[str, int] = {}
-            for pair in self.layer_codecs:
-                counts[pair[t].name] = counts.get(pair[t].name, 0) + 1
-            sides.append(f"{label} " + ", ".join(f"{c} x{n}" for c, n in sorted(counts.items())))
-        return "; ".join(sides) if self.layer_codecs else ""
+        """``codec_counts`` as text ("" without layers=): "K lm3h x28, lm4h x2; V lm2h x30"."""
+        if not self.layer_codecs:
+            return ""
+        counts = self.codec_counts()
+        return "; ".join(
+            f"{side.upper()} " + ", ".join(f"{c} x{n}" for c, n in sorted(counts[side].items())) for side in "kv"
+        )
 
     def validate(self, head_dim: int, n_layers: int | None = None) -> None:
         if n_layers is not None and self.kfirst is not None and self.first > n_layers:

@@ -118,7 +118,7 @@ def allocate_command(maps, bits, model_name, tokens, as_json) -> None:
             "bits_per_element": effective,
             "tokens": tokens,
             "kld_sum": a.cost,
-            "counts": a.counts,
+            "counts": a.spec.codec_counts(),
             "notes": a.notes,
         }
         click.echo(json.dumps(info, indent=2))
