@@ -52,8 +52,9 @@ def map_spec(rows: list[dict], where: str) -> KVSpec:
 
 def choices_from_maps(
     maps: list[tuple[str, list[dict]]], n_layers: int, head_dim: int
-) -> tuple[list[list[Choice]], list[str]]:
-    """Per tensor (layer 0's K, layer 0's V, layer 1's K, ...) its priced codecs; and notes."""
+) -> tuple[KVSpec, list[list[Choice]], list[str]]:
+    """The first map's spec; per tensor (layer 0's K, layer 0's V, layer 1's K, ...) its priced
+    codecs; and notes."""
     specs = [map_spec(rows, where) for where, rows in maps]
     first = specs[0]
     notes = []
@@ -82,15 +83,14 @@ def choices_from_maps(
         if not p:
             raise UserError(f"no map prices layer {j // 2}'s {'KV'[j % 2]}: every map must cover every layer")
     choices = [[Choice(c, bits, sum(k) / len(k)) for c, bits, k in p.values()] for p in priced]
-    return choices, notes
+    return first, choices, notes
 
 
 def allocate_from_maps(maps: list[tuple[str, list[dict]]], budget: float, n_layers: int, head_dim: int) -> Allocation:
     """The cheapest-in-KLD mix of the maps' codecs within `budget` bits per element (kv/allocate.py)."""
-    choices, notes = choices_from_maps(maps, n_layers, head_dim)
+    first, choices, notes = choices_from_maps(maps, n_layers, head_dim)
     pick = allocate(choices, budget)
     chosen = [options[i] for options, i in zip(choices, pick)]
     layers = tuple((chosen[2 * i].codec, chosen[2 * i + 1].codec) for i in range(n_layers))
-    first = map_spec(maps[0][1], maps[0][0])
     spec = replace(first, layer_codecs=layers, kfirst=None, first=0, name="")
     return Allocation(spec, sum(c.bits for c in chosen) / len(chosen), sum(c.cost for c in chosen), notes)
