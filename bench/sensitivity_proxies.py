@@ -31,7 +31,6 @@ import torch
 import minillama.model.llama as llama
 from minillama.app.options import load, read_text
 from minillama.kv.cache import KVCache
-from minillama.kv.quantize import hadamard_rotate
 from minillama.kv.spec import parse_kv
 
 
@@ -54,7 +53,7 @@ def stored(codec, x: torch.Tensor, group: int, centered: bool) -> torch.Tensor:
     y = (y - mean).half()
     params = codec.calibrate(y) if codec.per_sequence else None
     back = codec.decode(codec.encode(y, group, params), group, x.shape[-1], params) + mean
-    return hadamard_rotate(back) if codec.rotate else back  # H is its own inverse
+    return codec.to_space(back)  # back to model space: H is its own inverse
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
