@@ -213,6 +213,7 @@ struct Cursor {
     int slot, slots;
     Cursor(int start, int first, int slots) : slot((int)(((int64_t)start + first) % slots)), slots(slots) {}
     void next() { if (++slot == slots) slot = 0; }
+    void skip(int n) { slot = (int)(((int64_t)slot + n) % slots); }  // n tokens at once
 };
 
 // A block's output accumulator, added to `dst` (R x D floats): on the stack when its size is

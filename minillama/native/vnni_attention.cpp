@@ -107,38 +107,42 @@ inline void codes_as_nibbles(const uint8_t* row, int bits, int D, uint8_t* out) 
 template <int NC>
 struct VnniQuery {
     alignas(64) int32_t qw[16][2 * NC];
-    alignas(64) float qa[16][NC];  // [head][chunk]: the int8 step of the chunk
+    alignas(64) float qa[16][8 * NC];  // [head][8 chunk + j]: the int8 step of the chunk (quantize16's lanes)
     float offset[16];              // codebooks: 2048 sum_d a q8_d, the unsigned offset's share
     float qsum[16], qz[16];        // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
 };
 
-// x (D = 8 NC floats) -> int8 per chunk of 8 channels (a = max |x| / 127 over the chunk), laid out
-// for vpdpbusd: the even channels' 4 bytes, then the odd ones', per chunk.
+// 16 floats (two chunks of 8 channels) -> int8 per chunk (a = max |x| / 127 over the chunk),
+// laid out for vpdpbusd: the even channels' 4 bytes, then the odd ones', per chunk (16 bytes
+// to qw); the steps to qa[0..15] (lanes 0-7 chunk 0's, 8-15 chunk 1's). Returns the int8
+// values as int32 lanes. The chunk maxima by in-lane shuffles, the division as a refined
+// reciprocal (rcp14 and one Newton step: a few ulp of 1/a, so a rounding tie may go the other
+// way -- still within a/2 of x, the stated bound). KIVI keys run this per head and group of 32
+// tokens: it was ~37% of their score kernel's time (bench/attention_micro.py with the fold
+// skipped), and this form took ~4% of it back.
+inline __m512i quantize16(__m512 x, int32_t* qw, float* qa) {
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    __m512 m = _mm512_abs_ps(x);
+    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));               // neighbours
+    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4E));               // pairs: each 128-bit lane's max
+    m = _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));         // 128-bit lanes 0-1, 2-3: each chunk's max
+    const __m512 a = _mm512_mul_ps(_mm512_max_ps(m, _mm512_set1_ps(1e-30f)), _mm512_set1_ps(1.f / 127.f));  // all-zero chunk: q8 = 0
+    __m512 inv = _mm512_rcp14_ps(a);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(a, inv, _mm512_set1_ps(2.f)));
+    const __m512i q8 = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv));  // round to nearest even
+    _mm_storeu_si128((__m128i*)qw, _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q8), split));  // lo, hi of chunk 0, then of 1
+    _mm512_store_ps(qa, a);
+    return q8;
+}
+
+// x (D = 8 NC floats) -> quantize16 per 16 channels; for a codebook also its offset's share,
+// book_offset sum_d a q8_d.
 template <int NC>
 inline void quantize_chunks(const float* x, int32_t* qw, float* qa, float* offset, float book_offset) {
-    const __m512i within8[3] = {_mm512_set_epi32(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1),
-                                _mm512_set_epi32(13, 12, 15, 14, 9, 8, 11, 10, 5, 4, 7, 6, 1, 0, 3, 2),
-                                _mm512_set_epi32(11, 10, 9, 8, 15, 14, 13, 12, 3, 2, 1, 0, 7, 6, 5, 4)};
-    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     float off = 0.f;
     for (int k = 0; k < NC / 2; k++) {  // 16 channels = 2 chunks per register
-        const __m512 v = _mm512_loadu_ps(x + 16 * k);
-        __m512 m = _mm512_abs_ps(v);
-        for (int j = 0; j < 3; j++) m = _mm512_max_ps(m, _mm512_permutexvar_ps(within8[j], m));  // each lane: its chunk's max
-        const __mmask16 zero = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_EQ_OQ);
-        const __m512 a = _mm512_mask_blend_ps(zero, _mm512_mul_ps(m, _mm512_set1_ps(1.f / 127.f)), _mm512_set1_ps(1.f));
-        const __m512i q8 = _mm512_cvtps_epi32(_mm512_div_ps(v, a));  // round to nearest even
-        const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q8), split);
-        _mm_storeu_si128((__m128i*)(qw + 4 * k), bytes);  // lo, hi of chunk 2k, then of 2k + 1
-        qa[2 * k] = _mm512_cvtss_f32(a), qa[2 * k + 1] = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(8), a));
-        if (book_offset != 0.f) {
-            const __m512 sums = _mm512_cvtepi32_ps(q8);
-            alignas(64) float t[16];
-            _mm512_store_ps(t, sums);
-            float s0 = 0.f, s1 = 0.f;
-            for (int j = 0; j < 8; j++) s0 += t[j], s1 += t[8 + j];
-            off += book_offset * (qa[2 * k] * s0 + qa[2 * k + 1] * s1);
-        }
+        const __m512i q8 = quantize16(_mm512_loadu_ps(x + 16 * k), qw + 4 * k, qa + 16 * k);
+        if (book_offset != 0.f) off += book_offset * _mm512_reduce_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q8), _mm512_load_ps(qa + 16 * k)));
     }
     *offset = off;
 }
@@ -246,17 +250,17 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz
                 prep.group = g;
                 const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
+                __m512 sc[NV], zc[NV];  // the group's per-channel scales and zeros, read once for every head
+                for (int k = 0; k < NV; k++)
+                    sc[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.scale + row + 16 * k))),
+                    zc[k] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + row + 16 * k)));
                 for (int r = 0; r < R; r++) {
-                    alignas(64) float x[D];
                     __m512 z = _mm512_setzero_ps();
                     for (int k = 0; k < NV; k++) {
                         const __m512 qk = _mm512_loadu_ps(q + r * D + 16 * k);
-                        const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.scale + row + 16 * k)));
-                        const __m512 zc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + row + 16 * k)));
-                        _mm512_store_ps(x + 16 * k, _mm512_mul_ps(qk, sc));
-                        z = _mm512_fmadd_ps(qk, zc, z);
+                        quantize16(_mm512_mul_ps(qk, sc[k]), st.qw[r] + 4 * k, st.qa[r] + 16 * k);
+                        z = _mm512_fmadd_ps(qk, zc[k], z);
                     }
-                    quantize_chunks<NC>(x, st.qw[r], st.qa[r], &st.offset[r], 0.f);
                     st.qz[r] = _mm512_reduce_add_ps(z);
                 }
             }
@@ -336,7 +340,7 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 } else {
                     acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[c], qe), hi[c], qo);
                 }
-                f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(st.qa[r][c]), f);
+                f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(st.qa[r][8 * c]), f);
             }
             if (book) f = _mm512_sub_ps(f, _mm512_set1_ps(st.offset[r]));
             if (channel) {
@@ -377,20 +381,28 @@ inline void unpack3(const uint8_t* row, int D, uint8_t* __restrict__ out) {
 #endif
 
 // The int16 weights of one head and group over a sub-block of 32 tokens: w_t = p_t s_t (zero
-// past `len`), w16 = round(w / b) with b = max |w| / 32767; returns b, and adds sum_t p_t z_t to *z.
-inline float weights16(const float* p, const float* sc, const float* zc, int len, __m512i* w16, float* z) {
+// past `len`), w16 = round(w / b) with b = max |w| / 32767; returns b, and adds the lanes of
+// p_t z_t to zacc (summed across lanes once per call). The max reaches every lane by in-lane
+// shuffles and 1/b is a refined reciprocal: no scalar reduction, division or broadcast on the
+// way to the int16 weights (with them, ~a quarter of the kernel's time: bench/attention_micro.py).
+inline float weights16(const float* p, const float* sc, const float* zc, int len, __m512i* w16, __m512* zacc) {
     const __mmask16 m0 = (__mmask16)(len >= 16 ? 0xFFFF : (1u << len) - 1);
     const __mmask16 m1 = (__mmask16)(len >= 32 ? 0xFFFF : len > 16 ? (1u << (len - 16)) - 1 : 0);
     const __m512 p0 = _mm512_maskz_loadu_ps(m0, p), p1 = _mm512_maskz_loadu_ps(m1, p + 16);
     const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sc)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sc + 16));
-    *z += _mm512_reduce_add_ps(_mm512_fmadd_ps(p0, _mm512_loadu_ps(zc), _mm512_mul_ps(p1, _mm512_loadu_ps(zc + 16))));
-    const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1)));
-    const float b = m > 0.f ? m / 32767.f : 1.f;
-    const __m512 inv = _mm512_set1_ps(1.f / b);
-    const __m256i lo = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w0, inv)));
-    const __m256i hi = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w1, inv)));
+    *zacc = _mm512_fmadd_ps(p0, _mm512_loadu_ps(zc), _mm512_fmadd_ps(p1, _mm512_loadu_ps(zc + 16), *zacc));
+    __m512 m = _mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1));
+    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));
+    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4E));
+    m = _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));
+    m = _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0x4E));  // every lane: max |w|
+    const __m512 b = _mm512_mul_ps(_mm512_max_ps(m, _mm512_set1_ps(1e-30f)), _mm512_set1_ps(1.f / 32767.f));
+    __m512 inv = _mm512_rcp14_ps(b);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(b, inv, _mm512_set1_ps(2.f)));  // |w inv| <= 32767 (1 + 2^-22): cvt rounds within int16
+    const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w0, inv)));
+    const __m256i hi = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w1, inv)));
     *w16 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // 32 int16: token t in lane t
-    return b;
+    return _mm512_cvtss_f32(b);
 }
 
 // Two tokens' packed rows (2 NV BITS bytes each) -> NV registers of int16 pairs (c_t,d | c_t+1,d << 16),
@@ -530,9 +542,12 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         gidx[m] = _mm512_load_si512(t);
     }
     alignas(64) __m512 out[16][NV];  // [head][register]: float sums in decode order
+    __m512 zacc[16][8];  // [head][group]: the lanes of sum_t p_t z_tg
     alignas(64) float zsum[16][16] = {{0.f}};  // [head][group]: sum_t p_t z_tg
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < R; r++) {
         for (int k = 0; k < NV; k++) out[r][k] = _mm512_setzero_ps();
+        for (int g = 0; g < NG; g++) zacc[r][g] = _mm512_setzero_ps();
+    }
 #if !MINILLAMA_VBMI
     alignas(64) uint8_t rows[SB][128];  // 3-bit rows unpacked to bytes
 #endif
@@ -580,17 +595,21 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         }
         alignas(64) static const uint8_t zeros[128] = {0};
         const uint8_t* row[SB + 1];  // each token's packed row; an odd last token pairs with zeros
-        for (int t = 0; t < len; t++) {
-            row[t] = (const uint8_t*)s.data + (bh * s.slots + at.slot) * RB;
-            at.next();
-#if !MINILLAMA_VBMI
-            if (BITS == 3) unpack3(row[t], D, rows[t]), row[t] = rows[t];
-#endif
+        if (straight) {  // consecutive slots: no cursor per token
+            const uint8_t* base = (const uint8_t*)s.data + first * RB;
+            for (int t = 0; t < len; t++) row[t] = base + t * RB;
+            at.skip(len);
+        } else {
+            for (int t = 0; t < len; t++) row[t] = (const uint8_t*)s.data + (bh * s.slots + at.slot) * RB, at.next();
         }
+#if !MINILLAMA_VBMI
+        if (BITS == 3)
+            for (int t = 0; t < len; t++) unpack3(row[t], D, rows[t]), row[t] = rows[t];
+#endif
         row[len] = zeros;
         for (int r = 0; r < R; r++) {
             for (int g = 0; g < NG; g++)
-                b[r][g] = level_step * weights16(p + (int64_t)r * lp + (i - i0), sc[g], zc[g], len, &w16[g], &zsum[r][g]);
+                b[r][g] = level_step * weights16(p + (int64_t)r * lp + (i - i0), sc[g], zc[g], len, &w16[g], &zacc[r][g]);
             int32_t* dst = wq[r];  // pair q's dword of group g at q NG + g (pair q: tokens 2q, 2q + 1)
             if (NG == 1) {
                 _mm512_store_si512(dst, w16[0]);
@@ -627,6 +646,7 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
     };
     static constexpr Order order{};
     for (int r = 0; r < R; r++) {  // back to channel order, with the zeros' share
+        for (int g = 0; g < NG; g++) zsum[r][g] = _mm512_reduce_add_ps(zacc[r][g]);
         alignas(64) float o[NV][16];
         for (int m = 0; m < NP; m++) {
             const __m512 z = _mm512_permutexvar_ps(gidx[m], _mm512_loadu_ps(zsum[r]));
