@@ -75,22 +75,30 @@ inline __m512i codes(const uint8_t* row) {
                             _mm512_set1_epi8((1 << BITS) - 1));
 }
 
-// A 2- or 3-bit row (BITS D / 8 bytes) -> the 4-bit layout score_vnni reads (D / 2 bytes, byte j
-// = channel 2j | channel 2j + 1 << 4): codes<BITS> per 64 channels, then each byte pair summed
-// as lo + 16 hi.
-inline void codes_as_nibbles(const uint8_t* row, int bits, int D, uint8_t* out) {
-    for (int c = 0; c < D; c += 64) {
-        const __m512i unpacked = bits == 3 ? codes<3>(row + 3 * c / 8) : codes<2>(row + c / 4);
-        const __m512i pairs = _mm512_maddubs_epi16(unpacked, _mm512_set1_epi16(0x1001));
-        _mm256_storeu_si256((__m256i*)(out + c / 2), _mm512_cvtepi16_epi8(pairs));
+// 64 codes of a 2- or 3-bit row -> the 4-bit layout score_vnni reads (32 bytes, byte j = channel
+// 2j | channel 2j + 1 << 4): codes<BITS>, then each byte pair summed as lo + 16 hi.
+inline __m256i codes_as_nibbles(const uint8_t* codes64, int bits) {
+    const __m512i unpacked = bits == 3 ? codes<3>(codes64) : codes<2>(codes64);
+    return _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(unpacked, _mm512_set1_epi16(0x1001)));
+}
+
+// 16 rows of 2- or 3-bit codes (D = 8 NC channels) widened to 4-bit rows in the registers
+// Transpose16 takes: two rows per register for D = 64, one for D = 128. (Written to the stack
+// in 32-byte halves and read back as 64-byte registers, they could not be store-forwarded.)
+template <int NC>
+inline void narrow_rows(const uint8_t* const* row, int bits, __m512i* x) {
+    for (int r = 0; r < NC; r++) {
+        const __m256i lo = NC == 8 ? codes_as_nibbles(row[2 * r], bits) : codes_as_nibbles(row[r], bits);
+        const __m256i hi = NC == 8 ? codes_as_nibbles(row[2 * r + 1], bits) : codes_as_nibbles(row[r] + 8 * bits, bits);
+        x[r] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     }
 }
 #endif
 
 // Integer scores for 4-bit keys: per-token codes with one scale per row (affine or a codebook),
 // or KIVI per-channel codes. NC = D / 8: the dword chunks of a row (8 channels each). 2- and 3-bit
-// rows (with vpermb) are first widened to that 4-bit layout, 16 rows at a time on the stack
-// (codes_as_nibbles), and then read as 4-bit rows whose codes stop at 3 or 7.
+// rows (with vpermb) are first widened to that 4-bit layout, 16 rows at a time in registers
+// (narrow_rows), and then read as 4-bit rows whose codes stop at 3 or 7.
 //
 // Sixteen tokens at a time, chunk c of every token's row is brought into one register (lane t =
 // the 4 bytes of channels 8c .. 8c + 7 of token t: sixteen consecutive rows transposed by
@@ -187,9 +195,14 @@ struct Transpose16 {
     // 16 rows from `rows` (16 NC consecutive dwords) -> w[c] (the butterfly leaves chunk c in
     // register c), unrolled so that the compiler sees every register index and keeps x in registers.
     void operator()(const int32_t* rows, __m512i* w) const {
-        __m512i x[NC], y[NC];
+        __m512i x[NC];
 #pragma GCC unroll 16
         for (int r = 0; r < NC; r++) x[r] = _mm512_loadu_si512(rows + 16 * r);
+        apply(x, w);
+    }
+    // The same for rows already in registers (x[r]: dwords 16 r .. 16 r + 15 of the 16 rows).
+    void apply(__m512i* x, __m512i* w) const {
+        __m512i y[NC];
 #pragma GCC unroll 4
         for (int st = 0; st < STAGES; st++) {
 #pragma GCC unroll 16
@@ -308,11 +321,11 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         alignas(64) __m512i bytes[NC][4];  // codebooks: (H, Lo) of the low nibbles, then of the high
         if (narrow) {  // widened to 4-bit rows first (a short chunk repeats its last row)
 #if MINILLAMA_VBMI
-            alignas(64) uint8_t nibbles[16 * D / 2];
-            for (int t = 0; t < 16; t++)
-                codes_as_nibbles((const uint8_t*)s.data + (bh * s.slots + slot[std::min(t, len - 1)]) * (int64_t)row_bytes,
-                                 s.bits, D, nibbles + t * D / 2);
-            transpose((const int32_t*)nibbles, rows);
+            const uint8_t* narrow_row[16];
+            for (int t = 0; t < 16; t++) narrow_row[t] = (const uint8_t*)s.data + (bh * s.slots + slot[std::min(t, len - 1)]) * (int64_t)row_bytes;
+            __m512i x[NC];
+            narrow_rows<NC>(narrow_row, s.bits, x);
+            transpose.apply(x, rows);
 #endif
         } else if (whole) {
             transpose((const int32_t*)s.data + whole_first * words, rows);
