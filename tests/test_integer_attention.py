@@ -122,13 +122,36 @@ def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
+def int8_levels(book: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """The score kernel's int8 copy of a book (vnni_attention.cpp: levels8): L8 = round(L / t), t =
+    max |L| / K for the K in 127..96 with the smallest worst relative error; that error and each
+    level's absolute error."""
+    big = book.abs().max()
+    best = None
+    for k in range(127, 95, -1):  # the first K on a tie, as the kernel
+        t = big / k
+        err = ((book / t).round() * t - book).abs()  # (levels,)
+        worst = (err / book.abs()).max().item()
+        if best is None or worst < best[0]:
+            best = (worst, err)
+    return best
+
+
+def key_level_error(book: torch.Tensor) -> torch.Tensor:
+    """How far the score kernel's copy of each level is from it: int8 (int8_levels) where every
+    level stays within 0.5%, else 16-bit, off by at most max |L| / 4094."""
+    worst, err = int8_levels(book)
+    return err if worst <= 0.005 else torch.full_like(book, book.abs().max().item() / 4094)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_codebook_keys_hold_the_int16_level_bound_where_a_target_reads_them(lib, d, bits):
+def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, d, bits):
     """Lloyd-Max 2-, 3- and 4-bit keys (one scale a row) on the integer route: the query becomes int8
-    per chunk of 8 channels (a_c = max |q| / 127 over the chunk) and the levels 16-bit (off by at
-    most max |L| / 4094), so a score is off by at most s_t sum_d (a_c / 2 (|L| + step / 2) + |q_d|
-    step / 2). 2- and 3-bit rows are widened to the 4-bit layout first (where vpermb exists)."""
+    per chunk of 8 channels (a_c = max |q| / 127 over the chunk) and the levels int8 where that
+    keeps every level within 0.5% (2- and 3-bit books), else 16-bit (key_level_error), so a score
+    is off by at most s_t sum_d (a_c / 2 (|L| + e_L) + |q_d| e_L). 2- and 3-bit rows are widened to
+    the 4-bit layout first (where vpermb exists)."""
     spec = f"k=lm{bits}h,v=int4,kgroup={d},residual=0"
     cache = filled(spec, 301, 1, head_dim=d)
     store = cache.layers[0][0]
@@ -140,11 +163,11 @@ def test_codebook_keys_hold_the_int16_level_bound_where_a_target_reads_them(lib,
         integer_call(lib, cache, False, q, got)
     exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)  # (B, H, R, m)
     book = gaussian_codebook(bits)
-    step = book.abs().max() / 2047
     levels = book[codes.long()].abs()  # (B, H, m, D)
+    level_error = key_level_error(book)[codes.long()]  # (B, H, m, D)
     a = q.abs().reshape(1, 2, 3, d // 8, 8).amax(-1).repeat_interleave(8, -1) / 127  # (B, H, R, D)
-    query_error = (a / 2).unsqueeze(3) * (levels + step / 2).unsqueeze(2)  # (B, H, R, m, D)
-    per_token = query_error + (q.abs() * step / 2).unsqueeze(3)  # (B, H, R, m, D): plus the levels' error
+    query_error = (a / 2).unsqueeze(3) * (levels + level_error).unsqueeze(2)  # (B, H, R, m, D)
+    per_token = query_error + q.abs().unsqueeze(3) * level_error.unsqueeze(2)  # (B, H, R, m, D): plus the levels' error
     bound = parts["scale"].float().transpose(-1, -2) * per_token.sum(-1)  # (B, H, R, m)
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
@@ -153,9 +176,19 @@ def test_codebook_keys_hold_the_int16_level_bound_where_a_target_reads_them(lib,
     q[..., ::8] = 127
     integer_call(lib, cache, False, q, got)
     exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)
-    bound = parts["scale"].float().transpose(-1, -2) * (q.abs().sum(-1, keepdim=True) * step / 2)  # (B, H, R, m)
+    bound = parts["scale"].float().transpose(-1, -2) * (q.abs().unsqueeze(3) * level_error.unsqueeze(2)).sum(
+        -1
+    )  # (B, H, R, m)
     assert ((got - exact).abs() <= bound * (1 + 1e-3) + 1e-3).all()
-    assert ((got - exact).abs() > bound / 100).any()  # the levels are 16-bit, not exact
+    assert ((got - exact).abs() > bound / 100).any()  # the levels are not exact
+
+
+def test_byte_key_levels_are_chosen_only_where_they_hold_half_a_percent():
+    """The 2- and 3-bit Gaussian books fit int8 within 0.5% of every level; the 4-bit one does not
+    (its smallest level, 5 steps of 107, is 1.3% off) and keeps the 16-bit levels."""
+    for bits, byte in ((2, True), (3, True), (4, False)):
+        worst, _ = int8_levels(gaussian_codebook(bits))
+        assert (worst <= 0.005) == byte, (bits, worst)
 
 
 def check_value_bound(lib, spec: str, n: int, batch: int, r: int = 3, d: int = 64) -> None:

@@ -48,6 +48,31 @@ inline float levels16(const float* book, int n, int16_t* out) {
     return step;
 }
 
+// A codebook's n levels as int8 for the key scores: L8 = round(L / t), t = max |L| / K with K in
+// 96..127 chosen for the smallest worst relative error of a level; returns t and that error.
+// Gaussian Lloyd-Max books: 2-bit 0.08% (K 120), 3-bit 0.27% (K 114), 4-bit 1.3% (K 107). At
+// K = 127 a 3-bit book's smallest level moved by 3.2%, a bias perplexity showed; where the best
+// error is small the bytes cost half the 16-bit levels' dot products (score_vnni).
+inline float levels8(const float* book, int n, int8_t* out, float* worst) {
+    float big = 0.f;
+    for (int l = 0; l < n; l++) big = std::max(big, std::fabs(book[l]));
+    if (big == 0.f) {
+        for (int l = 0; l < n; l++) out[l] = 0;
+        return *worst = 0.f, 1.f;
+    }
+    float best_t = big / 127.f, best = INFINITY;
+    for (int K = 127; K >= 96; K--) {
+        const float t = big / K;
+        float err = 0.f;
+        for (int l = 0; l < n; l++)
+            if (book[l] != 0.f) err = std::max(err, std::fabs(std::nearbyint(book[l] / t) * t - book[l]) / std::fabs(book[l]));
+        if (err < best) best = err, best_t = t;
+    }
+    for (int l = 0; l < n; l++) out[l] = (int8_t)std::nearbyint(book[l] / best_t);
+    *worst = best;
+    return best_t;
+}
+
 #if MINILLAMA_VBMI
 // 64 codes of BITS = 2 or 3 bits (8 codes per BITS bytes, lowest bits first) -> 64 bytes,
 // channel order: qword j gets bytes BITS j .. BITS j + BITS - 1 (vpermb), then vpmultishiftqb
@@ -107,9 +132,11 @@ inline void narrow_rows(const uint8_t* const* row, int bits, __m512i* x) {
 // are channels 8c + 0, 2, 4, 6 and the high nibbles 8c + 1, 3, 5, 7; the int8 query is laid out
 // the same way, with one scale per chunk of 8 channels (a_c = max |x| / 127 over the chunk; the
 // error of a score is at most sum_d a_c(d) / 2 * |code_d| times the row's scale, as the generic
-// integer kernels state). A codebook's levels become 16-bit, L16 = round(L 2047 / max |L|),
-// offset by 2048 to be unsigned and split into two bytes, each looked up per nibble with vpshufb
-// (the offset's sum is taken back out exactly; a level is off by at most max |L| / 4094).
+// integer kernels state). A codebook's levels become int8 where that keeps every level within
+// 0.5% (levels8: 2- and 3-bit Lloyd-Max books), offset by 128 to be unsigned and looked up per
+// nibble with vpshufb; else 16-bit, L16 = round(L 2047 / max |L|), offset by 2048 and split into
+// two bytes, each looked up so (a level off by at most max |L| / 4094). The offset's sum is
+// taken back out exactly.
 // score_vnni's per-head state (Prep): the int8 queries as the dwords vpdpbusd broadcasts
 // (qw[r][2c] the even channels of chunk c, qw[r][2c + 1] the odd ones) and their scales.
 template <int NC>
@@ -230,8 +257,28 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     // bytes U = 256 H + Lo: one vpshufb table each, two vpdpbusd per chunk, and the offset's
     // share 2048 sum(q8) taken back out (st.offset).
     __m512i lut_h = _mm512_setzero_si512(), lut_l = _mm512_setzero_si512();
-    float level_step = 1.f;  // a codebook level is level_step * L16
-    if (book) {
+    float level_step = 1.f;  // a codebook level is level_step * L16 (or L8)
+    // Books whose int8 levels stay within 0.5% of every level (levels8) are read as bytes
+    // U = L8 + 128 instead: one table, one vpdpbusd per nibble half, 128 sum(q8) taken back out.
+    struct ByteLevels {  // levels8 of the last book this thread read (by value): the search once, not per call
+        float book[16];
+        int n;
+        int8_t l8[16];
+        float t, worst;
+    };
+    static thread_local ByteLevels last{{0.f}, 0, {0}, 1.f, 1.f};
+    if (book && (last.n != 1 << s.bits || std::memcmp(last.book, s.codebook, sizeof(float) << s.bits))) {
+        last.n = 1 << s.bits, std::memcpy(last.book, s.codebook, sizeof(float) << s.bits);
+        last.t = levels8(s.codebook, last.n, last.l8, &last.worst);
+    }
+    const int8_t* l8 = last.l8;
+    const float t8 = last.t, worst = book ? last.worst : 1.f;
+    const bool byte_levels = book && worst <= 0.005f;
+    if (byte_levels) {
+        alignas(64) uint8_t tb[64];
+        for (int j = 0; j < 64; j++) tb[j] = (uint8_t)(128 + l8[j % 16]);
+        lut_l = _mm512_load_si512(tb), level_step = t8;
+    } else if (book) {
         int16_t l16[16];
         level_step = levels16(s.codebook, 1 << s.bits, l16);
         for (int l = 1 << s.bits; l < 16; l++) l16[l] = 0;  // codes past the book's levels never occur
@@ -245,7 +292,7 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     if (!prep.ready) {
         if (!channel)
             for (int r = 0; r < R; r++) {
-                quantize_chunks<NC>(q + r * D, st.qw[r], st.qa[r], &st.offset[r], book ? 2048.f : 0.f);
+                quantize_chunks<NC>(q + r * D, st.qw[r], st.qa[r], &st.offset[r], byte_levels ? 128.f : book ? 2048.f : 0.f);
                 __m512 sum = _mm512_setzero_ps();
                 for (int k = 0; k < NV; k++) sum = _mm512_add_ps(sum, _mm512_loadu_ps(q + r * D + 16 * k));
                 st.qsum[r] = _mm512_reduce_add_ps(sum);
@@ -334,7 +381,9 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             const __m512i w = whole || narrow ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
             lo[c] = _mm512_and_si512(w, nib);
             hi[c] = _mm512_and_si512(_mm512_srli_epi32(w, 4), nib);
-            if (book) {
+            if (byte_levels) {
+                lo[c] = _mm512_shuffle_epi8(lut_l, lo[c]), hi[c] = _mm512_shuffle_epi8(lut_l, hi[c]);
+            } else if (book) {
                 bytes[c][0] = _mm512_shuffle_epi8(lut_h, lo[c]), bytes[c][1] = _mm512_shuffle_epi8(lut_l, lo[c]);
                 bytes[c][2] = _mm512_shuffle_epi8(lut_h, hi[c]), bytes[c][3] = _mm512_shuffle_epi8(lut_l, hi[c]);
             }
@@ -345,7 +394,7 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             for (int c = 0; c < NC; c++) {
                 const __m512i qe = _mm512_set1_epi32(st.qw[r][2 * c]), qo = _mm512_set1_epi32(st.qw[r][2 * c + 1]);
                 __m512i acc;
-                if (book) {  // sum q8 U = 256 sum q8 H + sum q8 Lo
+                if (book && !byte_levels) {  // sum q8 U = 256 sum q8 H + sum q8 Lo
                     __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes[c][0], qe);
                     __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes[c][1], qe);
                     h = _mm512_dpbusd_epi32(h, bytes[c][2], qo), l = _mm512_dpbusd_epi32(l, bytes[c][3], qo);
@@ -676,8 +725,9 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
 }  // namespace
 
 bool vnni_keys(const RowSource& s, int D) {
-    // Codebooks are read as 16-bit levels (score_vnni): as bytes they moved the small levels by
-    // up to 3% (3-bit Lloyd-Max: 0.2451 -> 14/59), a bias, not noise, that perplexity showed.
+    // Codebooks: bytes scaled to max |L| = 127 moved the small levels by up to 3% (3-bit
+    // Lloyd-Max: 0.2451 -> 14/59), a bias, not noise, that perplexity showed; score_vnni takes
+    // bytes only at a scale that holds every level within 0.5% (levels8), else 16-bit levels.
     if ((D != 64 && D != 128) || !(s.bits == 4 || ((s.bits == 2 || s.bits == 3) && MINILLAMA_VBMI)) || s.cos || s.center)
         return false;
     if (s.codebook) return s.kind == ROW_TOKEN && s.group == D;
