@@ -210,7 +210,7 @@ static inline float block_max(const float* row, int n, float m) {
     return mm[0];
 }
 
-// row <- exp(row - m) in place; returns the sum of the new row. One pass (three, before).
+// row <- exp(row - m) in place; returns the sum of the new row, in the same pass.
 static inline float exp_sum(float* row, int n, float m) {
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)

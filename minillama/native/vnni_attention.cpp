@@ -153,8 +153,7 @@ struct VnniQuery {
 // values as int32 lanes. The chunk maxima by in-lane shuffles, the division as a refined
 // reciprocal (rcp14 and one Newton step: a few ulp of 1/a, so a rounding tie may go the other
 // way -- still within a/2 of x, the stated bound). KIVI keys run this per head and group of 32
-// tokens: it was ~37% of their score kernel's time (bench/attention_micro.py with the fold
-// skipped), and this form took ~4% of it back.
+// tokens, the largest cost of their scores after the dot products (docs/speed.md).
 inline __m512i quantize16(__m512 x, int32_t* qw, float* qa) {
     const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     __m512 m = _mm512_abs_ps(x);
@@ -446,7 +445,7 @@ inline void unpack3(const uint8_t* row, int D, uint8_t* __restrict__ out) {
 // past `len`), w16 = round(w / b) with b = max |w| / 32767; returns b, and adds the lanes of
 // p_t z_t to zacc (summed across lanes once per call). The max reaches every lane by in-lane
 // shuffles and 1/b is a refined reciprocal: no scalar reduction, division or broadcast on the
-// way to the int16 weights (with them, ~a quarter of the kernel's time: bench/attention_micro.py).
+// way to the int16 weights, which run per head, group and 32 tokens.
 inline float weights16(const float* p, const float* sc, const float* zc, int len, __m512i* w16, __m512* zacc) {
     const __mmask16 m0 = (__mmask16)(len >= 16 ? 0xFFFF : (1u << len) - 1);
     const __mmask16 m1 = (__mmask16)(len >= 32 ? 0xFFFF : len > 16 ? (1u << (len - 16)) - 1 : 0);
