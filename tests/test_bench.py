@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from minillama.app.cli import cli
 from minillama.eval.bench import weight_bytes_per_token
+from minillama.native import backend
 
 KEYS = {
     "kv": str,
@@ -168,6 +169,23 @@ def test_attention_rounds_prints_one_line_per_spec_with_its_ratio():
     rows = done.stdout.strip().splitlines()[1:]
     assert len(rows) == 2 and rows[0].startswith("fp16") and rows[0].endswith("1.00x")
     assert rows[1].startswith("k=int4c,v=int2h") and rows[1].endswith("x")
+
+
+def test_kernel_ab_times_the_tree_against_a_revision_in_turn():
+    """bench/kernel_ab.py: the native sources rebuilt with files from a git revision, both libraries'
+    plans timed in turn; against HEAD's own copy of a file a row per spec with its ratio."""
+    if backend.library() is None:
+        pytest.skip(f"the kernels are not in use: {backend.describe()}")
+    script = Path(__file__).parent.parent / "bench" / "kernel_ab.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "HEAD", "40", "hadv2", "2", "smollm2", "layer_attention.cpp"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.strip().splitlines()[1:]
+    assert len(rows) == 1 and rows[0].startswith("hadv2") and "tree/HEAD" in rows[0]
 
 
 def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread():
