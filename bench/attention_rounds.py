@@ -34,31 +34,54 @@ SHAPES = {  # (layers, KV heads, query heads per KV head, head_dim)
 }
 
 
+class Layers:
+    """A shape's 30-layer (or 22-layer) caches filled with synthetic K/V, one per spec, and one
+    decode token's q, k, v: what both this script and bench/kernel_ab.py time."""
+
+    def __init__(self, shape: str, n: int):
+        if shape not in SHAPES:
+            sys.exit(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
+        self.layers, h, r, d = SHAPES[shape]
+        self.n, self.h, self.d = n, h, d
+        self.q, self.k, self.v = torch.randn(1, h * r, 1, d), torch.randn(1, h, 1, d), torch.randn(1, h, 1, d)
+        self.out, self.keep = torch.empty_like(self.q), []  # (B, Hq, 1, D); what the plans point into
+
+    def cache(self, kv: str) -> KVCache:
+        cache = KVCache(parse_kv(kv), n_layers=self.layers, n_kv_heads=self.h, head_dim=self.d, capacity=self.n + 64)
+        fill_synthetic(cache, self.n)
+        self.keep.append(cache)
+        return cache
+
+    def plans(self, lib, cache: KVCache) -> list:
+        """Every layer of `cache` described to `lib`'s attention kernel."""
+        return [
+            decode_plan(lib, self.q, self.k, self.v, self.out, cache.layer(i), None, self.keep)
+            for i in range(self.layers)
+        ]
+
+    @staticmethod
+    def seconds(lib, plans: list) -> float:
+        """One pass of ``attend_layer`` over every layer (each reads its K/V from memory): seconds per layer."""
+        t0 = time.perf_counter()
+        for plan in plans:
+            ops.attend_layer(lib, plan)
+        return (time.perf_counter() - t0) / len(plans)
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     specs = (sys.argv[2] if len(sys.argv) > 2 else "fp16;kivi4;hadv2").split(";")
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 30
     shape = sys.argv[4] if len(sys.argv) > 4 else "smollm2"
-    if shape not in SHAPES:
-        sys.exit(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
-    layers, h, r, d = SHAPES[shape]
     lib = backend.library()
     if lib is None:
         sys.exit(f"the kernels are not in use: {backend.describe()}")
-    q, k, v = torch.randn(1, h * r, 1, d), torch.randn(1, h, 1, d), torch.randn(1, h, 1, d)
-    out, keep, plans = torch.empty_like(q), [], {}
-    for kv in specs:
-        cache = KVCache(parse_kv(kv), n_layers=layers, n_kv_heads=h, head_dim=d, capacity=n + 64)
-        fill_synthetic(cache, n)
-        keep.append(cache)
-        plans[kv] = [decode_plan(lib, q, k, v, out, cache.layer(i), None, keep) for i in range(layers)]
+    layers = Layers(shape, n)
+    plans = {kv: layers.plans(lib, layers.cache(kv)) for kv in specs}
     times: dict[str, list[float]] = {kv: [] for kv in specs}
     for _ in range(rounds):
         for kv in specs:
-            t0 = time.perf_counter()
-            for plan in plans[kv]:
-                ops.attend_layer(lib, plan)
-            times[kv].append((time.perf_counter() - t0) / layers)
+            times[kv].append(Layers.seconds(lib, plans[kv]))
     print(f"{backend.describe()}; {shape} layer shape; {n} tokens; median of {rounds} rounds, one layer")
     first = statistics.median(times[specs[0]])
     for kv in specs:

@@ -7,7 +7,7 @@ On a shared 2-core VM two separate runs differ by up to 30%, far more than most 
 move; what holds is a ratio measured in one process with the two builds alternating. This builds
 the tree's native sources (as ``native/build.py`` does) and a second library from the same
 sources with the named files (default: every ``.cpp`` and ``.h``) taken from REV, builds each
-spec's 30-layer cache once (synthetic fill, the layer shape of ``bench/attention_rounds.py``),
+spec's 30-layer cache once (``bench/attention_rounds.py: Layers``: synthetic fill, its shapes),
 describes it to each library separately, and times one pass of ``attend_layer`` over all layers
 with the tree's library, then with REV's, round after round. It prints each side's median per
 layer and the median of the per-round ratios tree/REV (below 1: the tree is faster).
@@ -21,21 +21,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch
+from attention_rounds import Layers  # bench/ is the script's folder, so on sys.path
 
-from minillama.eval.synthetic import fill_synthetic
-from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import decode_plan
-from minillama.kv.spec import parse_kv
-from minillama.native import abi, backend, build, ops
-
-SHAPES = {  # (layers, KV heads, query heads per KV head, head_dim), as bench/attention_rounds.py
-    "smollm2": (30, 3, 3, 64),
-    "tinyllama": (22, 4, 8, 64),
-}
+from minillama.native import abi, backend, build
 
 
 def library_at(rev: str, names: list[str], where: Path) -> ctypes.CDLL:
@@ -72,31 +62,20 @@ def main() -> None:
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 12
     shape = sys.argv[5] if len(sys.argv) > 5 else "smollm2"
     names = sys.argv[6].split(",") if len(sys.argv) > 6 else sorted(p.name for p in build.HERE.glob("*.[ch]*"))
-    if shape not in SHAPES:
-        sys.exit(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
     new = backend.library()
     if new is None:
         sys.exit(f"the kernels are not in use: {backend.describe()}")
-    layers, h, r, d = SHAPES[shape]
+    layers = Layers(shape, n)
     with tempfile.TemporaryDirectory() as tmp:
         old = library_at(rev, [x for x in names if x.endswith((".cpp", ".h"))], Path(tmp))
         print(f"{backend.describe()}; tree vs {rev} ({', '.join(names)}); {shape} layer; {n} tokens; {rounds} rounds")
-        q, k, v = torch.randn(1, h * r, 1, d), torch.randn(1, h, 1, d), torch.randn(1, h, 1, d)  # (B, Hq or Hkv, 1, D)
-        out, keep = torch.empty_like(q), []
         for kv in specs:
-            cache = KVCache(parse_kv(kv), n_layers=layers, n_kv_heads=h, head_dim=d, capacity=n + 64)
-            fill_synthetic(cache, n)
-            plans = {
-                lib: [decode_plan(lib, q, k, v, out, cache.layer(i), None, keep) for i in range(layers)]
-                for lib in (new, old)
-            }
+            cache = layers.cache(kv)
+            plans = {lib: layers.plans(lib, cache) for lib in (new, old)}
             times: dict[ctypes.CDLL, list[float]] = {new: [], old: []}
             for _ in range(rounds):
                 for lib in (new, old):
-                    t0 = time.perf_counter()
-                    for plan in plans[lib]:
-                        ops.attend_layer(lib, plan)
-                    times[lib].append((time.perf_counter() - t0) / layers * 1e6)
+                    times[lib].append(Layers.seconds(lib, plans[lib]) * 1e6)
             ratio = statistics.median(a / b for a, b in zip(times[new], times[old]))
             print(
                 f"{kv:10s} tree {statistics.median(times[new]):7.0f} us  {rev} {statistics.median(times[old]):7.0f} us"
