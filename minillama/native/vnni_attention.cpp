@@ -143,9 +143,22 @@ template <int NC>
 struct VnniQuery {
     alignas(64) int32_t qw[16][2 * NC];
     alignas(64) float qa[16][8 * NC];  // [head][8 chunk + j]: the int8 step of the chunk (quantize16's lanes)
-    float offset[16];              // codebooks: 2048 sum_d a q8_d, the unsigned offset's share
+    float offset[16];              // codebooks: 2048 (16-bit levels) or 128 (byte levels) sum_d a q8_d, the unsigned offset's share
     float qsum[16], qz[16];        // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
 };
+
+// Each lane: the max of the 8 lanes of its half of m (lanes 0-7 or 8-15), by in-lane shuffles.
+inline __m512 max_per_8(__m512 m) {
+    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));        // neighbours
+    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4E));        // pairs: each 128-bit lane's max
+    return _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));  // 128-bit lanes 0-1, 2-3
+}
+
+// 1 / a to a few ulp: rcp14 and one Newton step (no division).
+inline __m512 reciprocal(__m512 a) {
+    const __m512 inv = _mm512_rcp14_ps(a);
+    return _mm512_mul_ps(inv, _mm512_fnmadd_ps(a, inv, _mm512_set1_ps(2.f)));
+}
 
 // 16 floats (two chunks of 8 channels) -> int8 per chunk (a = max |x| / 127 over the chunk),
 // laid out for vpdpbusd: the even channels' 4 bytes, then the odd ones', per chunk (16 bytes
@@ -156,14 +169,9 @@ struct VnniQuery {
 // tokens, the largest cost of their scores after the dot products (docs/speed.md).
 inline __m512i quantize16(__m512 x, int32_t* qw, float* qa) {
     const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-    __m512 m = _mm512_abs_ps(x);
-    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));               // neighbours
-    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4E));               // pairs: each 128-bit lane's max
-    m = _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));         // 128-bit lanes 0-1, 2-3: each chunk's max
+    const __m512 m = max_per_8(_mm512_abs_ps(x));  // each chunk's max
     const __m512 a = _mm512_mul_ps(_mm512_max_ps(m, _mm512_set1_ps(1e-30f)), _mm512_set1_ps(1.f / 127.f));  // all-zero chunk: q8 = 0
-    __m512 inv = _mm512_rcp14_ps(a);
-    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(a, inv, _mm512_set1_ps(2.f)));
-    const __m512i q8 = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv));  // round to nearest even
+    const __m512i q8 = _mm512_cvtps_epi32(_mm512_mul_ps(x, reciprocal(a)));  // round to nearest even
     _mm_storeu_si128((__m128i*)qw, _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q8), split));  // lo, hi of chunk 0, then of 1
     _mm512_store_ps(qa, a);
     return q8;
@@ -452,14 +460,10 @@ inline float weights16(const float* p, const float* sc, const float* zc, int len
     const __m512 p0 = _mm512_maskz_loadu_ps(m0, p), p1 = _mm512_maskz_loadu_ps(m1, p + 16);
     const __m512 w0 = _mm512_mul_ps(p0, _mm512_loadu_ps(sc)), w1 = _mm512_mul_ps(p1, _mm512_loadu_ps(sc + 16));
     *zacc = _mm512_fmadd_ps(p0, _mm512_loadu_ps(zc), _mm512_fmadd_ps(p1, _mm512_loadu_ps(zc + 16), *zacc));
-    __m512 m = _mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1));
-    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));
-    m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4E));
-    m = _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));
+    __m512 m = max_per_8(_mm512_max_ps(_mm512_abs_ps(w0), _mm512_abs_ps(w1)));
     m = _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0x4E));  // every lane: max |w|
     const __m512 b = _mm512_mul_ps(_mm512_max_ps(m, _mm512_set1_ps(1e-30f)), _mm512_set1_ps(1.f / 32767.f));
-    __m512 inv = _mm512_rcp14_ps(b);
-    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(b, inv, _mm512_set1_ps(2.f)));  // |w inv| <= 32767 (1 + 2^-22): cvt rounds within int16
+    const __m512 inv = reciprocal(b);  // |w inv| <= 32767 (1 + 2^-22): cvt rounds within int16
     const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w0, inv)));
     const __m256i hi = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w1, inv)));
     *w16 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // 32 int16: token t in lane t
