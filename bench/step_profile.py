@@ -3,15 +3,15 @@
     python bench/step_profile.py --context 512 --kv fp16
     python bench/step_profile.py --context 8192 --kv hadv2 --fill synthetic
 
-One step on the kernels backend is: Python builds the positions, embedding and RoPE angles
-(model/llama.py: hidden) and refreshes the cache's description of its layers
-(kv/fused_attention.py: CachePlans); one native call runs every layer (native/step.cpp: norm,
-q/k/v, RoPE, attention, o, norm, gate/up, SiLU, down); every layer's new keys and values are
-appended to the cache (kv/layered.py, encoding them: kv/write.py); then the final norm and the
-LM head. The script times each of those wrappers over real steps; the native call itself adds
-the wall time of its projections, attention and the rest to counters when asked
-(native/step.cpp: LayerStep.timing). Timing wrappers add a few microseconds per call: the
-total with them is printed beside the total without.
+One step on the kernels backend is: Python takes the token and position (model/llama.py: _run)
+and refreshes the cache's description of its layers (kv/fused_attention.py: CachePlans); one
+native call runs the embedding row, every layer (native/step.cpp: norm, q/k/v, RoPE, attention,
+o, norm, gate/up, SiLU, down), the final norm and the LM head; every layer's new keys and values
+are appended to the cache (kv/layered.py, encoding them: kv/write.py). The script times each of
+those wrappers over real steps; the native call itself adds the wall time of its projections,
+attention, the rest and the head to counters when asked (native/step.cpp: LayerStep.timing).
+Timing wrappers add a few microseconds per call: the total with them is printed beside the
+total without.
 """
 
 from __future__ import annotations
@@ -77,21 +77,20 @@ def main() -> None:
 
         return wrapper
 
-    ops.decode_layers = timed("native layer calls", ops.decode_layers)
+    ops.decode_step = timed("native step call", ops.decode_step)
     KVCache.kernel_plans = timed("layer plans (Python)", KVCache.kernel_plans)
     KVCache.append_stacked = timed("cache append (encode + write)", KVCache.append_stacked)
-    step.lm_head = timed("final LM head", step.lm_head)
     steps(3)
     acc.clear()
     timed_total = steps(args.steps)
     parts = {k: v / args.steps * 1000 for k, v in acc.items()}
 
-    phases = torch.zeros(3, dtype=torch.float64)  # projections, attention, rest: seconds, inside the layer calls
+    phases = torch.zeros(4, dtype=torch.float64)  # projections, attention, rest, head: seconds, inside the call
     native = step.native_step(lm.model, backend.library(), 1)
     native.time_phases(phases)
     steps(args.steps)
     native.time_phases(None)
-    proj_in, attn_in, rest_in = (float(v) / args.steps * 1000 for v in phases)
+    proj_in, attn_in, rest_in, head_in = (float(v) / args.steps * 1000 for v in phases)
     proj = projection_ms(lm.model)
     lm_head = projection_ms_of(lm.model.lm_head.weight)
     bandwidth = measure_bandwidth()
@@ -103,18 +102,19 @@ def main() -> None:
         f"({weights / 1e6:.1f} MB weights): floor {read / bandwidth * 1000:.2f} ms at the measured "
         f"{bandwidth / 1e9:.1f} GB/s, roofline {100 * read / bandwidth * 1000 / plain:.0f}%"
     )
-    native = parts.get("native layer calls", 0.0)
+    native = parts.get("native step call", 0.0)
     rows = [
-        ("native layer calls", native),
+        ("native step call", native),
         ("  projections (q/k/v, o, gate/up, down)", proj_in),
         ("  attention over the cache", attn_in),
         ("  rest: norms, rounding, RoPE, SiLU, copies", rest_in),
-        ("  call overhead (ctypes, timers)", native - proj_in - attn_in - rest_in),
+        ("  final norm and LM head", head_in),
+        ("  call overhead (ctypes, timers, embedding rows)", native - proj_in - attn_in - rest_in - head_in),
     ]
-    rows += [(k, v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if k != "native layer calls"]
+    rows += [(k, v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if k != "native step call"]
     rows.append(("  of which the LM head's projection (alone)", lm_head))
     rows.append(("(projections alone, outside the step: every layer + LM head)", proj))
-    rows.append(("Python between (embedding, angles, glue)", timed_total - sum(parts.values())))
+    rows.append(("Python between (token, angles, glue)", timed_total - sum(parts.values())))
     for name, ms in rows:
         print(f"  {name:48s} {ms:7.2f} ms")
 

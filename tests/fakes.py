@@ -80,9 +80,9 @@ class ListCache:
     def held(self) -> int:
         return len(self.kept)
 
-    def query_positions(self, t: int, device=None) -> torch.Tensor:
-        first = self.held if self.slot_positions else self.position
-        return torch.arange(first, first + t, device=device)
+    @property
+    def next_position(self) -> int:
+        return self.held if self.slot_positions else self.position
 
     def layer(self, i: int) -> ListLayer:
         positions = list(range(self.held)) if self.slot_positions else self.kept

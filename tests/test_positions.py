@@ -59,7 +59,7 @@ def test_cache_positions_equal_a_cache_rebuilt_at_slots_0_to_c(tiny, name):
 def test_cache_positions_never_pass_the_capacity(tiny):
     cache = KVCache.for_model(tiny.config, parse_kv("k=fp16,v=fp16,sinks=4,rope=pre,positions=cache"), 32)
     run(tiny.model, cache, tokens(100), chunks=(16,))
-    assert cache.position == 100 and cache.query_positions(1).item() == 32  # the next token's position
+    assert cache.position == 100 and cache.next_position == 32  # the next token's position
     assert cache.layer(0).positions().tolist() == list(range(32))
 
 
@@ -75,7 +75,7 @@ def compare_fused(lib, spec, n, capacity=512, chunk=7, batch=2):
         torch.randn(batch, 2, 1, 64, generator=g),
     )
     rotary = RotaryTable(1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
-    pos = cache.query_positions(1)
+    pos = torch.tensor([cache.next_position])
     cos, sin = rope_tables(rotary.inv_freq, pos, torch.float32)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     view = cache.layer(0)

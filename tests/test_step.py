@@ -73,13 +73,13 @@ def test_the_native_step_gives_the_logits_of_the_layers(model_dir, preset, dtype
     model's dtype; the native step runs once per decode step, for every layer."""
     lm = load_model(str(model_dir), dtype)
     calls = []
-    real = ops.decode_layers
-    monkeypatch.setattr(ops, "decode_layers", lambda lib, steps: calls.append(1) or real(lib, steps))
+    real = ops.decode_step
+    monkeypatch.setattr(ops, "decode_step", lambda lib, steps, ends: calls.append(1) or real(lib, steps, ends))
     seen = len(backend.fallbacks())
     with backend.using("kernels-exact"):
         native = decode_logits(lm, preset, batch)
     assert backend.fallbacks()[seen:] == []
-    assert len(calls) == 10  # one native call per step for every layer
+    assert len(calls) == 10  # one native call per step: embedding, every layer, norm and LM head
     layer_by_layer(monkeypatch)
     with backend.using("kernels-exact"):
         layers = decode_logits(lm, preset, batch)
@@ -110,6 +110,36 @@ def test_the_native_step_matches_the_reference_backend(model_dir, preset):
         native = decode_logits(lm, preset, 2)
     assert torch.allclose(native, reference, atol=1e-3, rtol=1e-4)
     assert torch.equal(native.argmax(-1), reference.argmax(-1))
+
+
+@needs_kernels
+def test_an_lm_head_the_step_does_not_read_is_a_recorded_fallback(model_dir):
+    """The step reads the LM head as contiguous rows; a head stored transposed (the same numbers)
+    sends the whole step to the PyTorch layers, with the reason recorded (shown by --debug,
+    bench's fallbacks and chat's /stats), and the logits are the layers' logits."""
+    lm = load_model(str(model_dir), "float32")
+    with backend.using("kernels-exact"):
+        native = decode_logits(lm, "fp16", 1, steps=2)
+    head = lm.model.lm_head
+    head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t())  # same values, not contiguous
+    lm.model._native_steps.clear()
+    with backend.using("kernels-exact"):
+        layers = decode_logits(lm, "fp16", 1, steps=2)
+    assert any(r.startswith("decode step: LM head") and "contiguous" in r for r in backend.fallbacks())
+    assert torch.allclose(native, layers, atol=1e-3, rtol=1e-4)
+
+
+@needs_kernels
+def test_a_token_outside_the_vocabulary_is_refused_before_the_step_writes(model_dir):
+    """The step checks every token id before it writes anything: the cache is unchanged, and the
+    PyTorch layers then raise the embedding's own error."""
+    lm = load_model(str(model_dir), "float32")
+    cache = KVCache.for_model(lm.config, parse_kv("fp16"), 16)
+    with torch.no_grad(), backend.using("kernels"):
+        lm.model(torch.tensor([[5, 9]]), cache)
+        with pytest.raises(IndexError):
+            lm.model(torch.tensor([[lm.config.vocab_size]]), cache)
+    assert cache.position == 2 and cache.held == 2
 
 
 @needs_kernels
@@ -251,8 +281,8 @@ def test_a_group_of_schemes_and_a_batch_past_16_rows_decode_in_the_one_native_ca
             return torch.stack([lm.model(rows[:, t : t + 1], cache)[:, -1] for t in range(70, 70 + steps)])
 
     calls = []
-    real = ops.decode_layers
-    monkeypatch.setattr(ops, "decode_layers", lambda lib, s: calls.append(1) or real(lib, s))
+    real = ops.decode_step
+    monkeypatch.setattr(ops, "decode_step", lambda lib, s, e: calls.append(1) or real(lib, s, e))
     seen = len(backend.fallbacks())
     group = CacheGroup([KVCache.for_model(lm.config, parse_kv(s), 128, batch=b) for s in specs])
     together = decode(group, ids.repeat(len(specs), 1), "kernels-exact")  # (steps, 21, vocab)

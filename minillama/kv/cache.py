@@ -125,11 +125,11 @@ class KVCache:
         """Keys are stored before RoPE (rope=pre) and rotated for their positions when read."""
         return self.spec.rope == "pre"
 
-    def query_positions(self, t: int, device=None) -> torch.Tensor:
-        """Positions of the next t tokens (T,): absolute, or with positions=cache the slots they
-        will take after the held tokens (StreamingLLM's rule)."""
-        first = self.held if self.spec.positions == "cache" else self.position
-        return torch.arange(first, first + t, device=device)
+    @property
+    def next_position(self) -> int:
+        """Position of the next token (the following ones count on from it): absolute, or with
+        positions=cache the slot it will take after the held tokens (StreamingLLM's rule)."""
+        return self.held if self.spec.positions == "cache" else self.position
 
     def first_rest_position(self) -> int:
         """Position of the oldest held token that is not a sink (positions are consecutive from it):

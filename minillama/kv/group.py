@@ -85,8 +85,9 @@ class CacheGroup:
     def pre_rope(self) -> bool:
         return self.caches[0].pre_rope
 
-    def query_positions(self, t: int, device=None) -> torch.Tensor:
-        return self.caches[0].query_positions(t, device)
+    @property
+    def next_position(self) -> int:
+        return self.caches[0].next_position
 
     def layer(self, i: int) -> GroupView:
         return GroupView([c.layer(i) for c in self.caches], self.rows)

@@ -3,7 +3,7 @@
 The model (model/llama.py, model/attention.py) uses a cache only through these names, as
 gpt-fast's model uses ``KVCache.update`` and mlx-lm's ``offset``/``update_and_fetch``:
 
-    cache.query_positions(t)   positions of the next t tokens (RoPE angles of the queries)
+    cache.next_position        the next token's position (RoPE angles of the queries from it on)
     cache.pre_rope             keys are stored before RoPE (rotated for their positions when read)
     cache.held                 how many tokens are stored
     cache.layer(i)             a LayerView: what attention reads of layer i
@@ -84,7 +84,8 @@ class Cache(Protocol):
     @property
     def pre_rope(self) -> bool: ...
 
-    def query_positions(self, t: int, device=None) -> torch.Tensor: ...
+    @property
+    def next_position(self) -> int: ...
 
     def layer(self, i: int) -> LayerView: ...
 

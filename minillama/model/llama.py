@@ -189,19 +189,18 @@ class Llama(nn.Module):
 
     def _run(self, tokens: torch.Tensor, cache: Cache | None, last_only: bool, logits: bool) -> torch.Tensor:
         b, t = tokens.shape
-        positions = (
-            cache.query_positions(t, tokens.device) if cache is not None else torch.arange(t, device=tokens.device)
-        )
-        x = self.model.embed_tokens(tokens)  # (B, T, hidden)
+        first = cache.next_position if cache is not None else 0  # the position of tokens[:, 0]
         rotary = None
         if cache is not None and cache.pre_rope:
             if self.rotary is None or self.rotary.inv_freq.device != self.inv_freq.device:
                 self.rotary = RotaryTable(self.inv_freq)
             rotary = self.rotary
-            rotary.get(int(positions[-1]) + 1)  # every position a key of this step can have
-        out = step.decode(self, x, positions, cache, rotary, logits)  # the kernels backend's whole step
+            rotary.get(first + t)  # every position a key of this step can have
+        out = step.decode(self, tokens, first, cache, rotary, logits)  # the kernels backend's whole step
         if out is not None:
             return out  # (B, 1, vocab or hidden)
+        x = self.model.embed_tokens(tokens)  # (B, T, hidden)
+        positions = torch.arange(first, first + t, device=tokens.device)  # (T,)
         cos, sin = rope_tables(self.inv_freq, positions, self.dtype)  # (T, D) each
         fast = step.fast_paths()
         new_kv = []

@@ -7,11 +7,13 @@ small CPU. This module is the other path and the one place that chooses between 
 all; anything else (prefill, the reference backend, a cache no kernel reads -- the reason is
 recorded, native/backend.py: fallback) runs the PyTorch layers.
 
-``NativeStep`` describes each layer to the C++ step once (weights, norms, biases: pointers that
-never change) and per step adds what does: the hidden state, the RoPE angles of the position
-and the attention plans of the layer's caches (kv/fused_attention.py). The new keys and values
-of every layer are then appended to the cache in one call, as the reference does. Tests hold
-the logits of both paths equal (tests/test_step.py).
+``NativeStep`` describes the step to C++ once (each layer's weights, norms and biases; the
+embedding table, final norm and LM head: pointers that never change) and per step adds what
+does: the tokens, the RoPE angles of the position, the output tensor and the attention plans of
+the layers' caches (kv/fused_attention.py). One native call then runs the embedding rows, every
+layer, the final norm and the LM head; the new keys and values of every layer are appended to
+the cache in one call, as the reference does. Tests hold the logits of both paths equal
+(tests/test_step.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache
 from minillama.model.rope import rope_tables
 from minillama.native import backend, ops
-from minillama.native.abi import DTYPE_CODE, LayerPlan, LayerStep, NotSupported
+from minillama.native.abi import DTYPE_CODE, LayerPlan, LayerStep, NotSupported, StepEnds
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -34,11 +36,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class NativeStep:
-    """One model's layers described to the C++ decode step, for `batch` sequences in `dtype`."""
+    """One model described to the C++ decode step, for `batch` sequences in `dtype`; NotSupported
+    when a tensor it would point at is not one the step reads."""
 
     def __init__(self, model, lib, batch: int):
         cfg = model.config
         self.lib, self.batch, self.dtype = lib, batch, model.dtype
+        if self.dtype not in (torch.float32, torch.bfloat16) or model.model.layers[0].self_attn.qkv is None:
+            raise NotSupported(f"{self.dtype} weights or unfused projections (the step takes fused float32/bfloat16)")
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        for name, t in (("embedding", embed), ("LM head", head)):
+            if t.dtype != self.dtype or not t.is_contiguous():
+                raise NotSupported(f"{name} {tuple(t.shape)} {t.dtype}: the step reads contiguous {self.dtype} rows")
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.n_kv_heads, cfg.head_dim
         n = cfg.num_hidden_layers
         self.new_k = torch.empty(n, batch, self.hkv, 1, self.d, dtype=self.dtype)  # (L, B, Hkv, 1, D)
@@ -48,14 +57,19 @@ class NativeStep:
         )
         self.scratch = torch.empty(size, dtype=torch.uint8)
         self.weights: list[torch.Tensor] = []  # every tensor a LayerStep points at, kept alive with it
-        # The step's own buffers, at fixed addresses the layers point at: the residual stream and
-        # this token's RoPE angles, copied in at each step (normal tensors even when made under
-        # inference mode, so that a step outside it may write them too).
-        with torch.inference_mode(False):
-            self.x = torch.empty(batch, 1, cfg.hidden_size, dtype=self.dtype)  # (B, 1, hidden)
-            self.cos = torch.empty(1, self.d)  # (1, D) float32
-            self.sin = torch.empty(1, self.d)
-        self.norm, self.eps = model.model.norm.weight, model.model.norm.eps  # the final norm
+        # The residual stream, at a fixed address every layer points at (written by the step only),
+        # and the head's float32 product before rounding.
+        self.x = torch.empty(batch, 1, cfg.hidden_size, dtype=self.dtype)  # (B, 1, hidden)
+        self.product = torch.empty(batch, cfg.vocab_size)  # (B, vocab) float32
+        self.inv_freq = model.inv_freq
+        self.angles: tuple[int, torch.Tensor, torch.Tensor] = (0, torch.empty(0), torch.empty(0))
+        self.hidden, self.vocab = cfg.hidden_size, cfg.vocab_size
+        norm = model.model.norm
+        self.weights += [embed, head, norm.weight]
+        self.ends = StepEnds(
+            embed=_ptr(embed), norm=_ptr(norm.weight), product=_ptr(self.product), vocab=cfg.vocab_size, eps=norm.eps
+        )
+        self.head = _ptr(head)
         self.steps = (LayerStep * n)()  # one contiguous array: the whole step is one native call
         self.pre_rope = False
         self.plans: list[list[LayerPlan]] = [[] for _ in range(n)]  # the plans each layer points at now
@@ -87,8 +101,6 @@ class NativeStep:
                 b_gu=_ptr(b_gu),
                 w_down=_ptr(mlp.down_proj.weight),
                 b_down=_ptr(mlp.down_proj.bias),
-                cos=_ptr(self.cos),
-                sin=_ptr(self.sin),
                 x=_ptr(self.x),
                 k_new=_ptr(self.new_k[i]),
                 v_new=_ptr(self.new_v[i]),
@@ -96,19 +108,19 @@ class NativeStep:
             )
 
     def time_phases(self, timing: torch.Tensor | None) -> None:
-        """Profiling: every layer call adds the wall seconds of its projections, attention and the
-        rest to timing (3,) float64 (bench/step_profile.py); None stops it."""
+        """Profiling: the step adds the wall seconds of its layers' projections, attention and the
+        rest, and of its final norm and LM head, to timing (4,) float64 (bench/step_profile.py);
+        None stops it."""
         ptr = ctypes.cast(timing.data_ptr(), ctypes.POINTER(ctypes.c_double)) if timing is not None else None
         self._timing = timing  # kept alive while the kernels write to it
         for step in self.steps:
             step.timing = ptr
 
-    def run(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None, rotary=None
-    ) -> torch.Tensor:
-        """x (B, 1, hidden) after the embedding -> the final norm of the last layer's output (B, 1, hidden); the cache
-        gets every layer's new keys and values. NotSupported before anything runs when a layer's
-        cache has a part no kernel reads."""
+    def run(self, tokens: torch.Tensor, position: int, cache: Cache | None, rotary=None, logits=True) -> torch.Tensor:
+        """tokens (B, 1) at `position` -> logits (B, 1, vocab), or without `logits` the final norm of
+        the last layer's output (B, 1, hidden), in the model's dtype; the cache gets every layer's
+        new keys and values. NotSupported before anything runs when a layer's cache has a part no
+        kernel reads."""
         pre = cache is not None and cache.pre_rope
         rope = rotary.halves if pre else None
         plans = self._plans(cache, rope)  # [layer][cache of the batch]: every plan before any layer runs
@@ -123,10 +135,13 @@ class NativeStep:
             for step in self.steps:
                 step.pre_rope = int(pre)
             self.pre_rope = pre
-        self.x.copy_(x)  # (B, 1, hidden), updated in place layer by layer
-        self.cos.copy_(cos)
-        self.sin.copy_(sin)
-        ops.decode_layers(self.lib, self.steps)
+        tokens = tokens.reshape(-1).to(torch.int64).contiguous()  # (B,)
+        cos, sin = self._angles(position)  # (D,) float32 each
+        out = torch.empty(self.batch, 1, self.vocab if logits else self.hidden, dtype=self.dtype)
+        e = self.ends
+        e.tokens, e.cos, e.sin, e.out = tokens.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr()
+        e.head = self.head if logits else None
+        ops.decode_step(self.lib, self.steps, e)
         if isinstance(cache, KVCache):
             cache.count_kernel_read()
             cache.append_stacked(self.new_k, self.new_v)  # the one place the cache grows
@@ -140,7 +155,17 @@ class NativeStep:
             # fresh tensors: another cache may keep what it is given, and the step reuses its buffers
             new_k, new_v = self.new_k.clone(), self.new_v.clone()  # (L, B, Hkv, 1, D) each
             cache.append(list(zip(new_k, new_v)))
-        return ops.add_rms_norm(self.lib, self.x, None, self.norm, self.eps)[1]  # final norm: a new tensor
+        return out
+
+    def _angles(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE angles of `position`, cos and sin (D,) float32 (rope_tables' numbers), made for
+        64 positions at a time: a step usually takes the row after the last one's."""
+        first, cos, sin = self.angles
+        if not first <= position < first + cos.shape[0]:
+            first = position
+            cos, sin = rope_tables(self.inv_freq, torch.arange(first, first + 64), torch.float32)  # (64, D) each
+            self.angles = (first, cos, sin)
+        return cos[position - first], sin[position - first]
 
     def _plans(self, cache: Cache | None, rope) -> list[list[LayerPlan]]:
         """Each layer's attention plans, one per cache whose rows the batch holds in turn (a
@@ -182,49 +207,31 @@ def fast_paths() -> bool:
 
 
 def decode(
-    model, x: torch.Tensor, positions: torch.Tensor, cache: Cache | None, rotary=None, logits: bool = True
+    model, tokens: torch.Tensor, position: int, cache: Cache | None, rotary=None, logits: bool = True
 ) -> torch.Tensor | None:
-    """The kernel-or-PyTorch decision, made here only. x (B, 1, hidden) after the embedding, one token
-    per sequence at `positions`: on the kernels backend the whole step -- every layer in one native
-    call, the final norm, and with `logits` the LM head (the matrix-vector kernel) -> (B, 1, vocab),
-    else the final hidden state (B, 1, hidden); the cache grown. None when the PyTorch layers run
-    instead: not a decode step, the reference backend, a dtype or layout the step does not take,
-    or a cache part no kernel reads (recorded as a fallback; nothing ran)."""
-    if x.shape[1] != 1:  # a prefill chunk: the PyTorch layers, fused attention (fast_paths)
+    """The kernel-or-PyTorch decision, made here only. tokens (B, 1), one per sequence at `position`:
+    on the kernels backend the whole step -- the embedding rows, every layer, the final norm and
+    with `logits` the LM head, in one native call -> (B, 1, vocab), else the final hidden state
+    (B, 1, hidden); the cache grown. None when the PyTorch layers run instead: not a decode step,
+    the reference backend, a dtype or layout the step does not take, or a cache part no kernel
+    reads (recorded as a fallback; nothing ran)."""
+    if tokens.shape[1] != 1:  # a prefill chunk: the PyTorch layers, fused attention (fast_paths)
         return None
-    lib = kernels(x.device)
+    lib = kernels(tokens.device)
     if lib is None:  # the reference backend, or no kernels on this machine (describe() says why)
-        return None
-    if x.dtype not in (torch.float32, torch.bfloat16) or model.model.layers[0].self_attn.qkv is None:
-        backend.fallback(
-            f"decode step: {x.dtype} weights or unfused projections (the step takes fused float32/bfloat16)"
-        )
         return None
     if torch.is_grad_enabled():
         backend.fallback("decode step: autograd is on (the kernels run under torch.no_grad() or inference_mode)")
         return None
-    cos, sin = rope_tables(model.inv_freq, positions, torch.float32)  # (1, D) each
     try:
-        h = native_step(model, lib, x.shape[0]).run(x, cos, sin, cache, rotary)  # (B, 1, hidden)
+        return native_step(model, lib, tokens.shape[0]).run(tokens, position, cache, rotary, logits)
     except NotSupported as e:
         backend.fallback(f"decode step: {e}")
         return None
-    return lm_head(lib, model.lm_head.weight, h) if logits else h
-
-
-def lm_head(lib, weight: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """h (B, 1, hidden) -> logits (B, 1, vocab) in h's dtype, rounded once as F.linear rounds: the
-    head's weights streamed by the matrix-vector kernel."""
-    try:
-        y = ops.gemm_rows(lib, h.reshape(h.shape[0], -1), weight)  # (B, vocab) float32
-    except NotSupported as e:  # the step has run: the same product in PyTorch, recorded
-        backend.fallback(f"LM head {tuple(weight.shape)} {weight.dtype}: {e}")
-        return torch.nn.functional.linear(h, weight)
-    return y.to(h.dtype).unsqueeze(1)  # (B, 1, vocab)
 
 
 def native_step(model, lib, batch: int) -> NativeStep:
-    """The model's layers described to the native step for this batch size, built on first use and
+    """The model described to the native step for this batch size, built on first use and
     kept on the model (``model._native_steps``: derived data, dropped when ``.to()`` or an assigning
     ``load_state_dict`` gives the weights new storage; the step keeps the tensors it points at
     alive, so a pointer never outlives its memory)."""

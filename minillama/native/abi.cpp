@@ -33,6 +33,7 @@ extern "C" int minillama_abi_size(int which) {
         case 2: return (int)sizeof(LayerPlan);
         case 3: return (int)sizeof(LayerStep);
         case 4: return (int)sizeof(TokenWrite);
+        case 5: return (int)sizeof(StepEnds);
         default: return -1;
     }
 }

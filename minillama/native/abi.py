@@ -156,7 +156,16 @@ class TokenWrite(ctypes.Structure):
     ]
 
 
-STRUCTS = [RowSource, Part, LayerPlan, LayerStep, TokenWrite]  # minillama_abi_size(i) is the size of STRUCTS[i]
+class StepEnds(ctypes.Structure):
+    _fields_ = [
+        *[(name, ctypes.c_void_p) for name in ("embed", "tokens", "cos", "sin", "norm", "head", "product", "out")],
+        ("vocab", ctypes.c_int),
+        ("eps", ctypes.c_float),
+    ]
+
+
+# minillama_abi_size(i) is the size of STRUCTS[i]
+STRUCTS = [RowSource, Part, LayerPlan, LayerStep, TokenWrite, StepEnds]
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # name: (argument types, return type)
@@ -169,7 +178,7 @@ SIGNATURES = {  # name: (argument types, return type)
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
     "write_token": ([ctypes.POINTER(TokenWrite)], _I),
-    "decode_layers": ([ctypes.POINTER(LayerStep), _I], _I),
+    "decode_step": ([ctypes.POINTER(LayerStep), _I, ctypes.POINTER(StepEnds)], _I),
     "step_scratch_bytes": ([_I, _I, _I, _I, _I, _I, _I], ctypes.c_int64),
     "minillama_features": ([], _I),
     "minillama_abi_size": ([_I], _I),

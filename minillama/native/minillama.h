@@ -139,8 +139,23 @@ struct LayerStep {
     double* timing;      // null, or STEP_PHASES seconds the call adds its phases' wall time to (profiling)
 };
 // The phases decode_layer times when asked: projections (the four products), attention, the rest
-// (norms, rounding, RoPE, SiLU, copies).
-enum { STEP_PROJECTIONS = 0, STEP_ATTENTION = 1, STEP_REST = 2, STEP_PHASES = 3 };
+// (norms, rounding, RoPE, SiLU, copies); decode_step adds the final norm and LM head.
+enum { STEP_PROJECTIONS = 0, STEP_ATTENTION = 1, STEP_REST = 2, STEP_HEAD = 3, STEP_PHASES = 4 };
+
+// What a whole decode step does around its layers (decode_step): each sequence's embedding row
+// in, RoPE angles for every layer, and the final norm and LM head out. In the layers' dtype.
+struct StepEnds {
+    const void* embed;      // (vocab, hidden): the embedding table
+    const int64_t* tokens;  // (B): this step's token of each sequence
+    const float* cos;       // (D) float32: the RoPE angles of the step's position (every layer's)
+    const float* sin;
+    const void* norm;       // (hidden): the final RMSNorm weight
+    const void* head;       // (vocab, hidden): the LM head, or null: out gets the normed hidden state
+    float* product;         // (B, vocab) float32: the head's product before rounding
+    void* out;              // (B, vocab) logits or (B, hidden) hidden states
+    int vocab;
+    float eps;              // the final norm's
+};
 
 // -- entry points -------------------------------------------------------------------------
 
@@ -171,9 +186,10 @@ int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, 
                   uint16_t* scale, uint16_t* zero);
 int write_token(const TokenWrite* write);
 
-// A decode step (step.cpp): steps[0..n) are the layers in order, run one after another (the first
-// status that is not 0 stops it); and the scratch each layer needs.
-int decode_layers(const LayerStep* steps, int n);
+// A decode step (step.cpp): the embedding rows of ends->tokens into steps[0].x, steps[0..n) (the
+// layers in order, sharing x; the first status that is not 0 stops it), then the final norm and
+// LM head into ends->out; and the scratch each layer needs.
+int decode_step(const LayerStep* steps, int n, const StepEnds* ends);
 int64_t step_scratch_bytes(int B, int hidden, int Hq, int Hkv, int D, int I, int dtype);
 
 // What this build was compiled for (a bitmask of MINILLAMA_FEATURE_*), and struct sizes.
@@ -186,7 +202,7 @@ enum MinillamaFeature {
     MINILLAMA_FEATURE_AVX512_VBMI = 32,
 };
 int minillama_features(void);
-int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 LayerStep, 4 TokenWrite
+int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 LayerStep, 4 TokenWrite, 5 StepEnds
 }
 
 // The layouts ctypes mirrors (x86-64 and aarch64 LP64: 8-byte pointers, 4-byte ints).
@@ -196,4 +212,5 @@ static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) =
 static_assert(sizeof(Part) == 136, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
+static_assert(sizeof(StepEnds) == 8 * 8 + 8, "StepEnds layout changed: update native/abi.py");
 static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 160, "TokenWrite layout changed: update native/abi.py");

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from minillama.native.abi import DTYPE_CODE, LayerPlan, NotSupported, RowSource, TokenWrite, check
+from minillama.native.abi import DTYPE_CODE, LayerPlan, NotSupported, RowSource, StepEnds, TokenWrite, check
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -150,6 +150,7 @@ def write_token(lib, write: TokenWrite) -> None:
     check(lib.write_token(ctypes.byref(write)), "write_token")
 
 
-def decode_layers(lib, steps: ctypes.Array) -> None:
-    """Every layer of a decode step, in order, as the LayerStep array describes them (model/step.py)."""
-    check(lib.decode_layers(steps, len(steps)), "decode_layers")
+def decode_step(lib, steps: ctypes.Array, ends: StepEnds) -> None:
+    """A whole decode step as model/step.py describes it: the embedding rows, every layer in order
+    (the LayerStep array), the final norm and the LM head (StepEnds)."""
+    check(lib.decode_step(steps, len(steps), ctypes.byref(ends)), "decode_step")

@@ -13,7 +13,8 @@
 // PyTorch reference rounds (decode_ops.cpp). On a small CPU each PyTorch call costs tens of
 // microseconds and a layer made ~20 of them besides its kernels: here it is one call. The new
 // key (before RoPE when the cache keeps pre-RoPE keys) and value are written out for the
-// cache's append, which Python makes once for all layers after the step.
+// cache's append, which Python makes once for all layers after the step. decode_step runs the
+// whole step: embedding rows, every layer, final norm and LM head (model/llama.py: Llama._run).
 
 #include "dtypes.h"
 #include "minillama.h"
@@ -131,9 +132,30 @@ static int decode_layer(const LayerStep* step) {
     return MINILLAMA_OK;
 }
 
-extern "C" int decode_layers(const LayerStep* steps, int n) {
-    for (int i = 0; i < n; i++)
-        if (const int status = decode_layer(&steps[i])) return status;
+extern "C" int decode_step(const LayerStep* steps, int n, const StepEnds* ends) {
+    if (n < 1 || !ends) return MINILLAMA_E_SHAPE;
+    const LayerStep& first = steps[0];
+    const int B = first.B, E = first.hidden, dt = first.dtype, V = ends->vocab;
+    if (dt != 0 && dt != 2) return MINILLAMA_E_DTYPE;
+    const size_t row = (size_t)E * esize(dt);
+    for (int b = 0; b < B; b++)  // every token checked before anything is written
+        if (ends->tokens[b] < 0 || ends->tokens[b] >= V) return MINILLAMA_E_SHAPE;
+    for (int b = 0; b < B; b++)  // x = embedding rows (every layer's x is this one buffer)
+        std::memcpy((char*)first.x + b * row, (const char*)ends->embed + ends->tokens[b] * row, row);
+    for (int i = 0; i < n; i++) {
+        LayerStep layer = steps[i];  // this step's angles
+        layer.cos = ends->cos, layer.sin = ends->sin;
+        if (const int status = decode_layer(&layer)) return status;
+    }
+    Laps t{first.timing};
+    // The final norm; with a head, into the first piece of the scratch (decode_layer's `normed`).
+    void* normed = ends->head ? first.scratch : ends->out;
+    if (int st = add_rms_norm(first.x, nullptr, ends->norm, dt, B, E, ends->eps, nullptr, normed)) return st;
+    if (ends->head) {  // logits rounded once, as F.linear rounds
+        if (int st = gemm_rows(normed, dt, ends->head, dt, B, V, E, ends->product)) return st;
+        round_product(ends->product, nullptr, dt, B, V, ends->out);
+    }
+    t.lap(STEP_HEAD);
     return MINILLAMA_OK;
 }
 
