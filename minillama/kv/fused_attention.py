@@ -27,6 +27,7 @@ raises ``NotSupported`` with the reason before anything runs; attention then tak
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -200,6 +201,8 @@ class CachePlans:
         self.plans: list[LayerPlan | None] = [None] * cache.n_layers
         self.keep: list[list] = [[] for _ in range(cache.n_layers)]
         self.shapes: list[tuple | None] = [None] * len(cache.stores)
+        self.members: list = [None] * len(cache.stores)  # per group: its layers' plan pointers (set_parts)
+        self.live = (ctypes.c_int * 12)()  # a group's (n, start, scale start, first position) per part
 
     def _shape(self, shared, rope_tables) -> tuple:
         lead = shared.stores[0]
@@ -229,6 +232,11 @@ class CachePlans:
             keep: list = []
             self.plans[i] = layer_plan(self.lib, cache.layer(i), cache.batch, self.r, self.d, rope, keep)
             self.keep[i] = keep
+        for g, shared in enumerate(cache.stores):
+            if stale.intersection(shared.layers) or self.members[g] is None:
+                self.members[g] = (ctypes.POINTER(LayerPlan) * len(shared.layers))(
+                    *(ctypes.pointer(self.plans[i]) for i in shared.layers)
+                )
         self.shapes = shapes
         for shared, t in zip(cache.stores, cache.tensor_of):
             lead = shared.stores[0]
@@ -247,10 +255,8 @@ class CachePlans:
                     )
                 if name != "sinks":
                     position += n
-            for i in shared.layers:
-                slots = self.plans[i].vparts if t else self.plans[i].kparts
-                for slot, (n, start, sstart, pos0) in zip(slots, live):
-                    slot.n, slot.src.start, slot.src.sstart, slot.src.pos0 = n, start, sstart, pos0
+            self.live[: 4 * len(live)] = [x for part in live for x in part]
+            ops.set_parts(self.lib, self.members[g], bool(t), self.live, len(live))  # every layer of the group at once
         return self.plans
 
     @staticmethod

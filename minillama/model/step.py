@@ -72,10 +72,10 @@ class NativeStep:
         self.head = _ptr(head)
         self.steps = (LayerStep * n)()  # one contiguous array: the whole step is one native call
         self.pre_rope = False
-        self.plans: list[list[LayerPlan]] = [[] for _ in range(n)]  # the plans each layer points at now
-        self.plan_ids: list[list[int]] = [[] for _ in range(n)]
+        self.plans: list[list[LayerPlan]] = []  # [cache of the batch][layer]: the plans the layers point at now
+        self.plan_ids: list[int] = []
         self.pointers: list = [None] * n  # each layer's array of plan pointers
-        self.no_cache = [[LayerPlan(B=batch)] for _ in range(n)]  # the plans of a step without a cache: no parts
+        self.no_cache = [[LayerPlan(B=batch) for _ in range(n)]]  # the plans of a step without a cache: no parts
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             (w_qkv, b_qkv), (w_gu, b_gu) = attn.qkv, mlp.gate_up
@@ -123,13 +123,14 @@ class NativeStep:
         kernel reads."""
         pre = cache is not None and cache.pre_rope
         rope = rotary.halves if pre else None
-        plans = self._plans(cache, rope)  # [layer][cache of the batch]: every plan before any layer runs
-        for i, (step, layer) in enumerate(zip(self.steps, plans)):
-            if [id(p) for p in layer] != self.plan_ids[i]:  # a plan made anew (a KVCache refreshes its own in place)
+        plans = self._plans(cache, rope)  # [cache of the batch][layer]: every plan before any layer runs
+        ids = [id(p) for member in plans for p in member]
+        if ids != self.plan_ids:  # a plan made anew (a KVCache refreshes its own in place)
+            for i, (step, layer) in enumerate(zip(self.steps, zip(*plans))):
                 pointers = (ctypes.POINTER(LayerPlan) * len(layer))(*(ctypes.pointer(p) for p in layer))
                 self.pointers[i] = pointers  # kept alive while the step points at them
                 step.attn, step.nattn = pointers, len(layer)
-                self.plan_ids[i] = [id(p) for p in layer]
+            self.plan_ids = ids
         self.plans = plans  # (and the plans themselves alive while their ids are compared)
         if pre != self.pre_rope:
             for step in self.steps:
@@ -168,7 +169,7 @@ class NativeStep:
         return cos[position - first], sin[position - first]
 
     def _plans(self, cache: Cache | None, rope) -> list[list[LayerPlan]]:
-        """Each layer's attention plans, one per cache whose rows the batch holds in turn (a
+        """[cache][layer]: each layer's attention plan in each cache whose rows the batch holds in turn (a
         ``CacheGroup`` holds several): a ``KVCache`` keeps its own between steps (refreshed in
         place); another cache is described anew."""
         if cache is None:
@@ -178,7 +179,7 @@ class NativeStep:
         self._keep: list = []  # alive while the layers run
         for member in _members(cache):
             if isinstance(member, KVCache):
-                per_cache.append(member.kernel_plans(self.lib, r, rope))
+                per_cache.append(list(member.kernel_plans(self.lib, r, rope)))  # a copy: refreshed in place
             else:
                 per_cache.append(
                     [
@@ -186,7 +187,7 @@ class NativeStep:
                         for i in range(len(self.steps))
                     ]
                 )
-        return [list(layer) for layer in zip(*per_cache)]
+        return per_cache
 
 
 def _members(cache: Cache) -> list:

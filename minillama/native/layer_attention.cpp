@@ -374,3 +374,16 @@ extern "C" int attend_layer(const LayerPlan* plan) {
     }
     return MINILLAMA_OK;
 }
+
+extern "C" int set_parts(LayerPlan* const* plans, int n, int values, const int* live, int nparts) {
+    for (int i = 0; i < n; i++)
+        if (!plans[i] || nparts > (values ? plans[i]->nv : plans[i]->nk)) return MINILLAMA_E_SHAPE;
+    for (int i = 0; i < n; i++) {
+        Part* parts = values ? plans[i]->vparts : plans[i]->kparts;
+        for (int j = 0; j < nparts; j++) {
+            const int* l = live + 4 * j;
+            parts[j].n = l[0], parts[j].src.start = l[1], parts[j].src.sstart = l[2], parts[j].src.pos0 = l[3];
+        }
+    }
+    return MINILLAMA_OK;
+}

@@ -186,6 +186,11 @@ int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, 
                   uint16_t* scale, uint16_t* zero);
 int write_token(const TokenWrite* write);
 
+// What a step changes in the plans of the layers that share a codec (layer_attention.cpp): for
+// the first nparts parts of keys (values = 0) or values of each of plans[0..n), the row count,
+// ring start, scale ring start and first position from live[4 i .. 4 i + 3].
+int set_parts(LayerPlan* const* plans, int n, int values, const int* live, int nparts);
+
 // A decode step (step.cpp): the embedding rows of ends->tokens into steps[0].x, steps[0..n) (the
 // layers in order, sharing x; the first status that is not 0 stops it), then the final norm and
 // LM head into ends->out; and the scratch each layer needs.

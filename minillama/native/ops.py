@@ -144,6 +144,12 @@ def attend_part(
     )
 
 
+def set_parts(lib, plans: ctypes.Array, values: bool, live: ctypes.Array, nparts: int) -> None:
+    """Every plan in `plans` (an array of LayerPlan pointers) gets the first `nparts` parts of keys
+    or values counted and placed as `live` says: (n, start, scale start, first position) per part."""
+    check(lib.set_parts(plans, len(plans), int(values), live, nparts), "set_parts")
+
+
 def write_token(lib, write: TokenWrite) -> None:
     """One decode token into a group's rings as `write` describes it (kv/layered.py builds it);
     NotSupported (nothing written) for non-finite values or codes the kernel does not write."""
