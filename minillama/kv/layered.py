@@ -33,6 +33,8 @@ class SharedRing:
         self.buf = buf  # (L, B, H, slots, width)
         self.members = members
         self.lead = members[0]  # every member has its counters
+        # As write_token addresses it: (L * B * H) rows of slots x width bytes (the buffer never moves).
+        self.ref = RingRef(buf.data_ptr(), buf.shape[3], buf.shape[4] * buf.element_size())
 
     def push(self, x: torch.Tensor) -> int:
         """Append rows x (L, B, H, n, width) after the newest of every layer; returns bytes written."""
@@ -218,14 +220,14 @@ class LayeredStore:
         w.x, w.rotate, w.center = x.data_ptr(), int(codec.rotate), center.data_ptr() if center is not None else None
         to = self.sinks if to_sinks else None if encoded else self.residual
         if to is not None:
-            w.to, w.to_slot = _ref(to), (to.lead.start + to.lead.count) % to.lead.slots
+            w.to, w.to_slot = to.ref, (to.lead.start + to.lead.count) % to.lead.slots
         if n_flush:
-            w.flush, w.from_res, w.res, w.res_first = n_flush, r, _ref(self.residual), res.start
+            w.flush, w.from_res, w.res, w.res_first = n_flush, r, self.residual.ref, res.start
             w.bits, w.group, w.axis = bits, lead.group, axis
             data = self.body["values" if bits == 0 else "codes"]
-            w.codes, w.codes_slot = _ref(data), data.lead.start + data.lead.count
+            w.codes, w.codes_slot = data.ref, data.lead.start + data.lead.count
             if bits:
-                w.scale, w.zero = _ref(self.body["scale"]), _ref(self.body["zero"])
+                w.scale, w.zero = self.body["scale"].ref, self.body["zero"].ref
                 w.scale_slot = self.body["scale"].lead.start + self.body["scale"].lead.count
         try:
             ops.write_token(lib, w)
@@ -252,9 +254,3 @@ def _token_kind(codec) -> tuple[int, int] | None:
     if isinstance(codec, Affine) and not codec.per_sequence and codec.bits in (2, 3, 4, 8):
         return codec.bits, int(codec.axis == "channel")
     return None
-
-
-def _ref(ring: SharedRing) -> RingRef:
-    """A shared ring as write_token addresses it: (L * B * H) rows of slots x width bytes."""
-    buf = ring.buf  # (L, B, H, slots, width)
-    return RingRef(buf.data_ptr(), buf.shape[3], buf.shape[4] * buf.element_size())
