@@ -220,6 +220,7 @@ def test_capacity_too_small_is_a_clear_error():
         "k=nuq4,v=int3c,group=16,residual=3,rope=pre,positions=cache",
         "k=int2c,v=int2h,kgroup=16,vgroup=64,residual=4,center=1,rope=pre",
         "k=int3cs,v=int2h,residual=8,sinks=4,rope=pre,kfirst=int4c,first=1",
+        "k=lm3h,v=vq2h,group=16,residual=8,sinks=4",
     ],
 )
 @pytest.mark.parametrize("batch", [1, 3])

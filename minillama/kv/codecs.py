@@ -32,14 +32,17 @@ from minillama.kv.quantize import (
     dequantize_codebook,
     dequantize_levels,
     dequantize_ternary,
+    dequantize_vectors,
     fit_channel_range,
     fit_levels,
     gaussian_codebook,
+    gaussian_vector_codebook,
     hadamard_rotate,
     quantize_affine,
     quantize_codebook,
     quantize_levels,
     quantize_ternary,
+    quantize_vectors,
     uniform_levels,
 )
 from minillama.native.abi import RowKind
@@ -280,6 +283,48 @@ class Codebook(Scaled):
 
 
 @dataclass(frozen=True)
+class VectorCodebook(Scaled):
+    """Vectors of `dim` channels (after a Hadamard rotation) replaced by the nearest of 2**(bits dim)
+    Gaussian k-means vectors, one byte-aligned code per vector, x an fp16 scale per G channels."""
+
+    dim: int = 4
+
+    row_kind: ClassVar[RowKind] = RowKind.VECTOR  # the kernels' general rows route decodes them
+
+    @property
+    def packing(self) -> int:
+        return 8
+
+    @property
+    def kernel_bits(self) -> int:
+        return 8  # one byte per code
+
+    def kernel_tables(self, params):
+        return {"codebook": gaussian_vector_codebook(self.dim, self.bits).contiguous()}  # (256, dim) float32
+
+    def validate(self, head_dim: int, group: int) -> None:
+        super().validate(head_dim, group)
+        if group % self.dim:
+            raise UserError(f"codec {self.name} codes {self.dim} channels at a time: group={group} must be a multiple")
+
+    def codes_part(self, head_dim: int) -> PartSpec:
+        return PartSpec("codes", torch.uint8, head_dim // self.dim, 1)  # one code of bits x dim = 8 bits per vector
+
+    def bits_formula(self) -> str:
+        return f"{self.bits} + 16/G  ({self.dim}-dim Gaussian k-means vectors, one byte each, fp16 RMS scale per G channels)"
+
+    def encode(self, x, group, params=None):
+        codes, scale = quantize_vectors(x, self.dim, self.bits, group)
+        return {"codes": codes.to(torch.uint8), "scale": scale}
+
+    def unpack(self, parts, head_dim):
+        return parts["codes"]  # (B, H, T, D/dim)
+
+    def decode(self, parts, group, head_dim, params=None):
+        return dequantize_vectors(parts["codes"], parts["scale"], self.dim, self.bits, group)
+
+
+@dataclass(frozen=True)
 class Calibrated(Codec):
     """Per channel, one range per sequence fitted on its own first flush (KVQuant-style), and with
     ``fitted`` a non-uniform grid per head Lloyd-fitted on the same tokens ("nuq")."""
@@ -362,5 +407,6 @@ for _codec in [
     Codebook("lm4h", 4, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     Codebook("lm3h", 3, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     Codebook("lm2h", 2, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
+    VectorCodebook("vq2h", 2, "Hadamard-rotated, 4-dim Gaussian k-means vectors, 2 bits/element", rotate=True),
 ]:
     register(_codec)

@@ -67,6 +67,7 @@ def row_source(
         keep.append(tables)
         if "codebook" in tables:
             src.codebook = tables["codebook"].data_ptr()
+        src.vdim = getattr(codec, "dim", 0)  # vector codes: channels per code
         if "levels" in tables:
             src.lo, src.span, src.levels = (tables[n].data_ptr() for n in ("lo", "span", "levels"))
             src.nlevels = tables["levels"].shape[-1]
@@ -82,7 +83,7 @@ def row_source(
 def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> Route:
     """Which kernel reads this part (see the module docstring); NotSupported when none can."""
     kind = part.codec.row_kind
-    if src.cos or kind == RowKind.CALIBRATED:
+    if src.cos or kind in (RowKind.CALIBRATED, RowKind.VECTOR):
         chosen = Route.ROWS
     elif kind == RowKind.FLOAT:
         chosen = Route.FLOAT

@@ -24,6 +24,13 @@ minimise the expected squared error of a standard Gaussian), scaled per group by
 group's RMS (fp16). Nothing is fitted to text: the codebook is a property of the Gaussian.
 Effective bits: b + 16 / G.
 
+Vector codes (issue 28's data-free vector quantizer): the same rotated, near-Gaussian
+coordinates taken ``dim`` at a time and replaced by the nearest of 2**(b dim) vectors, a
+k-means (Lloyd) codebook of seeded N(0, I) samples -- a property of the Gaussian, never of text
+-- scaled per group like the scalar codebook. One code of b dim bits per ``dim`` channels;
+effective bits b + 16 / G. At equal bits a vector codebook covers the Gaussian's ball better
+than a product of scalar grids (the "space-filling" and "shape" gains of vector quantization).
+
 The Hadamard rotation (QuaRot, Ashkboos et al. 2024) spreads outliers across channels
 before quantization: H is the normalized Walsh-Hadamard matrix, orthonormal and
 symmetric, so H @ H = I and (x H)(y H)^T = x y^T.
@@ -153,6 +160,64 @@ def dequantize_codebook(codes: torch.Tensor, scale: torch.Tensor, bits: int, gro
     levels = gaussian_codebook(bits).to(codes.device)
     cg = levels[_grouped(codes, group, "token").long()]  # (..., T, D/G, G)
     return (cg * scale.float().unsqueeze(-1)).reshape(codes.shape)
+
+
+@functools.lru_cache(maxsize=4)
+def gaussian_vector_codebook(dim: int, bits: int) -> torch.Tensor:
+    """2**(bits dim) vectors (n, dim), float32 values of float16s: Lloyd's k-means on 2**15
+    N(0, I) samples drawn from a fixed seed, started from the first n samples, 30 rounds in
+    float64 (~2 s, once per process), then rounded to float16 so that every machine gets the
+    same table."""
+    n = 2 ** (bits * dim)
+    g = torch.Generator().manual_seed(2604)
+    x = torch.randn(2**15, dim, generator=g, dtype=torch.float64)  # (S, dim)
+    c = x[:n].clone()  # (n, dim)
+    for _ in range(30):
+        nearest = _nearest(x, c)  # (S,)
+        sums = torch.zeros_like(c).index_add_(0, nearest, x)
+        counts = torch.bincount(nearest, minlength=n).unsqueeze(1)
+        c = torch.where(counts > 0, sums / counts.clamp_min(1), c)
+    return c.to(torch.float16).float()
+
+
+def _nearest(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """For each row of x (S, dim) the index of the nearest row of c (n, dim), (S,) int64."""
+    d = (c * c).sum(-1) - 2 * x @ c.T  # (S, n): squared distance less |x|^2, the same for every c
+    return d.argmin(-1)
+
+
+def quantize_vectors(
+    x: torch.Tensor, dim: int, bits: int, group: int, refine: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., T, D) -> codes (..., T, D/dim) int64 (index of the nearest codebook vector of each
+    dim channels), scale (..., T, D/G) fp16. The scale is refined as ``quantize_codebook``
+    refines it (alternating minimization of the squared error; neither step can raise it)."""
+    check_finite(x)
+    book = gaussian_vector_codebook(dim, bits).to(x.device)  # (n, dim)
+    xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
+
+    def stored(s: torch.Tensor) -> torch.Tensor:  # the scale as it will be stored (fp16), never 0
+        s = s.to(torch.float16).float()
+        return torch.where(s > 0, s, torch.ones_like(s))
+
+    def nearest(s: torch.Tensor) -> torch.Tensor:  # (..., T, D/G, G/dim) codes for scale s
+        v = (xg / s).reshape(-1, dim)
+        return _nearest(v, book).reshape(*xg.shape[:-1], group // dim)
+
+    s = stored(xg.pow(2).mean(dim=-1, keepdim=True).sqrt())  # (..., T, D/G, 1)
+    for _ in range(refine):
+        chosen = book[nearest(s)].reshape(xg.shape)  # (..., T, D/G, G)
+        fit = (xg * chosen).sum(-1, keepdim=True) / chosen.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
+        s = stored(fit)
+    codes = nearest(s)
+    return codes.reshape(*x.shape[:-1], x.shape[-1] // dim), s.squeeze(-1).to(torch.float16)
+
+
+def dequantize_vectors(codes: torch.Tensor, scale: torch.Tensor, dim: int, bits: int, group: int) -> torch.Tensor:
+    """codes (..., T, D/dim), scale (..., T, D/G) fp16 -> float32 (..., T, D)."""
+    book = gaussian_vector_codebook(dim, bits).to(codes.device)
+    v = book[codes.long()].reshape(*codes.shape[:-1], codes.shape[-1] * dim)  # (..., T, D)
+    return (_grouped(v, group, "token") * scale.float().unsqueeze(-1)).reshape(v.shape)
 
 
 @functools.lru_cache(maxsize=16)

@@ -22,6 +22,7 @@ class RowKind(IntEnum):
     TOKEN = 1
     CHANNEL = 2
     CALIBRATED = 3
+    VECTOR = 4
 
 
 class Route(IntEnum):
@@ -63,6 +64,7 @@ class RowSource(ctypes.Structure):
         ("span", ctypes.c_void_p),
         ("levels", ctypes.c_void_p),
         ("nlevels", ctypes.c_int),
+        ("vdim", ctypes.c_int),
         ("center", ctypes.c_void_p),
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),

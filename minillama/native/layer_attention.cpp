@@ -63,6 +63,10 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
             if (s.kind == ROW_FLOAT) return float_bits ? MINILLAMA_OK : MINILLAMA_E_CODES;
             if (s.kind == ROW_CALIBRATED && (s.nlevels < 1 || s.nlevels > 256)) return MINILLAMA_E_CODES;
             if (s.kind == ROW_TOKEN && (s.group <= 0 || D % s.group)) return MINILLAMA_E_CODES;
+            if (s.kind == ROW_VECTOR)  // byte codes of vdim channels, whole vectors per scale group
+                return s.bits == 8 && s.codebook && s.vdim > 0 && s.group > 0 && D % s.group == 0 && s.group % s.vdim == 0
+                           ? MINILLAMA_OK
+                           : MINILLAMA_E_CODES;
             return s.kind >= ROW_TOKEN && s.kind <= ROW_CALIBRATED && code_bits ? MINILLAMA_OK : MINILLAMA_E_CODES;
         default:
             return MINILLAMA_E_CODES;

@@ -35,6 +35,7 @@ enum RowKind {
     ROW_TOKEN = 1,       // per-token codes: affine (scale, zero), ternary or codebook (scale only)
     ROW_CHANNEL = 2,     // KIVI per-channel codes: scale and zero per channel and group of tokens
     ROW_CALIBRATED = 3,  // per-sequence lo/span per channel and a grid of levels per head
+    ROW_VECTOR = 4,      // one byte per vdim channels: the index of a codebook vector, x a scale per group
 };
 
 // Which kernel reads a part of the cache (kv/fused_attention.py: route()).
@@ -55,6 +56,7 @@ struct RowSource {
     const uint16_t* span;   // ROW_CALIBRATED: (B*H, D) fp16
     const uint16_t* levels; // ROW_CALIBRATED: (B*H, nlevels) fp16
     int nlevels;
+    int vdim;               // ROW_VECTOR: channels per code (codebook: 256 vectors of vdim floats)
     const float* center;    // (B*H, D) float32 key center to add back, or null
     const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position
     const float* sin;
@@ -213,7 +215,8 @@ int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 Layer
 // The layouts ctypes mirrors (x86-64 and aarch64 LP64: 8-byte pointers, 4-byte ints).
 static_assert(sizeof(void*) == 8, "minillama's native kernels assume a 64-bit target");
 static_assert(sizeof(RowSource) == 128, "RowSource layout changed: update native/abi.py");
-static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56, "RowSource layout");
+static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56 && offsetof(RowSource, vdim) == 92,
+              "RowSource layout");
 static_assert(sizeof(Part) == 136, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");

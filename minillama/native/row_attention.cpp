@@ -6,7 +6,9 @@
 //     and rotated for its own position (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin in
 //     HF's rotate-half layout) before the dot product with the (rotated) query;
 //   * calibrated codecs (int4cs, nuq3, ...): x = lo + span * level[code], with per-sequence
-//     lo/span per channel and a grid of levels per head.
+//     lo/span per channel and a grid of levels per head;
+//   * vector codes (vq2h): each byte names one of 256 codebook vectors of vdim channels, times
+//     the group's scale.
 // A RowSource describes where a part's rows live and how to decode them; the kernels below
 // are the plain loops over tokens (scores: R dot products per row; values: R weighted adds).
 // The reference in model/attention.py is the specification.
@@ -17,6 +19,10 @@
 static inline void decode(const RowSource& s, int64_t bh, int i, int slot, int D, float* __restrict__ out) {
     if (s.kind == 0) {
         load_row(s.data, (bh * s.slots + slot) * D, s.bits, D, out);
+    } else if (s.kind == ROW_VECTOR) {
+        const uint8_t* row = (const uint8_t*)s.data + (bh * s.slots + slot) * (D / s.vdim);
+        for (int j = 0; j < D / s.vdim; j++) std::memcpy(out + j * s.vdim, s.codebook + row[j] * s.vdim, s.vdim * sizeof(float));
+        scale_row(s.scale + (bh * s.slots + slot) * (D / s.group), nullptr, D, s.group, out);
     } else {
         const int W = s.bits == 5 ? (D + 4) / 5 : D * s.bits / 8;
         const uint8_t* row = (const uint8_t*)s.data + (bh * s.slots + slot) * W;
