@@ -27,7 +27,7 @@ from minillama.kv import packing
 from minillama.kv.cache import KVCache
 from minillama.kv.codecs import ChannelAffine
 from minillama.kv.fused_attention import attend_one_part, fused_decode_attention, route, row_source
-from minillama.kv.quantize import gaussian_codebook
+from minillama.kv.quantize import gaussian_codebook, gaussian_vector_codebook
 from minillama.kv.spec import parse_kv
 from minillama.native import abi, backend
 from minillama.native.abi import NotSupported, Route
@@ -266,6 +266,38 @@ def test_codebook_values_hold_the_int16_level_bound_where_a_target_reads_them(li
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
+@pytest.mark.parametrize("vgroup", [16, 64])
+@pytest.mark.parametrize("r, d", [(1, 64), (3, 64), (8, 128), (16, 128)])
+def test_vector_coded_values_hold_the_int16_level_bound_where_a_target_reads_them(lib, vgroup, r, d):
+    """vq2h values on the integer route: the 256 x 4 book's numbers become int16 (off by at most
+    max |L| / 4094, as a codebook's levels), each token's channels come from gathers of whole
+    vectors, and the weights are int16 per block of 32 tokens; the output error is bounded by
+    the sum of both, for one and several channel groups, every grouping of heads, an odd count."""
+    spec = f"k=int4c,v=vq2h,kgroup=32,vgroup={vgroup},residual=0"
+    cache = filled(spec, 301, 1, head_dim=d)
+    store = cache.layers[0][1]
+    parts = {name: ring.read() for name, ring in store.body.items()}
+    codes, m, g = parts["codes"].long(), store.n_body, store.group  # codes (B, H, m, D/4)
+    p = torch.softmax(torch.randn(1, 2, r, m) * 3, -1)  # (B, H, R, m): peaked attention weights
+    got = torch.zeros(1, 2, r, d)
+    with skipped_where_unread("vector codes"):
+        integer_call(lib, cache, True, p, got)
+    exact = p @ store.codec.decode(parts, g, d)  # (B, H, R, D)
+    book = gaussian_vector_codebook(4, 2)  # (256, 4)
+    levels = book[codes].reshape(1, 2, m, d)  # (B, H, m, D): each channel's level
+    scale = parts["scale"].float().repeat_interleave(g, dim=-1)  # (B, H, m, D)
+    w = p.unsqueeze(-1) * scale.unsqueeze(2)  # (B, H, R, m, D): each level's weight
+    level_error = w.sum(3) * book.abs().max() / 4094  # (B, H, R, D)
+    weight_error = torch.zeros_like(exact)
+    blocks = torch.arange(m) // 32
+    for k in range(int(blocks.max()) + 1):
+        sel = blocks == k
+        b = w[..., sel, :].amax(dim=3) / 32767  # (B, H, R, D): the block's int16 weight step
+        weight_error += b / 2 * (levels[..., sel, :].abs().sum(2) * 1.001).unsqueeze(2)
+    assert ((got - exact).abs() <= (level_error + weight_error) * (1 + 1e-4) + 1e-6).all()
+    assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
+
+
 @pytest.mark.parametrize("spec", ["k=int4c,v=int2,group=32,residual=0", "k=int4c,v=int4,vgroup=64,residual=0", "kivi4"])
 @pytest.mark.parametrize("r, d", [(1, 64), (2, 128), (5, 64), (8, 128), (16, 64), (16, 128)])
 def test_integer_values_hold_the_bound_for_every_gqa_and_head_size(lib, spec, r, d):
@@ -303,7 +335,17 @@ def test_integer_values_keep_the_mass_of_a_long_tail(lib):
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
 
 
-@pytest.mark.parametrize("spec", ["kivi4", "hadv2", "k4v3hc", "k3v2lm", "k=int4c,v=int2h,group=8,residual=8,sinks=4"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "kivi4",
+        "hadv2",
+        "k4v3hc",
+        "k3v2lm",
+        "k=int4c,v=int2h,group=8,residual=8,sinks=4",
+        "k=lm3h,v=vq2h,group=64,residual=8",
+    ],
+)
 @pytest.mark.parametrize("n, capacity", [(45, 1200), (700, 200)])  # 700 into 200: the ring wraps
 def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n, capacity):
     """Sinks and residual stay exact; the body's score error e moves every softmax weight by at

@@ -289,7 +289,7 @@ class VectorCodebook(Scaled):
 
     dim: int = 4
 
-    row_kind: ClassVar[RowKind] = RowKind.VECTOR  # the kernels' general rows route decodes them
+    row_kind: ClassVar[RowKind] = RowKind.VECTOR  # AVX-512 VNNI integer values, else the general rows route
 
     @property
     def packing(self) -> int:

@@ -13,13 +13,15 @@ kernel that reads it:
   key scales folded into the query, per-token rows scaled in registers);
 * ``INTEGER``: 2-4-bit affine codes scored against an int8 query and weighted by byte weights
   (``native/int_attention.cpp``; AVX-512 VNNI in ``vnni_attention.cpp``, which also reads
-  codebooks as 16-bit levels and 8-bit values with int16 weights; AVX2 4-bit keys in
+  codebooks as 16-bit levels, vector-coded values by qword gathers, and 8-bit values with int16
+  weights; AVX2 4-bit keys in
   ``avx2_attention.cpp``, AVX2 2- and 4-bit values in ``avx2_int_values.cpp``; approximate, with
   a stated bound; the ``kernels-exact`` backend keeps the exact kernels). Taken only where it is
   the faster route: on a CPU without VNNI the exact SIMD kernels read the other rows (3-bit
   values, narrow groups) faster (``ops.exact_is_faster``);
-* ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their positions)
-  and calibrated codecs (``native/row_attention.cpp``).
+* ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their positions),
+  calibrated codecs, and vector codes where no integer kernel reads them
+  (``native/row_attention.cpp``).
 
 A part no kernel reads (a codec without ``row_kind``, a shape a kernel does not support)
 raises ``NotSupported`` with the reason before anything runs; attention then takes the reference.
@@ -83,7 +85,7 @@ def row_source(
 def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> Route:
     """Which kernel reads this part (see the module docstring); NotSupported when none can."""
     kind = part.codec.row_kind
-    if src.cos or kind in (RowKind.CALIBRATED, RowKind.VECTOR):
+    if src.cos or kind == RowKind.CALIBRATED:
         chosen = Route.ROWS
     elif kind == RowKind.FLOAT:
         chosen = Route.FLOAT
@@ -94,7 +96,7 @@ def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> 
     ):
         return Route.INTEGER
     else:
-        chosen = Route.CHANNEL if kind == RowKind.CHANNEL else Route.TOKEN
+        chosen = {RowKind.CHANNEL: Route.CHANNEL, RowKind.VECTOR: Route.ROWS}.get(kind, Route.TOKEN)
     status = ops.route_supported(lib, chosen, values, src, r, d)
     if status:
         raise NotSupported(f"{part.codec.name} {part.name} with {r} query heads per KV head of {d}: {STATUS[status]}")

@@ -567,6 +567,23 @@ inline void pair_all(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 16 
     }
 }
 
+// Vector codes (ROW_VECTOR, 4 channels a code): two tokens' rows -> NV pair registers as
+// pair_fields<8> makes them from bytes (register m, lane j: channel 16 m + j). book16 holds each
+// of the 256 vectors as 4 int16 levels in one qword: a gather of 8 of them makes 32 channels of
+// one token, and the two tokens' int16 are interleaved, then put back in channel order.
+template <int NV>
+inline void pair_vectors(const uint8_t* x, const uint8_t* y, const int64_t* book16, __m512i* f) {
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int h = 0; h < NV / 2; h++) {  // channels 32 h .. 32 h + 31: codes 8 h .. 8 h + 7
+        const __m512i a = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(x + 8 * h))), book16, 8);
+        const __m512i b = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(y + 8 * h))), book16, 8);
+        const __m512i lo = _mm512_unpacklo_epi16(a, b);  // 128-bit lane l: channels 8 l .. 8 l + 3, as pairs
+        const __m512i hi = _mm512_unpackhi_epi16(a, b);  // channels 8 l + 4 .. 8 l + 7
+        f[2 * h] = _mm512_permutex2var_epi64(lo, first, hi);
+        f[2 * h + 1] = _mm512_permutex2var_epi64(lo, second, hi);
+    }
+}
+
 // Two tokens' rows -> their NV pair registers: 3-bit codes through pair_codes3 (VBMI), else
 // pair_fields of the packed bytes (PB: the code width, 8 for 3-bit rows unpacked to bytes);
 // a codebook's levels replace the codes (vpermw on the int16 lanes).
@@ -583,16 +600,19 @@ inline void make_pair(const uint8_t* x, const uint8_t* y, bool book, __m512i lut
 }
 
 // BITS: the stored code width; 3-bit rows are paired by pair_codes3, or without VBMI unpacked to
-// bytes first and paired as 8-bit ones (PB: the width pair_fields sees).
-template <int BITS, int NV>
+// bytes first and paired as 8-bit ones (PB: the width pair_fields sees). VEC: vector codes, one
+// byte per 4 channels (pair_vectors), their book's 1024 numbers as int16 levels (levels16).
+template <int BITS, int NV, bool VEC = false>
 bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
-    constexpr int D = 16 * NV, SB = 32, PB = BITS == 3 ? 8 : BITS, F = 8 / PB, NP = NV / F;
+    constexpr int D = 16 * NV, SB = 32, PB = VEC || BITS == 3 ? 8 : BITS, F = 8 / PB, NP = NV / F;
     const int G = s.group, NG = D / G;
     __m512i gidx[NP];  // lane j of piece m: the group of its channels
     // A codebook's 16-bit levels (levels16), looked up per 16-bit lane (vpermw).
-    const bool book = s.codebook != nullptr;
+    const bool book = !VEC && s.codebook != nullptr;
     __m512i lut = _mm512_setzero_si512();
     float level_step = 1.f;
+    alignas(64) int64_t book16[VEC ? 256 : 1];  // vector codes: each vector's 4 int16 levels
+    if (VEC) level_step = levels16(s.codebook, 1024, (int16_t*)book16);
     if (book) {
         alignas(64) int16_t t[32] = {0};
         level_step = levels16(s.codebook, 1 << BITS, t);
@@ -620,7 +640,7 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
     __m512i w16[8];                         // one head's int16 weights per group (32 tokens each)
     alignas(64) int32_t wq[16][8 * SB / 2 + 16];  // [head][pair q][group g] at q NG + g: the pair's weight dword
     alignas(64) float b[16][16] = {{0.f}};  // [head][group]: the int16 step
-    constexpr int RB = D * BITS / 8;
+    constexpr int RB = VEC ? D / 4 : D * BITS / 8;
     Cursor at(s.start, i0, s.slots);
     for (int i = i0; i < i0 + n; i += SB) {
         const int len = std::min(SB, i0 + n - i);
@@ -693,10 +713,19 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         }
         const int npairs = (len + 1) / 2;
         if (R <= 29 / (NV + 1)) {  // one tile of heads: each pair made in registers, used at once
-            auto make = [&](int q, __m512i* f) __attribute__((always_inline)) { make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f); };
+            auto make = [&](int q, __m512i* f) __attribute__((always_inline)) {
+                if (VEC)
+                    pair_vectors<NV>(row[2 * q], row[2 * q + 1], book16, f);
+                else
+                    make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f);
+            };
             pair_all<NV, F>(make, npairs, wq, NG, b, gidx, out, R);
         } else {  // several tiles: the pairs made once, read back from L1 by each tile
-            for (int q = 0; q < npairs; q++) make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, pairs[q]);
+            for (int q = 0; q < npairs; q++)
+                if (VEC)
+                    pair_vectors<NV>(row[2 * q], row[2 * q + 1], book16, pairs[q]);
+                else
+                    make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, pairs[q]);
             auto load = [&](int q, __m512i* f) __attribute__((always_inline)) {
                 for (int k = 0; k < NV; k++) f[k] = _mm512_load_si512(&pairs[q][k]);
             };
@@ -739,13 +768,18 @@ bool vnni_keys(const RowSource& s, int D) {
 }
 
 bool vnni_values(const RowSource& s, int D) {
-    if ((D != 64 && D != 128) || s.kind != ROW_TOKEN || s.cos || s.center) return false;
+    if ((D != 64 && D != 128) || s.cos || s.center) return false;
+    if (s.kind == ROW_VECTOR)  // 256 vectors of 4 channels, whole vectors per group of 16 or more
+        return s.vdim == 4 && s.bits == 8 && s.codebook && s.group >= 16 && D % s.group == 0;
+    if (s.kind != ROW_TOKEN) return false;
     if (!(s.bits == 2 || s.bits == 3 || s.bits == 4 || s.bits == 8) || s.group < 16 || D % s.group) return false;
     return s.codebook ? s.bits <= 4 : s.zero != nullptr;  // affine codes, or up to 16 levels (int16, see value_vnni)
 }
 
 bool value_vnni(VALUE_ARGS) {
     if (R > 16 || !vnni_values(s, D)) return false;
+    if (s.kind == ROW_VECTOR)
+        return D == 64 ? value_vnni<8, 4, true>(s, bh, R, p, lp, i0, n, acc) : value_vnni<8, 8, true>(s, bh, R, p, lp, i0, n, acc);
 #define V(BITS) return D == 64 ? value_vnni<BITS, 4>(s, bh, R, p, lp, i0, n, acc) : value_vnni<BITS, 8>(s, bh, R, p, lp, i0, n, acc)
     switch (s.bits) {
         case 2: V(2);
