@@ -191,7 +191,9 @@ def quantize_vectors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., T, D) -> codes (..., T, D/dim) int64 (index of the nearest codebook vector of each
     dim channels), scale (..., T, D/G) fp16. The scale is refined as ``quantize_codebook``
-    refines it (alternating minimization of the squared error; neither step can raise it)."""
+    refines it (alternating minimization of the squared error; neither step can raise it).
+    Stored: bits x dim bits per code (one byte at 2 bits x 4) and 16 per G: bits + 16 / G per
+    element."""
     check_finite(x)
     book = gaussian_vector_codebook(dim, bits).to(x.device)  # (n, dim)
     xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
