@@ -223,6 +223,7 @@ def decode_through_changes(lm, spec: str) -> torch.Tensor:
         "k=int4c,v=int2h,group=16,residual=4,sinks=2",
         "k=nuq3,v=int4cs,group=16,residual=4",  # calibrated: ranges fitted at the first flush
         "k=int4c,v=int4,rope=pre,sinks=2,residual=4,group=16",  # keys rotated when read
+        "k=fp16,v=fp16,group=16,residual=4,sinks=2,layers=fp16/fp16;lm3h/int2h",  # four groups, each refreshed
     ],
 )
 def test_plans_kept_between_steps_follow_the_cache(model_dir, spec, monkeypatch):

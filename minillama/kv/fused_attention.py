@@ -241,7 +241,7 @@ class CachePlans:
                     *(ctypes.pointer(self.plans[i]) for i in shared.layers)
                 )
         self.shapes = shapes
-        for shared, t in zip(cache.stores, cache.tensor_of):
+        for g, (shared, t) in enumerate(zip(cache.stores, cache.tensor_of)):
             lead = shared.stores[0]
             live = []  # (n, start, scale start, first position) of each held part, in order
             position = first_rest
