@@ -9,7 +9,8 @@ two separate runs says little. Here every spec's 30-layer cache is built first (
 the default model's shape: 3 KV heads, 3 query heads each, head_dim 64), then each round times
 one pass of ``attend_layer`` over all 30 layers (each reads its K/V from memory, as a decode
 step does) for every spec in turn; the median per spec and its ratio to the first spec are
-printed, with the quartiles. Specs are separated by ';' (a spec itself holds commas). A fourth
+printed, with the quartiles. Specs are separated by ';' (a spec itself holds commas), or by '|'
+when a spec holds ';' itself (``layers=K/V;K/V;...``, as ``kv allocate`` prints it). A fourth
 argument names another layer shape: ``tinyllama`` (22 layers, 4 KV heads, 8 query heads each,
 head_dim 64: bench/tinyllama_shape.py), where the integer kernels do R = 8 heads' work per row.
 """
@@ -70,7 +71,8 @@ class Layers:
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
-    specs = (sys.argv[2] if len(sys.argv) > 2 else "fp16;kivi4;hadv2").split(";")
+    listed = sys.argv[2] if len(sys.argv) > 2 else "fp16;kivi4;hadv2"
+    specs = listed.split("|" if "|" in listed else ";")
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 30
     shape = sys.argv[4] if len(sys.argv) > 4 else "smollm2"
     lib = backend.library()
