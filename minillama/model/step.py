@@ -136,11 +136,12 @@ class NativeStep:
             for step in self.steps:
                 step.pre_rope = int(pre)
             self.pre_rope = pre
-        tokens = tokens.reshape(-1).to(torch.int64).contiguous()  # (B,)
-        cos, sin = self._angles(position)  # (D,) float32 each
+        if tokens.dtype != torch.int64 or not tokens.is_contiguous():
+            tokens = tokens.to(torch.int64).contiguous()  # (B, 1): B consecutive ids
         out = torch.empty(self.batch, 1, self.vocab if logits else self.hidden, dtype=self.dtype)
         e = self.ends
-        e.tokens, e.cos, e.sin, e.out = tokens.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr()
+        e.tokens, e.out = tokens.data_ptr(), out.data_ptr()
+        e.cos, e.sin = self._angles(position)
         e.head = self.head if logits else None
         ops.decode_step(self.lib, self.steps, e)
         if isinstance(cache, KVCache):
@@ -158,15 +159,17 @@ class NativeStep:
             cache.append(list(zip(new_k, new_v)))
         return out
 
-    def _angles(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE angles of `position`, cos and sin (D,) float32 (rope_tables' numbers), made for
-        64 positions at a time: a step usually takes the row after the last one's."""
+    def _angles(self, position: int) -> tuple[int, int]:
+        """Where the RoPE angles of `position` are, cos and sin (D,) float32 each (rope_tables'
+        numbers), made for 64 positions at a time: a step usually takes the row after the last
+        one's. Addresses, not views: two tensor indexings cost more than the arithmetic."""
         first, cos, sin = self.angles
         if not first <= position < first + cos.shape[0]:
             first = position
             cos, sin = rope_tables(self.inv_freq, torch.arange(first, first + 64), torch.float32)  # (64, D) each
             self.angles = (first, cos, sin)
-        return cos[position - first], sin[position - first]
+        row = (position - first) * cos.shape[1] * 4  # bytes: float32 rows of D
+        return cos.data_ptr() + row, sin.data_ptr() + row
 
     def _plans(self, cache: Cache | None, rope) -> list[list[LayerPlan]]:
         """[cache][layer]: each layer's attention plan in each cache whose rows the batch holds in turn (a
