@@ -37,7 +37,7 @@ SPECS = [
     "k3v2lm",
     "k=int4c,v=int2h,group=32,residual=8,sinks=4,rope=pre",
     "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=2",
-    "k=vq2h,v=vq2h,kgroup=64,vgroup=16,residual=8,sinks=4",  # vector codes: rows decoded by table lookup
+    "k=vq2h,v=vq2hs,kgroup=64,vgroup=16,residual=8,sinks=4",  # vector codes: rows decoded by table lookup
 ]
 CONTEXTS = [(0, 128, 1), (1, 128, 3), (31, 128, 1), (33, 128, 3), (1000, 600, 1)]  # (tokens, capacity, batch)
 

@@ -82,6 +82,7 @@ BOUNDS = {
     "lm3h": 0.05,
     "lm2h": 0.16,
     "vq2h": 0.14,  # 4-dim Gaussian k-means vectors: ~0.099 on N(0, I)
+    "vq2hs": 0.14,  # the same with a sign x 16-pattern book: ~0.103
 }
 
 
@@ -145,6 +146,21 @@ def test_the_vector_codebook_is_a_gaussian_quantizer_in_float16():
     x = torch.randn(20000, 4, generator=torch.Generator().manual_seed(11))  # (S, 4)
     nearest = book[((x[:, None, :] - book[None]) ** 2).sum(-1).argmin(-1)]  # brute force, independent of _nearest
     assert ((nearest - x) ** 2).mean() < 0.105
+
+
+def test_the_sign_structured_book_is_signs_times_sixteen_patterns():
+    """vq2hs's book: vectors 0-15 are non-negative patterns, and vector 16 s + p is pattern p with
+    coordinate c negated where bit c of s is set -- what the integer kernel rebuilds in
+    registers; on N(0, I) it keeps most of the free book's gain over scalar levels."""
+    book = quantize.gaussian_vector_codebook(4, 2, signs=True)  # (256, 4)
+    patterns = book[:16]  # (16, 4)
+    assert (patterns >= 0).all()
+    for k in range(256):
+        signs = torch.tensor([-1.0 if (k >> 4) >> c & 1 else 1.0 for c in range(4)])
+        assert torch.equal(book[k], patterns[k % 16] * signs)
+    x = torch.randn(20000, 4, generator=torch.Generator().manual_seed(11))  # (S, 4)
+    nearest = book[((x[:, None, :] - book[None]) ** 2).sum(-1).argmin(-1)]
+    assert ((nearest - x) ** 2).mean() < 0.108
 
 
 def test_vector_codes_beat_scalar_levels_at_equal_bits():

@@ -274,14 +274,16 @@ def assert_int16_level_bound(got, exact, p, levels, scale, g: int, big: float) -
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
+@pytest.mark.parametrize("codec", ["vq2h", "vq2hs"])
 @pytest.mark.parametrize("vgroup", [16, 64])
 @pytest.mark.parametrize("r, d", [(1, 64), (3, 64), (8, 128), (16, 128)])
-def test_vector_coded_values_hold_the_int16_level_bound_where_a_target_reads_them(lib, vgroup, r, d):
-    """vq2h values on the integer route: the 256 x 4 book's numbers become int16 (off by at most
+def test_vector_coded_values_hold_the_int16_level_bound_where_a_target_reads_them(lib, codec, vgroup, r, d):
+    """vq2h / vq2hs values on the integer route: the book's numbers become int16 (off by at most
     max |L| / 4094, as a codebook's levels), each token's channels come from gathers of whole
-    vectors, and the weights are int16 per block of 32 tokens; the output error is bounded by
-    the sum of both, for one and several channel groups, every grouping of heads, an odd count."""
-    spec = f"k=int4c,v=vq2h,kgroup=32,vgroup={vgroup},residual=0"
+    vectors (vq2h) or from the 16 sign-free patterns in registers (vq2hs), and the weights are
+    int16 per block of 32 tokens; the output error is bounded by the sum of both, for one and
+    several channel groups, every grouping of heads, an odd count."""
+    spec = f"k=int4c,v={codec},kgroup=32,vgroup={vgroup},residual=0"
     cache = filled(spec, 301, 1, head_dim=d)
     store = cache.layers[0][1]
     parts = {name: ring.read() for name, ring in store.body.items()}
@@ -291,7 +293,7 @@ def test_vector_coded_values_hold_the_int16_level_bound_where_a_target_reads_the
     with skipped_where_unread("vector codes"):
         integer_call(lib, cache, True, p, got)
     exact = p @ store.codec.decode(parts, g, d)  # (B, H, R, D)
-    book = gaussian_vector_codebook(4, 2)  # (256, 4)
+    book = gaussian_vector_codebook(4, 2, codec == "vq2hs")  # (256, 4)
     levels = book[codes].reshape(1, 2, m, d)  # (B, H, m, D): each channel's level
     assert_int16_level_bound(got, exact, p, levels, parts["scale"], g, book.abs().max())
 

@@ -134,6 +134,10 @@ class Codec:
         """Lookup tables the kernels need besides the parts (a codebook; per-sequence ranges)."""
         return {}
 
+    def kernel_fields(self) -> dict[str, int]:
+        """Numbers the kernels need besides the code width and group (RowSource fields by name)."""
+        return {}
+
     def to_space(self, x: torch.Tensor) -> torch.Tensor:
         """Map vectors into the space they are stored in (rotated for Hadamard codecs)."""
         return hadamard_rotate(x) if self.rotate else x
@@ -285,9 +289,12 @@ class Codebook(Scaled):
 @dataclass(frozen=True)
 class VectorCodebook(Scaled):
     """Vectors of `dim` channels (after a Hadamard rotation) replaced by the nearest of 2**(bits dim)
-    Gaussian k-means vectors, one byte-aligned code per vector, x an fp16 scale per G channels."""
+    Gaussian k-means vectors, one byte-aligned code per vector, x an fp16 scale per G channels.
+    With `signs` the book is sign x magnitude pattern (gaussian_vector_codebook), which the
+    integer kernel decodes in registers rather than by gathers."""
 
     dim: int = 4
+    signs: bool = False
 
     row_kind: ClassVar[RowKind] = RowKind.VECTOR  # AVX-512 VNNI integer values, else the general rows route
 
@@ -300,7 +307,11 @@ class VectorCodebook(Scaled):
         return 8  # one byte per code
 
     def kernel_tables(self, params):
-        return {"codebook": gaussian_vector_codebook(self.dim, self.bits).contiguous()}  # (256, dim) float32
+        return {"codebook": gaussian_vector_codebook(self.dim, self.bits, self.signs).contiguous()}  # (256, dim)
+
+    def kernel_fields(self):
+        # nlevels: the magnitude patterns of a sign-structured book (book[k % nlevels] >= 0), or 0
+        return {"vdim": self.dim, "nlevels": (1 << self.bits * self.dim) >> self.dim if self.signs else 0}
 
     def validate(self, head_dim: int, group: int) -> None:
         super().validate(head_dim, group)
@@ -314,14 +325,14 @@ class VectorCodebook(Scaled):
         return f"{self.bits} + 16/G  ({self.dim}-dim Gaussian k-means vectors, one byte each, fp16 RMS scale per G channels)"
 
     def encode(self, x, group, params=None):
-        codes, scale = quantize_vectors(x, self.dim, self.bits, group)
+        codes, scale = quantize_vectors(x, self.dim, self.bits, group, signs=self.signs)
         return {"codes": codes.to(torch.uint8), "scale": scale}
 
     def unpack(self, parts, head_dim):
         return parts["codes"]  # (B, H, T, D/dim)
 
     def decode(self, parts, group, head_dim, params=None):
-        return dequantize_vectors(parts["codes"], parts["scale"], self.dim, self.bits, group)
+        return dequantize_vectors(parts["codes"], parts["scale"], self.dim, self.bits, group, self.signs)
 
 
 @dataclass(frozen=True)
@@ -408,5 +419,8 @@ for _codec in [
     Codebook("lm3h", 3, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     Codebook("lm2h", 2, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     VectorCodebook("vq2h", 2, "Hadamard-rotated, 4-dim Gaussian k-means vectors, 2 bits/element", rotate=True),
+    VectorCodebook(
+        "vq2hs", 2, "vq2h with a sign x 16-pattern book (decoded in registers)", rotate=True, signs=True
+    ),
 ]:
     register(_codec)

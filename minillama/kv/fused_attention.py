@@ -69,7 +69,8 @@ def row_source(
         keep.append(tables)
         if "codebook" in tables:
             src.codebook = tables["codebook"].data_ptr()
-        src.vdim = getattr(codec, "dim", 0)  # vector codes: channels per code
+        for name, value in codec.kernel_fields().items():  # vector codes: channels per code, patterns
+            setattr(src, name, value)
         if "levels" in tables:
             src.lo, src.span, src.levels = (tables[n].data_ptr() for n in ("lo", "span", "levels"))
             src.nlevels = tables["levels"].shape[-1]

@@ -163,20 +163,30 @@ def dequantize_codebook(codes: torch.Tensor, scale: torch.Tensor, bits: int, gro
 
 
 @functools.lru_cache(maxsize=4)
-def gaussian_vector_codebook(dim: int, bits: int) -> torch.Tensor:
+def gaussian_vector_codebook(dim: int, bits: int, signs: bool = False) -> torch.Tensor:
     """2**(bits dim) vectors (n, dim), float32 values of float16s: Lloyd's k-means on 2**15
     N(0, I) samples drawn from a fixed seed, started from the first n samples, 30 rounds in
     float64 (~2 s, once per process), then rounded to float16 so that every machine gets the
-    same table."""
+    same table. With `signs`, a sign-structured book: k-means of the samples' magnitudes |x|
+    with n / 2**dim patterns, and vector k = pattern k % patterns with coordinate c negated
+    where bit c of k // patterns is set (the nearest such vector of x: x's signs, and the
+    pattern nearest to |x|) -- a book a kernel holds in registers."""
     n = 2 ** (bits * dim)
     g = torch.Generator().manual_seed(2604)
     x = torch.randn(2**15, dim, generator=g, dtype=torch.float64)  # (S, dim)
-    c = x[:n].clone()  # (n, dim)
+    if signs:
+        x = x.abs()
+    m = n >> dim if signs else n  # centroids fitted
+    c = x[:m].clone()  # (m, dim)
     for _ in range(30):
         nearest = _nearest(x, c)  # (S,)
         sums = torch.zeros_like(c).index_add_(0, nearest, x)
-        counts = torch.bincount(nearest, minlength=n).unsqueeze(1)
+        counts = torch.bincount(nearest, minlength=m).unsqueeze(1)
         c = torch.where(counts > 0, sums / counts.clamp_min(1), c)
+    if signs:
+        k = torch.arange(n)
+        negative = (k // m).unsqueeze(1) >> torch.arange(dim) & 1  # (n, dim)
+        c = c[k % m] * (1 - 2 * negative)
     return c.to(torch.float16).float()
 
 
@@ -187,7 +197,7 @@ def _nearest(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_vectors(
-    x: torch.Tensor, dim: int, bits: int, group: int, refine: int = 4
+    x: torch.Tensor, dim: int, bits: int, group: int, refine: int = 4, signs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., T, D) -> codes (..., T, D/dim) int64 (index of the nearest codebook vector of each
     dim channels), scale (..., T, D/G) fp16. The scale is refined as ``quantize_codebook``
@@ -195,7 +205,7 @@ def quantize_vectors(
     Stored: bits x dim bits per code (one byte at 2 bits x 4) and 16 per G: bits + 16 / G per
     element."""
     check_finite(x)
-    book = gaussian_vector_codebook(dim, bits).to(x.device)  # (n, dim)
+    book = gaussian_vector_codebook(dim, bits, signs).to(x.device)  # (n, dim)
     xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
 
     def stored(s: torch.Tensor) -> torch.Tensor:  # the scale as it will be stored (fp16), never 0
@@ -215,9 +225,11 @@ def quantize_vectors(
     return codes.reshape(*x.shape[:-1], x.shape[-1] // dim), s.squeeze(-1).to(torch.float16)
 
 
-def dequantize_vectors(codes: torch.Tensor, scale: torch.Tensor, dim: int, bits: int, group: int) -> torch.Tensor:
+def dequantize_vectors(
+    codes: torch.Tensor, scale: torch.Tensor, dim: int, bits: int, group: int, signs: bool = False
+) -> torch.Tensor:
     """codes (..., T, D/dim), scale (..., T, D/G) fp16 -> float32 (..., T, D)."""
-    book = gaussian_vector_codebook(dim, bits).to(codes.device)
+    book = gaussian_vector_codebook(dim, bits, signs).to(codes.device)
     v = book[codes.long()].reshape(*codes.shape[:-1], codes.shape[-1] * dim)  # (..., T, D)
     return (_grouped(v, group, "token") * scale.float().unsqueeze(-1)).reshape(v.shape)
 

@@ -55,7 +55,7 @@ struct RowSource {
     const uint16_t* lo;     // ROW_CALIBRATED: (B*H, D) fp16
     const uint16_t* span;   // ROW_CALIBRATED: (B*H, D) fp16
     const uint16_t* levels; // ROW_CALIBRATED: (B*H, nlevels) fp16
-    int nlevels;
+    int nlevels;            // ROW_CALIBRATED: levels per head; ROW_VECTOR: 16 for a sign x pattern book, else 0
     int vdim;               // ROW_VECTOR: channels per code (codebook: 256 vectors of vdim floats)
     const float* center;    // (B*H, D) float32 key center to add back, or null
     const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position

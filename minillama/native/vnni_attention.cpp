@@ -584,6 +584,39 @@ inline void pair_vectors(const uint8_t* x, const uint8_t* y, const int64_t* book
     }
 }
 
+// Sign-structured vector codes (nlevels 16: code k = 16 s + p, vector = pattern p with coordinate
+// c negated where bit c of s is set): two tokens' rows -> the same pair registers, in registers.
+// The 16 patterns' 64 int16 levels are two tables of one vpermi2w; each code is spread to the 8
+// int16 lanes of its 4 channels x 2 tokens by one vpermw (lane l of register m: channel
+// 16 m + l / 2 of token l % 2), carrying 4 p in bits 2-5 and s in bits 8-11, so the lookup
+// index is that | c and the sign is a bit test.
+template <int NV>
+inline void pair_signed(const uint8_t* x, const uint8_t* y, __m512i t0, __m512i t1, __m512i* f) {
+    struct Index {
+        int16_t spread[4][32], channel[32], sign[32];
+        constexpr Index() : spread{}, channel{}, sign{} {
+            for (int l = 0; l < 32; l++) {
+                for (int m = 0; m < 4; m++) spread[m][l] = (int16_t)((l % 2) * 16 + 4 * m + l / 8);
+                channel[l] = (int16_t)((l / 2) % 4), sign[l] = (int16_t)(256 << ((l / 2) % 4));
+            }
+        }
+    };
+    alignas(64) static constexpr Index index{};
+    const __m512i channel = _mm512_load_si512(index.channel), sign = _mm512_load_si512(index.sign);
+    for (int h = 0; h < NV / 4; h++) {  // 64 channels = 16 codes of each token
+        const __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(x + 16 * h))),
+                                                      _mm_loadu_si128((const __m128i*)(y + 16 * h)), 1);
+        const __m512i c = _mm512_cvtepu8_epi16(codes);  // lanes 0-15: x's codes, 16-31: y's
+        const __m512i v = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(15)), 2),
+                                          _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0xF0)), 4));
+        for (int m = 0; m < 4; m++) {
+            const __m512i spread = _mm512_permutexvar_epi16(_mm512_load_si512(index.spread[m]), v);
+            const __m512i level = _mm512_permutex2var_epi16(t0, _mm512_or_si512(spread, channel), t1);
+            f[4 * h + m] = _mm512_mask_sub_epi16(level, _mm512_test_epi16_mask(spread, sign), _mm512_setzero_si512(), level);
+        }
+    }
+}
+
 // Two tokens' rows -> their NV pair registers: 3-bit codes through pair_codes3 (VBMI), else
 // pair_fields of the packed bytes (PB: the code width, 8 for 3-bit rows unpacked to bytes);
 // a codebook's levels replace the codes (vpermw on the int16 lanes).
@@ -601,18 +634,25 @@ inline void make_pair(const uint8_t* x, const uint8_t* y, bool book, __m512i lut
 
 // BITS: the stored code width; 3-bit rows are paired by pair_codes3, or without VBMI unpacked to
 // bytes first and paired as 8-bit ones (PB: the width pair_fields sees). VEC: vector codes, one
-// byte per 4 channels (pair_vectors), their book's 1024 numbers as int16 levels (levels16).
-template <int BITS, int NV, bool VEC = false>
+// byte per 4 channels, their book as int16 levels (levels16): 1, any book (pair_vectors, its
+// 1024 numbers); 2, a sign x 16-pattern book (pair_signed, its 64 pattern numbers).
+template <int BITS, int NV, int VEC = 0>
 bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
     constexpr int D = 16 * NV, SB = 32, PB = VEC || BITS == 3 ? 8 : BITS, F = 8 / PB, NP = NV / F;
     const int G = s.group, NG = D / G;
     __m512i gidx[NP];  // lane j of piece m: the group of its channels
     // A codebook's 16-bit levels (levels16), looked up per 16-bit lane (vpermw).
-    const bool book = !VEC && s.codebook != nullptr;
+    const bool book = VEC == 0 && s.codebook != nullptr;
     __m512i lut = _mm512_setzero_si512();
     float level_step = 1.f;
-    alignas(64) int64_t book16[VEC ? 256 : 1];  // vector codes: each vector's 4 int16 levels
-    if (VEC) level_step = levels16(s.codebook, 1024, (int16_t*)book16);
+    alignas(64) int64_t book16[VEC == 1 ? 256 : 1];  // any vector book: each vector's 4 int16 levels
+    if (VEC == 1) level_step = levels16(s.codebook, 1024, (int16_t*)book16);
+    __m512i patterns[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // sign x pattern book: 64 int16
+    if (VEC == 2) {
+        alignas(64) int16_t t[64];
+        level_step = levels16(s.codebook, 64, t);  // vectors 0..15: the patterns, every sign positive
+        patterns[0] = _mm512_load_si512(t), patterns[1] = _mm512_load_si512(t + 32);
+    }
     if (book) {
         alignas(64) int16_t t[32] = {0};
         level_step = levels16(s.codebook, 1 << BITS, t);
@@ -714,16 +754,20 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         const int npairs = (len + 1) / 2;
         if (R <= 29 / (NV + 1)) {  // one tile of heads: each pair made in registers, used at once
             auto make = [&](int q, __m512i* f) __attribute__((always_inline)) {
-                if (VEC)
+                if (VEC == 1)
                     pair_vectors<NV>(row[2 * q], row[2 * q + 1], book16, f);
+                else if (VEC == 2)
+                    pair_signed<NV>(row[2 * q], row[2 * q + 1], patterns[0], patterns[1], f);
                 else
                     make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f);
             };
             pair_all<NV, F>(make, npairs, wq, NG, b, gidx, out, R);
         } else {  // several tiles: the pairs made once, read back from L1 by each tile
             for (int q = 0; q < npairs; q++)
-                if (VEC)
+                if (VEC == 1)
                     pair_vectors<NV>(row[2 * q], row[2 * q + 1], book16, pairs[q]);
+                else if (VEC == 2)
+                    pair_signed<NV>(row[2 * q], row[2 * q + 1], patterns[0], patterns[1], pairs[q]);
                 else
                     make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, pairs[q]);
             auto load = [&](int q, __m512i* f) __attribute__((always_inline)) {
@@ -778,8 +822,10 @@ bool vnni_values(const RowSource& s, int D) {
 
 bool value_vnni(VALUE_ARGS) {
     if (R > 16 || !vnni_values(s, D)) return false;
+    if (s.kind == ROW_VECTOR && s.nlevels == 16)
+        return D == 64 ? value_vnni<8, 4, 2>(s, bh, R, p, lp, i0, n, acc) : value_vnni<8, 8, 2>(s, bh, R, p, lp, i0, n, acc);
     if (s.kind == ROW_VECTOR)
-        return D == 64 ? value_vnni<8, 4, true>(s, bh, R, p, lp, i0, n, acc) : value_vnni<8, 8, true>(s, bh, R, p, lp, i0, n, acc);
+        return D == 64 ? value_vnni<8, 4, 1>(s, bh, R, p, lp, i0, n, acc) : value_vnni<8, 8, 1>(s, bh, R, p, lp, i0, n, acc);
 #define V(BITS) return D == 64 ? value_vnni<BITS, 4>(s, bh, R, p, lp, i0, n, acc) : value_vnni<BITS, 8>(s, bh, R, p, lp, i0, n, acc)
     switch (s.bits) {
         case 2: V(2);
