@@ -419,8 +419,6 @@ for _codec in [
     Codebook("lm3h", 3, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     Codebook("lm2h", 2, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     VectorCodebook("vq2h", 2, "Hadamard-rotated, 4-dim Gaussian k-means vectors, 2 bits/element", rotate=True),
-    VectorCodebook(
-        "vq2hs", 2, "vq2h with a sign x 16-pattern book (decoded in registers)", rotate=True, signs=True
-    ),
+    VectorCodebook("vq2hs", 2, "vq2h with a sign x 16-pattern book (decoded in registers)", rotate=True, signs=True),
 ]:
     register(_codec)
