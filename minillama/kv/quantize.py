@@ -142,18 +142,26 @@ def quantize_codebook(x: torch.Tensor, bits: int, group: int, refine: int = 4) -
     xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
     levels = gaussian_codebook(bits).to(x.device)
     mids = (levels[1:] + levels[:-1]) / 2
+    s = _refined_scale(xg, lambda s: levels[torch.bucketize(xg / s, mids)], refine)  # (..., T, D/G, 1)
+    codes = torch.bucketize(xg / s, mids).to(torch.uint8)  # nearest level for the stored scale
+    return codes.reshape(x.shape), s.squeeze(-1).to(torch.float16)
 
-    def stored(s: torch.Tensor) -> torch.Tensor:  # the scale as it will be stored (fp16), never 0
+
+def _refined_scale(xg: torch.Tensor, chosen, refine: int) -> torch.Tensor:
+    """The fp16-stored scale (..., 1) of each group of xg (..., G): its RMS, then ``refine`` rounds
+    of alternating minimization -- chosen(s) (..., G) the codebook entries nearest xg / s, and the
+    best scale for them <x, l> / <l, l>. Stored as fp16 (never 0) at every step, so the codes are
+    chosen for the scale the cache will hold."""
+
+    def stored(s: torch.Tensor) -> torch.Tensor:
         s = s.to(torch.float16).float()
         return torch.where(s > 0, s, torch.ones_like(s))
 
-    s = stored(xg.pow(2).mean(dim=-1, keepdim=True).sqrt())  # (..., T, D/G, 1)
+    s = stored(xg.pow(2).mean(dim=-1, keepdim=True).sqrt())
     for _ in range(refine):
-        chosen = levels[torch.bucketize(xg / s, mids)]  # (..., T, D/G, G)
-        fit = (xg * chosen).sum(-1, keepdim=True) / chosen.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
-        s = stored(fit)
-    codes = torch.bucketize(xg / s, mids).to(torch.uint8)  # nearest level for the stored scale
-    return codes.reshape(x.shape), s.squeeze(-1).to(torch.float16)
+        c = chosen(s)
+        s = stored((xg * c).sum(-1, keepdim=True) / c.pow(2).sum(-1, keepdim=True).clamp_min(1e-12))
+    return s
 
 
 def dequantize_codebook(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int) -> torch.Tensor:
@@ -208,19 +216,11 @@ def quantize_vectors(
     book = gaussian_vector_codebook(dim, bits, signs).to(x.device)  # (n, dim)
     xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
 
-    def stored(s: torch.Tensor) -> torch.Tensor:  # the scale as it will be stored (fp16), never 0
-        s = s.to(torch.float16).float()
-        return torch.where(s > 0, s, torch.ones_like(s))
-
     def nearest(s: torch.Tensor) -> torch.Tensor:  # (..., T, D/G, G/dim) codes for scale s
         v = (xg / s).reshape(-1, dim)
         return _nearest(v, book).reshape(*xg.shape[:-1], group // dim)
 
-    s = stored(xg.pow(2).mean(dim=-1, keepdim=True).sqrt())  # (..., T, D/G, 1)
-    for _ in range(refine):
-        chosen = book[nearest(s)].reshape(xg.shape)  # (..., T, D/G, G)
-        fit = (xg * chosen).sum(-1, keepdim=True) / chosen.pow(2).sum(-1, keepdim=True).clamp_min(1e-12)
-        s = stored(fit)
+    s = _refined_scale(xg, lambda s: book[nearest(s)].reshape(xg.shape), refine)  # (..., T, D/G, 1)
     codes = nearest(s)
     return codes.reshape(*x.shape[:-1], x.shape[-1] // dim), s.squeeze(-1).to(torch.float16)
 
