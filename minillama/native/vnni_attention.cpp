@@ -752,24 +752,18 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
             }
         }
         const int npairs = (len + 1) / 2;
+        auto make = [&](int q, __m512i* f) __attribute__((always_inline)) {  // pair q's NV registers
+            if (VEC == 1)
+                pair_vectors<NV>(row[2 * q], row[2 * q + 1], book16, f);
+            else if (VEC == 2)
+                pair_signed<NV>(row[2 * q], row[2 * q + 1], patterns[0], patterns[1], f);
+            else
+                make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f);
+        };
         if (R <= 29 / (NV + 1)) {  // one tile of heads: each pair made in registers, used at once
-            auto make = [&](int q, __m512i* f) __attribute__((always_inline)) {
-                if (VEC == 1)
-                    pair_vectors<NV>(row[2 * q], row[2 * q + 1], book16, f);
-                else if (VEC == 2)
-                    pair_signed<NV>(row[2 * q], row[2 * q + 1], patterns[0], patterns[1], f);
-                else
-                    make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f);
-            };
             pair_all<NV, F>(make, npairs, wq, NG, b, gidx, out, R);
         } else {  // several tiles: the pairs made once, read back from L1 by each tile
-            for (int q = 0; q < npairs; q++)
-                if (VEC == 1)
-                    pair_vectors<NV>(row[2 * q], row[2 * q + 1], book16, pairs[q]);
-                else if (VEC == 2)
-                    pair_signed<NV>(row[2 * q], row[2 * q + 1], patterns[0], patterns[1], pairs[q]);
-                else
-                    make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, pairs[q]);
+            for (int q = 0; q < npairs; q++) make(q, pairs[q]);
             auto load = [&](int q, __m512i* f) __attribute__((always_inline)) {
                 for (int k = 0; k < NV; k++) f[k] = _mm512_load_si512(&pairs[q][k]);
             };
