@@ -69,10 +69,14 @@ class Layers:
         return (time.perf_counter() - t0) / len(plans)
 
 
+def spec_list(listed: str) -> list[str]:
+    """Specs separated by ';', or by '|' when one holds the ';' of ``layers=`` itself."""
+    return listed.split("|" if "|" in listed else ";")
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
-    listed = sys.argv[2] if len(sys.argv) > 2 else "fp16;kivi4;hadv2"
-    specs = listed.split("|" if "|" in listed else ";")
+    specs = spec_list(sys.argv[2] if len(sys.argv) > 2 else "fp16;kivi4;hadv2")
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 30
     shape = sys.argv[4] if len(sys.argv) > 4 else "smollm2"
     lib = backend.library()

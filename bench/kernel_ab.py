@@ -10,7 +10,8 @@ sources with the named files (default: every ``.cpp`` and ``.h``) taken from REV
 spec's 30-layer cache once (``bench/attention_rounds.py: Layers``: synthetic fill, its shapes),
 describes it to each library separately, and times one pass of ``attend_layer`` over all layers
 with the tree's library, then with REV's, round after round. It prints each side's median per
-layer and the median of the per-round ratios tree/REV (below 1: the tree is faster).
+layer and the median of the per-round ratios tree/REV (below 1: the tree is faster). Specs are
+listed as bench/attention_rounds.py takes them (';', or '|' around ``layers=`` specs).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from attention_rounds import Layers  # bench/ is the script's folder, so on sys.path
+from attention_rounds import Layers, spec_list  # bench/ is the script's folder, so on sys.path
 
 from minillama.native import abi, backend, build
 
@@ -58,7 +59,7 @@ def main() -> None:
         sys.exit(__doc__)
     rev = sys.argv[1]
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
-    specs = (sys.argv[3] if len(sys.argv) > 3 else "fp16;hadv2").split(";")
+    specs = spec_list(sys.argv[3] if len(sys.argv) > 3 else "fp16;hadv2")
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 12
     shape = sys.argv[5] if len(sys.argv) > 5 else "smollm2"
     names = sys.argv[6].split(",") if len(sys.argv) > 6 else sorted(p.name for p in build.HERE.glob("*.[ch]*"))
