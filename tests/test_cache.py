@@ -417,6 +417,8 @@ WRITE_SPECS = [
     "int8",
     "fp16",
     "k4v4lmc",
+    "k3v2lm",
+    "k=lm4h,v=lm2h,group=16,residual=3,sinks=2",
     "k=int3c,v=int3,group=16,residual=5,sinks=3,center=1",
     "k=int2h,v=int8c,group=8,residual=0",
     "k=int4cs,v=int2h,residual=4,rope=pre",
@@ -485,7 +487,7 @@ def test_the_one_token_write_is_byte_identical_to_pytorch(spec, dtype, monkeypat
         feed(1)
     assert_same_bytes(*caches)
     assert caches[0].evicted > 0
-    if "lm" not in spec and "cs" not in spec:  # codebooks and calibrated ranges take the PyTorch write
+    if "cs" not in spec:  # calibrated ranges take the PyTorch write
         assert len(calls) >= 100
 
 
@@ -504,7 +506,7 @@ def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
 
 @needs_kernels
 def test_the_cpp_cache_write_is_the_one_that_runs(monkeypatch):
-    from minillama.kv.codecs import Affine, Codec
+    from minillama.kv.codecs import Affine, Codebook, Codec
 
     def no_pytorch_encode(*args, **kwargs):
         raise AssertionError("the PyTorch encode ran")
@@ -514,6 +516,34 @@ def test_the_cpp_cache_write_is_the_one_that_runs(monkeypatch):
     cache = KVCache(parse_kv("hadv2"), n_layers=2, n_kv_heads=2, head_dim=64, capacity=200)
     fill_synthetic(cache, 130)  # flushes KIVI key groups and per-token rotated values
     assert cache.layers[0][0].n_body == 96 and cache.layers[0][1].n_body == 98
+    monkeypatch.setattr(Codebook, "encode", no_pytorch_encode)  # k3v2lm's codecs are Lloyd-Max codebooks
+    cache = KVCache(parse_kv("k3v2lm"), n_layers=2, n_kv_heads=2, head_dim=64, capacity=200)
+    fill_synthetic(cache, 130)  # a prefill-sized block, then token by token
+    for _ in range(5):
+        cache.append([(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)) for _ in range(2)])
+    assert cache.layers[0][0].n_body == 135 - 4 - 8
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group", [16, 64])
+def test_the_cpp_codebook_encoder_writes_the_reference_bytes(bits, group):
+    """native/encode.cpp's Lloyd-Max encoder against kv/quantize.py's (codes packed as the cache
+    packs them, fp16 scales), on groups of every scale from tiny to wide-ranging: the scale's
+    refinement sums in double, so the order of the additions must not move a byte."""
+    from minillama.kv import packing
+    from minillama.kv.quantize import REFINE, gaussian_codebook, quantize_codebook
+    from minillama.native import ops
+
+    g = torch.Generator().manual_seed(bits * group)
+    x = torch.randn(4, 8, 256, 64, generator=g)  # (B, H, T, D)
+    x = x * torch.rand(4, 8, 256, 1, generator=g).mul(4) * torch.rand(4, 8, 256, 64, generator=g).pow(6).mul(30)
+    x[0] *= 1e-4  # groups near float16's smallest normals
+    x = x.to(torch.float16)
+    codes, scale = quantize_codebook(x, bits, group)
+    native = ops.encode_codebook(backend.library(), x, bits, group, gaussian_codebook(bits), REFINE)
+    assert torch.equal(native["scale"].view(torch.int16), scale.view(torch.int16))
+    assert torch.equal(native["codes"], packing.pack(codes, bits))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from minillama.kv.codecs import Affine, FloatCodec
+from minillama.kv.codecs import Affine, Codebook, FloatCodec
+from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.kv.ring import Ring, ring_buffer
 from minillama.kv.store import TensorStore, layout
 from minillama.kv.write import encode, kernels, storage_form
@@ -198,7 +199,7 @@ class LayeredStore:
         """``append`` of one decode token with nothing to evict, in one native call
         (native/encode.cpp: write_token): the same decisions as ``append``, taken here from the
         counters, and the same bytes (a test holds them equal). None, with nothing changed, where
-        the kernel does not write this codec (codebooks, calibrated ranges, non-float16 rows, the
+        the kernel does not write this codec (vector codes, calibrated ranges, non-float16 rows, the
         first append of centered keys) or the values are not finite: ``append`` then does it."""
         lead, stores = self.stores[0], self.stores
         codec, n_layers = lead.codec, len(stores)
@@ -213,7 +214,7 @@ class LayeredStore:
         n_flush = self._flush_count(res.count + (0 if to_sinks else 1))
         r = min(n_flush, res.count)
         encoded = n_flush - r  # 1: the new token is the block's last row
-        bits, axis = kind
+        bits, axis, levels = kind
         w = TokenWrite(L=n_layers, BH=x.shape[1] * x.shape[2], D=x.shape[-1], dtype=DTYPE_CODE[x.dtype])
         x = x.contiguous()  # (L, B, H, 1, D)
         center = torch.stack([s.center for s in stores]).to(torch.float16).contiguous() if lead.centered else None
@@ -227,8 +228,12 @@ class LayeredStore:
             data = self.body["values" if bits == 0 else "codes"]
             w.codes, w.codes_slot = data.ref, data.lead.start + data.lead.count
             if bits:
-                w.scale, w.zero = self.body["scale"].ref, self.body["zero"].ref
+                w.scale = self.body["scale"].ref
                 w.scale_slot = self.body["scale"].lead.start + self.body["scale"].lead.count
+                if levels is None:
+                    w.zero = self.body["zero"].ref
+                else:  # a codebook: codes and scales, no zeros
+                    w.levels, w.refine = levels.data_ptr(), REFINE
         try:
             ops.write_token(lib, w)
         except NotSupported:
@@ -246,11 +251,14 @@ class LayeredStore:
         return written, read
 
 
-def _token_kind(codec) -> tuple[int, int] | None:
-    """(bits, axis) for write_token: 0 for float16 rows, else affine codes and their group axis;
-    None for codecs it does not write."""
+def _token_kind(codec) -> tuple[int, int, torch.Tensor | None] | None:
+    """(bits, axis, levels) for write_token: bits 0 for float16 rows, else affine codes and their
+    group axis, or a Lloyd-Max codebook's codes (per token) and its levels; None for codecs it
+    does not write."""
     if isinstance(codec, FloatCodec):
-        return (0, 0) if codec.dtype == torch.float16 else None
+        return (0, 0, None) if codec.dtype == torch.float16 else None
     if isinstance(codec, Affine) and not codec.per_sequence and codec.bits in (2, 3, 4, 8):
-        return codec.bits, int(codec.axis == "channel")
+        return codec.bits, int(codec.axis == "channel"), None
+    if isinstance(codec, Codebook) and codec.bits in (2, 3, 4):
+        return codec.bits, 0, gaussian_codebook(codec.bits)
     return None

@@ -129,7 +129,12 @@ def gaussian_codebook(bits: int) -> torch.Tensor:
     return levels.float()
 
 
-def quantize_codebook(x: torch.Tensor, bits: int, group: int, refine: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+REFINE = 4  # rounds of scale refinement for the codebook codecs (native/encode.cpp takes the same)
+
+
+def quantize_codebook(
+    x: torch.Tensor, bits: int, group: int, refine: int = REFINE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., T, D) -> codes (..., T, D) uint8 (index of the nearest level), scale (..., T, D/G) fp16.
 
     The scale starts at the group's RMS (right for unit-Gaussian levels on average) and is
@@ -151,16 +156,20 @@ def _refined_scale(xg: torch.Tensor, chosen, refine: int) -> torch.Tensor:
     """The fp16-stored scale (..., 1) of each group of xg (..., G): its RMS, then ``refine`` rounds
     of alternating minimization -- chosen(s) (..., G) the codebook entries nearest xg / s, and the
     best scale for them <x, l> / <l, l>. Stored as fp16 (never 0) at every step, so the codes are
-    chosen for the scale the cache will hold."""
+    chosen for the scale the cache will hold. The sums are taken in float64, where every product
+    of an fp16-valued x and a float32 level is exact and a sum is off by at most its last bit, so
+    that the order of the additions (torch's here, eight lanes in native/encode.cpp) moves a
+    stored scale only at a rounding tie that close: the native encoder writes the same bytes."""
 
-    def stored(s: torch.Tensor) -> torch.Tensor:
-        s = s.to(torch.float16).float()
+    def stored(s: torch.Tensor) -> torch.Tensor:  # float64 -> float32 -> fp16, as the native encoder rounds
+        s = s.float().to(torch.float16).float()
         return torch.where(s > 0, s, torch.ones_like(s))
 
-    s = stored(xg.pow(2).mean(dim=-1, keepdim=True).sqrt())
+    x64 = xg.double()
+    s = stored(x64.pow(2).mean(dim=-1, keepdim=True).sqrt())
     for _ in range(refine):
-        c = chosen(s)
-        s = stored((xg * c).sum(-1, keepdim=True) / c.pow(2).sum(-1, keepdim=True).clamp_min(1e-12))
+        c = chosen(s).double()
+        s = stored((x64 * c).sum(-1, keepdim=True) / c.pow(2).sum(-1, keepdim=True).clamp_min(1e-12))
     return s
 
 
@@ -205,7 +214,7 @@ def _nearest(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_vectors(
-    x: torch.Tensor, dim: int, bits: int, group: int, refine: int = 4, signs: bool = False
+    x: torch.Tensor, dim: int, bits: int, group: int, refine: int = REFINE, signs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., T, D) -> codes (..., T, D/dim) int64 (index of the nearest codebook vector of each
     dim channels), scale (..., T, D/G) fp16. The scale is refined as ``quantize_codebook``

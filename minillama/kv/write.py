@@ -7,16 +7,17 @@ a dozen PyTorch calls:
 
 * ``storage_form``: rotate (Hadamard codecs), subtract the key center (``center=1``) and
   round to the exact dtype the residual keeps (float16 for quantized codecs);
-* ``encode``: a block of storage-form vectors into the codec's parts; the kernel covers the
-  affine codecs (per-token ``int*``/``int*h`` and KIVI per-channel ``int*c``), every other
-  codec encodes with its own ``Codec.encode``.
+* ``encode``: a block of storage-form vectors into the codec's parts; the kernels cover the
+  affine codecs (per-token ``int*``/``int*h`` and KIVI per-channel ``int*c``) and the scalar
+  Lloyd-Max codebooks (``lm*``), every other codec encodes with its own ``Codec.encode``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minillama.kv.codecs import Affine, Codec
+from minillama.kv.codecs import Affine, Codebook, Codec
+from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 
@@ -46,8 +47,11 @@ def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dty
 def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None) -> dict[str, torch.Tensor]:
     """x (B, H, T, D) in storage form -> the codec's parts, each (B, H, rows, width)."""
     lib = kernels(x.device)
-    if lib is not None and isinstance(codec, Affine) and x.dtype == torch.float16 and bool(torch.isfinite(x).all()):
+    native = isinstance(codec, (Affine, Codebook)) and x.dtype == torch.float16
+    if lib is not None and native and bool(torch.isfinite(x).all()):
         try:
+            if isinstance(codec, Codebook):
+                return ops.encode_codebook(lib, x, codec.bits, group, gaussian_codebook(codec.bits), REFINE)
             return ops.encode_affine(
                 lib, x, codec.bits, group, codec.axis == "channel", codec.codes_part(x.shape[-1]).width
             )

@@ -155,6 +155,8 @@ class TokenWrite(ctypes.Structure):
         ("zero", RingRef),
         ("codes_slot", ctypes.c_int),
         ("scale_slot", ctypes.c_int),
+        ("levels", ctypes.c_void_p),
+        ("refine", ctypes.c_int),
     ]
 
 
@@ -179,6 +181,7 @@ SIGNATURES = {  # name: (argument types, return type)
     "add_rms_norm": ([_P, _P, _P, _I, _I, _I, _F, _P, _P], _I),
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
+    "encode_codebook": ([_P, _I64, _I, _I, _I, _I, _P, _I, _P, _P], _I),
     "write_token": ([ctypes.POINTER(TokenWrite)], _I),
     "set_parts": ([ctypes.POINTER(ctypes.POINTER(LayerPlan)), _I, _I, _P, _I], _I),
     "decode_step": ([ctypes.POINTER(LayerStep), _I, ctypes.POINTER(StepEnds)], _I),

@@ -7,7 +7,11 @@
 // encode_affine  float16 rows -> per group min/max, fp16 scale = (max - min) / (2^b - 1) and
 //                fp16 zero = min, codes = round-half-even((x - zero) / scale) clamped, packed
 //                as kv/packing.py packs them; groups of G channels of one token (axis 0) or of
-//                G tokens of one channel (axis 1, KIVI keys).
+//                G tokens of one channel (axis 1, KIVI keys);
+// encode_codebook float16 rows -> per group of G channels the index of the nearest of 2^b
+//                levels and an fp16 scale: the group's RMS, then `refine` rounds of the best
+//                scale for the chosen levels, <x, l> / <l, l>, with the sums in double
+//                (kv/quantize.py: quantize_codebook, _refined_scale).
 // The PyTorch path (kv/layered.py: LayeredStore.append with kv/quantize.py, kv/packing.py) is the
 // reference; a test holds the two to identical bytes.
 
@@ -34,6 +38,73 @@ static inline void pack_row(const uint8_t* c, int n, int bits, uint8_t* out) {
             out[3 * i] = w & 0xFF, out[3 * i + 1] = (w >> 8) & 0xFF, out[3 * i + 2] = (w >> 16) & 0xFF;
         }
     }
+}
+
+// The fp16 scale a refinement round stores: double -> float -> fp16, 1 where that is not > 0.
+static inline uint16_t stored_scale(double s) {
+    const uint16_t h = float_to_half((float)s);
+    return half_to_float_(h) > 0.f ? h : float_to_half(1.f);
+}
+
+// sum a_e b_e in double: each product of float32s is exact there, and the sum is exact but for
+// the last bit of a double where the terms span more than its 53 bits, so the order of the
+// additions (eight lanes here, torch's own in kv/quantize.py) moves an fp16 scale only at a
+// rounding tie that close (none in 22 million random groups, tests/test_cache.py).
+static double dot(const float* a, const float* b, int n) {
+    double lane[8] = {0.0};
+    int e = 0;
+    for (; e + 8 <= n; e += 8)
+        for (int j = 0; j < 8; j++) lane[j] += (double)a[e + j] * b[e + j];
+    double sum = 0.0;
+    for (; e < n; e++) sum += (double)a[e] * b[e];
+    for (int j = 0; j < 8; j++) sum += lane[j];
+    return sum;
+}
+
+// The nearest of L levels (their L - 1 boundaries `mids`, ascending) for each of x[0..G) / s:
+// how many boundaries lie below it, as torch.bucketize counts them (counted, not searched: the
+// compiler vectorizes it across x).
+template <int L>
+static void nearest_levels(const float* x, int G, float s, const float* mids, uint8_t* c) {
+    for (int e = 0; e < G; e++) {
+        const float v = x[e] / s;
+        int k = 0;
+        for (int l = 0; l < L - 1; l++) k += mids[l] < v;
+        c[e] = (uint8_t)k;
+    }
+}
+
+// One (sequence, head)'s block x (n, D) fp16 -> codebook codes (c, n x D unpacked) and scales
+// (n x D/G), packed into codes: encode_codebook's body.
+template <int BITS>
+static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const float* levels, int refine,
+                                  uint8_t* codes, uint16_t* scale, uint8_t* c) {
+    constexpr int L = 1 << BITS;
+    const int W = D * BITS / 8;
+    float mids[L - 1];  // the boundaries between neighbouring levels, as torch.bucketize takes them
+    for (int l = 0; l + 1 < L; l++) mids[l] = (levels[l + 1] + levels[l]) / 2;
+    std::vector<float> x(G), l(G);  // a group's values and its chosen levels
+    for (int64_t g = 0; g < (int64_t)n * (D / G); g++) {
+        const uint16_t* xg = xb + g * G;
+        for (int e = 0; e < G; e++) x[e] = half_to_float_(xg[e]);
+        uint16_t s16 = stored_scale(std::sqrt(dot(x.data(), x.data(), G) / G));
+        uint8_t* cg = c + g * G;
+        for (int round = 0; round < refine; round++) {
+            nearest_levels<L>(x.data(), G, half_to_float_(s16), mids, cg);
+            for (int e = 0; e < G; e++) l[e] = levels[cg[e]];
+            s16 = stored_scale(dot(x.data(), l.data(), G) / std::max(dot(l.data(), l.data(), G), 1e-12));
+        }
+        nearest_levels<L>(x.data(), G, half_to_float_(s16), mids, cg);
+        scale[g] = s16;
+    }
+    for (int t = 0; t < n; t++) pack_row(&c[(size_t)t * D], D, BITS, codes + (int64_t)t * W);
+}
+
+static void encode_codebook_block(const uint16_t* xb, int n, int D, int bits, int G, const float* levels, int refine,
+                                  uint8_t* codes, uint16_t* scale, uint8_t* c) {
+    if (bits == 2) return encode_codebook_block<2>(xb, n, D, G, levels, refine, codes, scale, c);
+    if (bits == 3) return encode_codebook_block<3>(xb, n, D, G, levels, refine, codes, scale, c);
+    encode_codebook_block<4>(xb, n, D, G, levels, refine, codes, scale, c);
 }
 
 extern "C" {
@@ -119,10 +190,27 @@ int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, 
     return MINILLAMA_OK;
 }
 
+// x: (BH, n, D) fp16 -> codes (BH, n, packed width), scale (BH, n, D/G) fp16; levels: the 2^bits
+// ascending levels (kv/quantize.py: gaussian_codebook).
+int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, const float* levels, int refine,
+                    uint8_t* codes, uint16_t* scale) {
+    if (bits != 2 && bits != 3 && bits != 4) return MINILLAMA_E_CODES;
+    if (!encodable(n, D, bits, G, 0) || refine < 0) return MINILLAMA_E_SHAPE;
+    const int W = D * bits / 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < BH; bh++) {
+        std::vector<uint8_t> c((size_t)n * D);
+        encode_codebook_block(x + bh * n * D, n, D, bits, G, levels, refine, codes + bh * n * W,
+                              scale + bh * (int64_t)n * (D / G), c.data());
+    }
+    return MINILLAMA_OK;
+}
+
 // One decode token into a group's rings (kv/layered.py: LayeredStore.append, one token): per
 // layer and (sequence, head) row, the storage form (prepare_rows) of the new vector; then, when
 // a unit leaves the residual, that block (the oldest residual rows, then the new token when it is
-// part of it) encoded (encode_affine, or copied for float16 bodies) into the body's next slots;
+// part of it) encoded (encode_affine, encode_codebook where the write has levels, or copied for
+// float16 bodies) into the body's next slots;
 // then the new row into its sinks or residual slot (after the block is read: it may take the
 // slot the block's first row leaves). Every output is first checked finite: nothing is written
 // otherwise, and the caller takes the PyTorch path, which refuses non-finite values clearly.
@@ -132,6 +220,7 @@ int write_token(const TokenWrite* write) {
     if (w.flush < 0 || w.flush > 256 || w.from_res < 0 || w.from_res > w.flush || w.flush - w.from_res > 1)
         return MINILLAMA_E_SHAPE;
     if (w.bits != 0 && w.flush && !encodable(w.flush, w.D, w.bits, w.group, w.axis)) return MINILLAMA_E_CODES;
+    if (w.levels && (w.axis != 0 || w.bits < 2 || w.bits > 4 || !w.scale.buf || w.zero.buf)) return MINILLAMA_E_CODES;
     std::vector<uint16_t> fresh((size_t)rows * D);  // (L * BH, D) the new rows in storage form
     const int64_t bad = prepare_rows(w.x, w.dtype, rows, D, w.rotate, w.center, 1, fresh.data());
     if (bad < 0) return (int)-bad;
@@ -154,12 +243,16 @@ int write_token(const TokenWrite* write) {
             if (w.bits == 0) {  // a float16 body: the rows themselves
                 for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &block[(size_t)i * D], row_bytes);
             } else {
-                encode_block(block.data(), w.flush, D, w.bits, w.group, w.axis, codes.data(), scale.data(), zero.data(),
-                             unpacked.data());
+                if (w.levels)
+                    encode_codebook_block(block.data(), w.flush, D, w.bits, w.group, w.levels, w.refine, codes.data(),
+                                          scale.data(), unpacked.data());
+                else
+                    encode_block(block.data(), w.flush, D, w.bits, w.group, w.axis, codes.data(), scale.data(),
+                                 zero.data(), unpacked.data());
                 for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &codes[(size_t)i * W], W);
                 for (int i = 0; i < srows; i++) {
                     std::memcpy(at(w.scale, r, w.scale_slot + i), &scale[(size_t)i * swidth], (size_t)swidth * 2);
-                    std::memcpy(at(w.zero, r, w.scale_slot + i), &zero[(size_t)i * swidth], (size_t)swidth * 2);
+                    if (w.zero.buf) std::memcpy(at(w.zero, r, w.scale_slot + i), &zero[(size_t)i * swidth], (size_t)swidth * 2);
                 }
             }
         }

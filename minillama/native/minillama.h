@@ -92,8 +92,10 @@ struct TokenWrite {
     int flush, from_res, res_first;
     RingRef res;
     int bits, group, axis;
-    RingRef codes, scale, zero;
+    RingRef codes, scale, zero;  // zero: none for a codebook
     int codes_slot, scale_slot;
+    const float* levels;  // a codebook's 2^bits ascending levels (encode_codebook), or null: affine codes
+    int refine;           // a codebook's scale refinement rounds
 };
 
 // One layer's decode attention: q (B, H*R, D) against every held part of K and V plus the new
@@ -186,6 +188,8 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
                      int64_t rows_per_center, uint16_t* out);
 int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
                   uint16_t* scale, uint16_t* zero);
+int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, const float* levels, int refine,
+                    uint8_t* codes, uint16_t* scale);
 int write_token(const TokenWrite* write);
 
 // What a step changes in the plans of the layers that share a codec (layer_attention.cpp): for
@@ -221,4 +225,4 @@ static_assert(sizeof(Part) == 136, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8, "StepEnds layout changed: update native/abi.py");
-static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 160, "TokenWrite layout changed: update native/abi.py");
+static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 176, "TokenWrite layout changed: update native/abi.py");
