@@ -3,7 +3,7 @@
 //
 //   add_rms_norm  s = x + h (optional), y = weight * round(s * rsqrt(mean(s^2) + eps))
 //   rope_rows     x <- x cos + rotate_half(x) sin, HF's rotate-half layout, one position
-//   silu_mul      y = silu(gate) * up, from the fused gate|up projection
+//   silu_mul      y = silu(gate) * up, from the fused gate|up projection (16 at a time with AVX-512)
 //
 // Each rounds to the tensor's dtype wherever the PyTorch reference (model/llama.py) does, so
 // bfloat16 results match it closely and float32 ones up to summation order. dtype: 0 float32,
@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 #include "dtypes.h"
 #include "minillama.h"
@@ -25,6 +26,48 @@ static inline void put(void* p, int64_t i, float x, int dtype) {
         ((uint16_t*)p)[i] = (uint16_t)(u >> 16);  // x is already rounded
     }
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// e^x for 16 floats: x = n ln 2 + r (|r| <= ln 2 / 2, ln 2 in two parts), e^r by Cephes' expf
+// polynomial (within about an ulp of e^x, as torch's Sleef exp is), times 2^n by vscalefps,
+// which gives inf and 0 where e^x overflows and underflows, as std::exp does.
+static inline __m512 exp16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));  // 1 + r + r^2 P(r)
+    return _mm512_scalef_ps(p, n);
+}
+
+// The lanes of mask k of p[i..i + 16) as floats (0 float32, 2 bfloat16); the rest 0.
+static inline __m512 load16(const void* p, int64_t i, int dtype, __mmask16 k) {
+    if (dtype == 0) return _mm512_maskz_loadu_ps(k, (const float*)p + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t*)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// round_to_dtype for 16 lanes: bfloat16 to nearest even (the same integer steps), float32 as is.
+static inline __m512 round16(__m512 x, int dtype) {
+    if (dtype == 0) return x;
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+// x (already rounded to dtype) into the lanes of mask k of p[i..i + 16).
+static inline void store16(void* p, int64_t i, __m512 x, int dtype, __mmask16 k) {
+    if (dtype == 0) return _mm512_mask_storeu_ps((float*)p + i, k, x);
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16));
+    _mm256_mask_storeu_epi16((uint16_t*)p + i, k, h);
+}
+#endif
 
 extern "C" {
 
@@ -75,12 +118,22 @@ int rope_rows(void* x, int dtype, int B, int H, int D, int64_t bstride, const fl
     return MINILLAMA_OK;
 }
 
-// gate_up: (M, 2I) (gate then up, as the fused projection writes them); out: (M, I).
+// gate_up: (M, 2I) (gate then up, as the fused projection writes them); out: (M, I). With
+// AVX-512, sixteen at a time (silu16); else one at a time with std::exp.
 int silu_mul(const void* gate_up, int dtype, int M, int I, void* out) {
     if (dtype != 0 && dtype != 2) return MINILLAMA_E_DTYPE;
     for (int m = 0; m < M; m++) {
         const int64_t row = (int64_t)m * 2 * I;
-        for (int i = 0; i < I; i++) {
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i < I; i += 16) {
+            const __mmask16 k = (__mmask16)(I - i >= 16 ? 0xFFFF : (1u << (I - i)) - 1);
+            const __m512 g = load16(gate_up, row + i, dtype, k), u = load16(gate_up, row + I + i, dtype, k);
+            const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), dtype);
+            store16(out, (int64_t)m * I + i, round16(_mm512_mul_ps(silu, u), dtype), dtype, k);
+        }
+#endif
+        for (; i < I; i++) {
             const float g = load_value(gate_up, row + i, dtype), u = load_value(gate_up, row + I + i, dtype);
             const float silu = round_to_dtype(g / (1.f + std::exp(-g)), dtype);
             put(out, (int64_t)m * I + i, round_to_dtype(silu * u, dtype), dtype);

@@ -42,6 +42,17 @@ def gemm_rows(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def silu_mul(lib, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from a fused (M, 2I) gate|up row block, float32 or bfloat16, rounded where
+    model/llama.py's MLP rounds (the step's own SiLU, native/decode_ops.cpp)."""
+    code = _code(gate_up, "silu_mul")
+    gate_up = gate_up.contiguous()
+    m, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(m, i, dtype=gate_up.dtype)
+    check(lib.silu_mul(_p(gate_up), code, m, i, _p(out)), "silu_mul")
+    return out
+
+
 def add_rms_norm(
     lib, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
