@@ -524,6 +524,25 @@ def test_the_cpp_cache_write_is_the_one_that_runs(monkeypatch):
     assert cache.layers[0][0].n_body == 135 - 4 - 8
 
 
+def test_a_codec_that_encodes_its_own_way_is_not_written_by_the_kernels():
+    """native/encode.cpp writes a codec only where its class encodes as the built-in affine or
+    Lloyd-Max family does: a subclass with its own ``encode`` keeps it."""
+    from dataclasses import dataclass
+
+    from minillama.kv.codecs import CODECS, Codebook
+    from minillama.kv.write import native_encoding
+
+    @dataclass(frozen=True)
+    class Clipped(Codebook):
+        def encode(self, x, group, params=None):
+            return super().encode(x.clamp(-1, 1), group, params)
+
+    assert native_encoding(CODECS["int4c"]).__name__ == "Affine"
+    assert native_encoding(CODECS["lm3h"]) is Codebook
+    assert native_encoding(CODECS["vq2h"]) is None
+    assert native_encoding(Clipped("lm3clip", 3, "clipped", rotate=True)) is None
+
+
 @needs_kernels
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("group", [16, 64])

@@ -22,7 +22,7 @@ from minillama.kv.codecs import Affine, Codebook, FloatCodec
 from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.kv.ring import Ring, ring_buffer
 from minillama.kv.store import TensorStore, layout
-from minillama.kv.write import encode, kernels, storage_form
+from minillama.kv.write import encode, kernels, native_encoding, storage_form
 from minillama.native import ops
 from minillama.native.abi import DTYPE_CODE, NotSupported, RingRef, TokenWrite
 
@@ -257,8 +257,9 @@ def _token_kind(codec) -> tuple[int, int, torch.Tensor | None] | None:
     does not write."""
     if isinstance(codec, FloatCodec):
         return (0, 0, None) if codec.dtype == torch.float16 else None
-    if isinstance(codec, Affine) and not codec.per_sequence and codec.bits in (2, 3, 4, 8):
+    family = native_encoding(codec)
+    if family is Affine and not codec.per_sequence and codec.bits in (2, 3, 4, 8):
         return codec.bits, int(codec.axis == "channel"), None
-    if isinstance(codec, Codebook) and codec.bits in (2, 3, 4):
+    if family is Codebook and codec.bits in (2, 3, 4):
         return codec.bits, 0, gaussian_codebook(codec.bits)
     return None

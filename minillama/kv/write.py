@@ -44,13 +44,22 @@ def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dty
     return y.to(dtype)
 
 
+def native_encoding(codec: Codec) -> type[Codec] | None:
+    """Affine or Codebook when native/encode.cpp writes this codec's bytes (its class's encode
+    is that family's, not a subclass's own), else None: the codec encodes itself."""
+    for family in (Affine, Codebook):
+        if isinstance(codec, family) and type(codec).encode is family.encode:
+            return family
+    return None
+
+
 def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None) -> dict[str, torch.Tensor]:
     """x (B, H, T, D) in storage form -> the codec's parts, each (B, H, rows, width)."""
     lib = kernels(x.device)
-    native = isinstance(codec, (Affine, Codebook)) and x.dtype == torch.float16
-    if lib is not None and native and bool(torch.isfinite(x).all()):
+    family = native_encoding(codec) if x.dtype == torch.float16 else None
+    if lib is not None and family is not None and bool(torch.isfinite(x).all()):
         try:
-            if isinstance(codec, Codebook):
+            if family is Codebook:
                 return ops.encode_codebook(lib, x, codec.bits, group, gaussian_codebook(codec.bits), REFINE)
             return ops.encode_affine(
                 lib, x, codec.bits, group, codec.axis == "channel", codec.codes_part(x.shape[-1]).width
