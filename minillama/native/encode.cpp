@@ -220,7 +220,8 @@ int write_token(const TokenWrite* write) {
     if (w.flush < 0 || w.flush > 256 || w.from_res < 0 || w.from_res > w.flush || w.flush - w.from_res > 1)
         return MINILLAMA_E_SHAPE;
     if (w.bits != 0 && w.flush && !encodable(w.flush, w.D, w.bits, w.group, w.axis)) return MINILLAMA_E_CODES;
-    if (w.levels && (w.axis != 0 || w.bits < 2 || w.bits > 4 || !w.scale.buf || w.zero.buf)) return MINILLAMA_E_CODES;
+    if (w.levels && (w.axis != 0 || w.bits < 2 || w.bits > 4 || w.refine < 0 || !w.scale.buf || w.zero.buf))
+        return MINILLAMA_E_CODES;
     std::vector<uint16_t> fresh((size_t)rows * D);  // (L * BH, D) the new rows in storage form
     const int64_t bad = prepare_rows(w.x, w.dtype, rows, D, w.rotate, w.center, 1, fresh.data());
     if (bad < 0) return (int)-bad;
