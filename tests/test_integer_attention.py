@@ -373,7 +373,7 @@ def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n
 def test_the_integer_route_is_taken_only_where_no_exact_kernel_is_faster(lib):
     """KIVI 4-bit keys and 2- or 4-bit values go the integer way on every CPU with AVX2 (VNNI, or
     vpmaddubsw: score_int4, value_bytes); 3-bit values only with VNNI: without it the exact SIMD
-    kernels read them faster (docs/speed.md), so attend_layer routes them there."""
+    kernels read them faster (docs/speed-history.md), so attend_layer routes them there."""
     hadv2, k4v3hc = filled("hadv2", 100, 1), filled("k4v3hc", 100, 1)
     vnni = "avx512_vnni" in abi.features(lib)
     for values, part, expected in (

@@ -76,7 +76,7 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
 // Whether the exact SIMD kernels read these rows faster than the integer route would: where no
 // SIMD integer kernel reads them (VNNI on AVX-512; on AVX2 score_int4 for 4-bit keys and
 // value_bytes for 2- and 4-bit values) but score_fast / value_fast do. Measured on a Zen 3
-// (AVX2, docs/speed.md): the generic AVX2 integer kernels' byte unpacking through memory and
+// (AVX2, docs/speed-history.md): the generic AVX2 integer kernels' byte unpacking through memory and
 // scalar weights cost more than widening the codes to floats.
 extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
     const RowSource& s = *src;
