@@ -2,11 +2,12 @@
 
     python bench/step_rounds.py 8192 "fp16;hadv2;kivi4;k4v3hc;k4v3lmc;k3v2lm" 10
     python bench/step_rounds.py 32768 "fp16;hadv2" 6
+    python bench/step_rounds.py 8192 "fp16;hadv2;k4v3lmc" 6 weights/tinyllama-shape   # another model
 
 ``minillama bench`` times each scheme in its own stretch of minutes, and on a shared 2-core VM
 the machine's speed drifts by more than most differences between schemes. Here every scheme's
 cache is filled once (synthetic keys and values, eval/synthetic.py) at the given context, on the
-default model in bfloat16, and each round times 8 decode steps of every scheme in turn; it
+default model (or the model folder given last) in bfloat16, and each round times 8 decode steps of every scheme in turn; it
 prints each scheme's median ms per step, the median of its per-round ratios to the first
 scheme, and the median of the native step's own phases (native/step.cpp: projections,
 attention, the rest, final norm and LM head); "outside" is the step less those phases: Python,
@@ -39,10 +40,11 @@ def main() -> None:
         sys.exit(__doc__)
     context, specs = int(sys.argv[1]), spec_list(sys.argv[2])
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    model = sys.argv[4] if len(sys.argv) > 4 else None
     lib = backend.library()
     if lib is None:
         sys.exit(f"the kernels are not in use: {backend.describe()}")
-    lm = load_model(resolve_model(None), "bfloat16")
+    lm = load_model(resolve_model(model), "bfloat16")
     caches = {}
     for spec in specs:
         caches[spec] = KVCache.for_model(lm.config, parse_kv(spec), context + STEPS * (rounds + 1) + 64)
