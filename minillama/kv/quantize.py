@@ -152,19 +152,21 @@ def quantize_codebook(
     return codes.reshape(x.shape), s.squeeze(-1).to(torch.float16)
 
 
-def _refined_scale(xg: torch.Tensor, chosen, refine: int) -> torch.Tensor:
-    """The fp16-stored scale (..., 1) of each group of xg (..., G): its RMS, then ``refine`` rounds
+def stored_fp16(s: torch.Tensor) -> torch.Tensor:
+    """A scale as the cache stores it: float64 -> float32 -> fp16 (as the native encoder rounds),
+    1 where that is not > 0."""
+    s = s.float().to(torch.float16).float()
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def _refined_scale(xg: torch.Tensor, chosen, refine: int, stored=stored_fp16) -> torch.Tensor:
+    """The stored scale (..., 1) of each group of xg (..., G): its RMS, then ``refine`` rounds
     of alternating minimization -- chosen(s) (..., G) the codebook entries nearest xg / s, and the
-    best scale for them <x, l> / <l, l>. Stored as fp16 (never 0) at every step, so the codes are
-    chosen for the scale the cache will hold. The sums are taken in float64, where every product
+    best scale for them <x, l> / <l, l>. Stored (``stored``: fp16, never 0) at every step, so the
+    codes are chosen for the scale the cache will hold. The sums are taken in float64, where every product
     of an fp16-valued x and a float32 level is exact and a sum is off by at most its last bit, so
     that the order of the additions (torch's here, eight lanes in native/encode.cpp) moves a
     stored scale only at a rounding tie that close: the native encoder writes the same bytes."""
-
-    def stored(s: torch.Tensor) -> torch.Tensor:  # float64 -> float32 -> fp16, as the native encoder rounds
-        s = s.float().to(torch.float16).float()
-        return torch.where(s > 0, s, torch.ones_like(s))
-
     x64 = xg.double()
     s = stored(x64.pow(2).mean(dim=-1, keepdim=True).sqrt())
     for _ in range(refine):
