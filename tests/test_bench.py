@@ -72,8 +72,9 @@ def test_bench_json_schema(tiny_dir):
         assert all(isinstance(row[k], t) for k, t in KEYS.items()), row
         assert row["prefill_tokens_per_s"] is None  # synthetic fill: nothing was prefilled
         assert row["bytes_read_per_token"] > row["cache_bytes"]  # weights + the whole cache
-        assert 0 < row["attention_ms_per_layer"] < row["decode_ms_per_token"]
-        assert 0 < row["projection_ms"] < row["decode_ms_per_token"]
+        # timed apart from the steps, so on a loaded machine either may exceed a step's time
+        # (a 72 ms stall once did): the schema holds their sign, not their order
+        assert row["attention_ms_per_layer"] > 0 and row["projection_ms"] > 0 and row["decode_ms_per_token"] > 0
         # GB/s is the bytes one layer's attention read over its time
         layer_bytes = row["attention_gb_s"] * 1e6 * row["attention_ms_per_layer"]
         assert layer_bytes == pytest.approx(row["cache_bytes"] / 2, rel=0.1)  # one of the 2 layers' share of the cache
