@@ -27,7 +27,7 @@ from minillama.native.build import TARGETS, build
 
 # One spec per kind of part: float rows, KIVI keys with per-token values, Hadamard 2-bit values
 # with sinks, centered Hadamard keys with 3-bit values, codebooks, keys before RoPE (rows decoded
-# one at a time), calibrated codes, vector codes.
+# one at a time), calibrated codes, vector codes, codebooks with one-byte scales.
 SPECS = [
     "fp16",
     "kivi4",
@@ -38,6 +38,8 @@ SPECS = [
     "k=int4c,v=int2h,group=32,residual=8,sinks=4,rope=pre",
     "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=2",
     "k=vq2h,v=vq2hs,kgroup=64,vgroup=16,residual=8,sinks=4",  # vector codes: rows decoded by table lookup
+    "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4",  # one-byte log scales
+    "k=lm4hb,v=lm3hb,kgroup=32,vgroup=16,residual=8,center=1",  # ... in narrower groups
 ]
 CONTEXTS = [(0, 128, 1), (1, 128, 3), (31, 128, 1), (33, 128, 3), (1000, 600, 1)]  # (tokens, capacity, batch)
 
@@ -98,7 +100,7 @@ def test_the_integer_route_stays_within_its_bound_on_every_shape(target, r, d):
     a/2 * sum |code| (test_integer_attention.py); here the whole output, loosely (see there)."""
     with backend.using("kernels", target):
         lib = backend.library()
-        for spec in ("kivi4", "hadv2s", "k4v3hc", "k4v3lmc"):
+        for spec in ("kivi4", "hadv2s", "k4v3hc", "k4v3lmc", "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4"):
             for tokens, capacity, batch in CONTEXTS:
                 cache, q, k, v, rotary = case(spec, tokens, capacity, batch, r, d, seed=tokens + r)
                 fused = kernel(lib, cache, q, k, v, rotary)

@@ -419,6 +419,7 @@ WRITE_SPECS = [
     "k4v4lmc",
     "k3v2lm",
     "k=lm4h,v=lm2h,group=16,residual=3,sinks=2",
+    "k=lm3hb,v=lm2hb,group=32,residual=3,sinks=2,center=1",  # one-byte log scales
     "k=int3c,v=int3,group=16,residual=5,sinks=3,center=1",
     "k=int2h,v=int8c,group=8,residual=0",
     "k=int4cs,v=int2h,residual=4,rope=pre",
@@ -546,10 +547,12 @@ def test_a_codec_that_encodes_its_own_way_is_not_written_by_the_kernels():
 @needs_kernels
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("group", [16, 64])
-def test_the_cpp_codebook_encoder_writes_the_reference_bytes(bits, group):
+@pytest.mark.parametrize("log_scale", [False, True])
+def test_the_cpp_codebook_encoder_writes_the_reference_bytes(bits, group, log_scale):
     """native/encode.cpp's Lloyd-Max encoder against kv/quantize.py's (codes packed as the cache
-    packs them, fp16 scales), on groups of every scale from tiny to wide-ranging: the scale's
-    refinement sums in double, so the order of the additions must not move a byte."""
+    packs them; fp16 scales, or one-byte log scales), on groups of every scale from tiny (off
+    the log grid's low end) to wide-ranging: the scale's refinement sums in double, so the
+    order of the additions must not move a byte."""
     from minillama.kv import packing
     from minillama.kv.quantize import REFINE, gaussian_codebook, quantize_codebook
     from minillama.native import ops
@@ -559,9 +562,10 @@ def test_the_cpp_codebook_encoder_writes_the_reference_bytes(bits, group):
     x = x * torch.rand(4, 8, 256, 1, generator=g).mul(4) * torch.rand(4, 8, 256, 64, generator=g).pow(6).mul(30)
     x[0] *= 1e-4  # groups near float16's smallest normals
     x = x.to(torch.float16)
-    codes, scale = quantize_codebook(x, bits, group)
-    native = ops.encode_codebook(backend.library(), x, bits, group, gaussian_codebook(bits), REFINE)
-    assert torch.equal(native["scale"].view(torch.int16), scale.view(torch.int16))
+    codes, scale = quantize_codebook(x, bits, group, log_scale=log_scale)
+    native = ops.encode_codebook(backend.library(), x, bits, group, gaussian_codebook(bits), REFINE, log_scale)
+    assert native["scale"].dtype == scale.dtype == (torch.uint8 if log_scale else torch.float16)
+    assert torch.equal(native["scale"].view(torch.uint8), scale.view(torch.uint8))
     assert torch.equal(native["codes"], packing.pack(codes, bits))
 
 

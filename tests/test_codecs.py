@@ -81,6 +81,9 @@ BOUNDS = {
     "lm4h": 0.015,
     "lm3h": 0.05,
     "lm2h": 0.16,
+    "lm4hb": 0.015,  # one-byte log scales: steps of 4.4%, the refinement picks the best grid point
+    "lm3hb": 0.05,
+    "lm2hb": 0.16,
     "vq2h": 0.14,  # 4-dim Gaussian k-means vectors: ~0.099 on N(0, I)
     "vq2hs": 0.14,  # the same with a sign x 16-pattern book: ~0.103
 }
@@ -337,3 +340,37 @@ def test_channel_ranges_are_each_channels_min_and_span():
     x = torch.tensor([[[1.0, -2.0], [3.0, 0.0], [2.0, 4.0]]])  # (1, T=3, D=2)
     lo, span = quantize.fit_channel_range(x)
     assert lo.tolist() == [[[1.0, -2.0]]] and span.tolist() == [[[2.0, 6.0]]]
+
+
+def test_one_byte_log_scales_are_the_grid_2_to_the_k_over_16():
+    """Byte u stands for 2^((u - 128) / 16): 1 at 128, 4.4% steps, 2^-8 .. 2^(127/16); a scale is
+    stored as the grid point nearest it in log terms, and a scale that is not > 0 as 1."""
+    from minillama.kv.quantize import log_scale_code, log_scales, stored_log8
+
+    t = log_scales()
+    assert t.dtype == torch.float32 and t.shape == (256,)
+    assert t[128] == 1.0 and t[0] == 2.0**-8 and t[144] == 2.0
+    assert torch.allclose(t, torch.exp2((torch.arange(256) - 128) / 16.0), rtol=1e-7)
+    s = torch.exp2(torch.empty(10_000).uniform_(-7.9, 7.9, generator=torch.Generator().manual_seed(3)))
+    u = log_scale_code(s)
+    assert torch.equal(u.long(), torch.round(torch.log2(s.double()) * 16).long() + 128)
+    assert torch.equal(stored_log8(s), t[u.long()].double())
+    assert log_scale_code(torch.tensor([0.0, -1.0, 1e-9, 1e9])).tolist() == [128, 128, 0, 255]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group", [16, 64])
+def test_a_one_byte_scale_costs_half_the_fp16_scales_bits(bits, group):
+    """lm{b}hb stores lm{b}h's codes and one byte per group instead of two: b + 8/G bits/element
+    against b + 16/G, and the scale part is uint8."""
+    fp16, byte = CODECS[f"lm{bits}h"], CODECS[f"lm{bits}hb"]
+    assert byte.body_bits(64, group) == bits + 8 / group
+    assert fp16.body_bits(64, group) == bits + 16 / group
+    assert [p.dtype for p in byte.parts(64, group)] == [torch.uint8, torch.uint8]
+    x = gaussian()
+    parts = byte.encode(byte.to_space(x), group)
+    assert parts["scale"].dtype == torch.uint8 and parts["scale"].shape == (2, 3, 64, 64 // group)
+    # the error of the coarser scale (4.4% steps) shows more the finer the levels: here +0.3%
+    # (2 bits), +2% (3) and +7% (4) over the fp16 scale's, never less than it
+    ratio = relative_mse(x, roundtrip(f"lm{bits}hb", x, group)) / relative_mse(x, roundtrip(f"lm{bits}h", x, group))
+    assert 1.0 < ratio < {2: 1.01, 3: 1.04, 4: 1.10}[bits]

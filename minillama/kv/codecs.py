@@ -1,7 +1,7 @@
 """KV codecs: what is stored per token for one tensor (K or V), and how many bytes it takes.
 
 A codec is one class that owns everything about its format: the named *parts* it stores
-(packed codes, fp16 scales, zeros: each a tensor (B, H, rows, width)), its bits/element
+(packed codes, scales (fp16, or one byte for ``lm*b``), zeros: each a tensor (B, H, rows, width)), its bits/element
 formula, ``encode`` and ``decode`` (arranging calls to the pure quantizers in
 ``quantize.py`` and ``packing.py``), the checks a model shape must pass, and ``row_kind``:
 how the native attention kernels read one stored row (or ``None``: no kernel reads it, and
@@ -270,16 +270,25 @@ class Ternary(Scaled):
 
 @dataclass(frozen=True)
 class Codebook(Scaled):
-    """Gaussian Lloyd-Max levels (TurboQuant-style, after a Hadamard rotation) x an fp16 scale per G channels."""
+    """Gaussian Lloyd-Max levels (TurboQuant-style, after a Hadamard rotation) x a scale per G
+    channels: fp16, or with `log_scale` one byte on the grid 2^((u - 128) / 16) (quantize.py)."""
+
+    log_scale: bool = False
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        scale = torch.uint8 if self.log_scale else torch.float16
+        return [self.codes_part(head_dim), PartSpec("scale", scale, head_dim // group, 1)]
 
     def bits_formula(self) -> str:
+        if self.log_scale:
+            return f"{self.bits} + 8/G  (Gaussian Lloyd-Max levels, one-byte log2 scale per G channels)"
         return f"{self.bits} + 16/G  (Gaussian Lloyd-Max levels, fp16 RMS scale per G channels)"
 
     def kernel_tables(self, params):
         return {"codebook": gaussian_codebook(self.bits)}
 
     def encode(self, x, group, params=None):
-        codes, scale = quantize_codebook(x, self.bits, group)
+        codes, scale = quantize_codebook(x, self.bits, group, log_scale=self.log_scale)
         return {"codes": packing.pack(codes, self.bits), "scale": scale}
 
     def decode(self, parts, group, head_dim, params=None):
@@ -418,6 +427,9 @@ for _codec in [
     Codebook("lm4h", 4, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     Codebook("lm3h", 3, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     Codebook("lm2h", 2, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
+    Codebook("lm4hb", 4, "lm4h with a one-byte log-coded scale, 2^(k/16)", rotate=True, log_scale=True),
+    Codebook("lm3hb", 3, "lm3h with a one-byte log-coded scale, 2^(k/16)", rotate=True, log_scale=True),
+    Codebook("lm2hb", 2, "lm2h with a one-byte log-coded scale, 2^(k/16)", rotate=True, log_scale=True),
     VectorCodebook("vq2h", 2, "Hadamard-rotated, 4-dim Gaussian k-means vectors, 2 bits/element", rotate=True),
     VectorCodebook("vq2hs", 2, "vq2h with a sign x 16-pattern book (decoded in registers)", rotate=True, signs=True),
 ]:

@@ -63,7 +63,11 @@ def row_source(
         src.data, src.slots, src.start = codes.buf.data_ptr(), codes.buf.shape[2], codes.start
         if "scale" in part.rings:
             scale = part.rings["scale"]
-            src.scale, src.sslots, src.sstart = scale.buf.data_ptr(), scale.buf.shape[2], scale.start
+            src.sslots, src.sstart = scale.buf.shape[2], scale.start
+            if scale.buf.dtype == torch.uint8:  # one-byte log scales (Codebook.log_scale)
+                src.scale8 = scale.buf.data_ptr()
+            else:
+                src.scale = scale.buf.data_ptr()
             src.zero = part.rings["zero"].buf.data_ptr() if "zero" in part.rings else None
         tables = codec.kernel_tables(part.params)
         keep.append(tables)

@@ -233,7 +233,7 @@ class LayeredStore:
                 if levels is None:
                     w.zero = self.body["zero"].ref
                 else:  # a codebook: codes and scales, no zeros
-                    w.levels, w.refine = levels.data_ptr(), REFINE
+                    w.levels, w.refine, w.log_scale = levels.data_ptr(), REFINE, int(codec.log_scale)
         try:
             ops.write_token(lib, w)
         except NotSupported:

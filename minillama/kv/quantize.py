@@ -22,7 +22,7 @@ Hadamard rotation the coordinates of a vector are close to Gaussian, so instead 
 uniform grid we use the 2**b-level Lloyd-Max quantizer of N(0, 1) (the levels that
 minimise the expected squared error of a standard Gaussian), scaled per group by the
 group's RMS (fp16). Nothing is fitted to text: the codebook is a property of the Gaussian.
-Effective bits: b + 16 / G.
+Effective bits: b + 16 / G, or b + 8 / G with one-byte log-coded scales (``lm*b``).
 
 Vector codes (issue 28's data-free vector quantizer): the same rotated, near-Gaussian
 coordinates taken ``dim`` at a time and replaced by the nearest of 2**(b dim) vectors, a
@@ -133,23 +133,26 @@ REFINE = 4  # rounds of scale refinement for the codebook codecs (native/encode.
 
 
 def quantize_codebook(
-    x: torch.Tensor, bits: int, group: int, refine: int = REFINE
+    x: torch.Tensor, bits: int, group: int, refine: int = REFINE, log_scale: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., T, D) -> codes (..., T, D) uint8 (index of the nearest level), scale (..., T, D/G) fp16.
+    """x (..., T, D) -> codes (..., T, D) uint8 (index of the nearest level), scale (..., T, D/G):
+    fp16, or with ``log_scale`` one byte u per group on the grid 2^((u - 128) / 16) (log_scales).
 
     The scale starts at the group's RMS (right for unit-Gaussian levels on average) and is
     then refined ``refine`` times by alternating minimization of the squared error: for
     fixed codes the best scale is <x, l> / <l, l> (l = the chosen levels), and for a fixed
     scale the best codes are the nearest levels. Neither step can raise the error, so the
-    refined scale fits each group at least as well as its RMS (up to fp16 rounding).
+    refined scale fits each group at least as well as its RMS (up to the stored form's rounding).
     """
     check_finite(x)
     xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
     levels = gaussian_codebook(bits).to(x.device)
     mids = (levels[1:] + levels[:-1]) / 2
-    s = _refined_scale(xg, lambda s: levels[torch.bucketize(xg / s, mids)], refine)  # (..., T, D/G, 1)
+    stored = stored_log8 if log_scale else stored_fp16
+    s = _refined_scale(xg, lambda s: levels[torch.bucketize(xg / s, mids)], refine, stored)  # (..., T, D/G, 1)
     codes = torch.bucketize(xg / s, mids).to(torch.uint8)  # nearest level for the stored scale
-    return codes.reshape(x.shape), s.squeeze(-1).to(torch.float16)
+    s = s.squeeze(-1)  # (..., T, D/G)
+    return codes.reshape(x.shape), log_scale_code(s) if log_scale else s.to(torch.float16)
 
 
 def stored_fp16(s: torch.Tensor) -> torch.Tensor:
@@ -157,6 +160,49 @@ def stored_fp16(s: torch.Tensor) -> torch.Tensor:
     1 where that is not > 0."""
     s = s.float().to(torch.float16).float()
     return torch.where(s > 0, s, torch.ones_like(s))
+
+
+# -- one-byte scales on a logarithmic grid (issue 28, item 5: cheaper metadata) --
+#
+# A byte u stands for s = 2^((u - 128) / 16): 16 steps an octave (4.4% apart), 2^-8 .. 2^7.94.
+# Exactly T16[u % 16] * 2^(u // 16 - 8) with T16[j] = 2^(j / 16) rounded once to float32, so
+# that a kernel decodes it with one 16-entry lookup and an exact power-of-two scaling
+# (native/rows.h: log_scale), and the encoder rounds to the nearest grid point in log terms by
+# comparing with the geometric midpoints sqrt(T[u] T[u + 1]), taken in float64 where the
+# product of two floats is exact and the square root correctly rounded: the same on every
+# machine and in native/encode.cpp. A group whose scale falls off the grid takes its end (a
+# scale below 2^-8 -- values of a few thousandths -- is then too large for its codes).
+
+
+@functools.lru_cache(maxsize=1)
+def log_scales() -> torch.Tensor:
+    """The 256 scales a one-byte scale decodes to, float32 (u = 128 is 1)."""
+    t16 = torch.exp2(torch.arange(16, dtype=torch.float64) / 16).float()  # (16,) 2^(j/16)
+    u = torch.arange(256)
+    return t16[u % 16] * torch.exp2((u // 16 - 8).float())  # (256,) exact products
+
+
+@functools.lru_cache(maxsize=1)
+def _log_scale_bounds() -> torch.Tensor:
+    t = log_scales().double()
+    return (t[1:] * t[:-1]).sqrt()  # (255,) geometric midpoints, float64
+
+
+def log_scale_code(s: torch.Tensor) -> torch.Tensor:
+    """Scales (any shape, any float dtype) -> the nearest one-byte log scale's code, uint8 (1 where not > 0)."""
+    s = s.double()
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.bucketize(s, _log_scale_bounds().to(s.device)).to(torch.uint8)
+
+
+def stored_log8(s: torch.Tensor) -> torch.Tensor:
+    """A scale as a one-byte log scale stores it (the grid value), float64."""
+    return log_scales().to(s.device)[log_scale_code(s).long()].double()
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """A stored scale part -> float32: fp16 scales as they are, one-byte codes through log_scales."""
+    return log_scales().to(scale.device)[scale.long()] if scale.dtype == torch.uint8 else scale.float()
 
 
 def _refined_scale(xg: torch.Tensor, chosen, refine: int, stored=stored_fp16) -> torch.Tensor:
@@ -178,7 +224,7 @@ def _refined_scale(xg: torch.Tensor, chosen, refine: int, stored=stored_fp16) ->
 def dequantize_codebook(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     levels = gaussian_codebook(bits).to(codes.device)
     cg = levels[_grouped(codes, group, "token").long()]  # (..., T, D/G, G)
-    return (cg * scale.float().unsqueeze(-1)).reshape(codes.shape)
+    return (cg * scale_values(scale).unsqueeze(-1)).reshape(codes.shape)
 
 
 @functools.lru_cache(maxsize=4)

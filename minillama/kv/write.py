@@ -60,7 +60,9 @@ def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None
     if lib is not None and family is not None and bool(torch.isfinite(x).all()):
         try:
             if family is Codebook:
-                return ops.encode_codebook(lib, x, codec.bits, group, gaussian_codebook(codec.bits), REFINE)
+                return ops.encode_codebook(
+                    lib, x, codec.bits, group, gaussian_codebook(codec.bits), REFINE, codec.log_scale
+                )
             return ops.encode_affine(
                 lib, x, codec.bits, group, codec.axis == "channel", codec.codes_part(x.shape[-1]).width
             )

@@ -69,6 +69,7 @@ class RowSource(ctypes.Structure):
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
         ("pos0", ctypes.c_int),
+        ("scale8", ctypes.c_void_p),
     ]
 
 
@@ -157,6 +158,7 @@ class TokenWrite(ctypes.Structure):
         ("scale_slot", ctypes.c_int),
         ("levels", ctypes.c_void_p),
         ("refine", ctypes.c_int),
+        ("log_scale", ctypes.c_int),
     ]
 
 
@@ -181,7 +183,7 @@ SIGNATURES = {  # name: (argument types, return type)
     "add_rms_norm": ([_P, _P, _P, _I, _I, _I, _F, _P, _P], _I),
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
-    "encode_codebook": ([_P, _I64, _I, _I, _I, _I, _P, _I, _P, _P], _I),
+    "encode_codebook": ([_P, _I64, _I, _I, _I, _I, _P, _I, _I, _P, _P], _I),
     "write_token": ([ctypes.POINTER(TokenWrite)], _I),
     "set_parts": ([ctypes.POINTER(ctypes.POINTER(LayerPlan)), _I, _I, _P, _I], _I),
     "decode_step": ([ctypes.POINTER(LayerStep), _I, ctypes.POINTER(StepEnds)], _I),

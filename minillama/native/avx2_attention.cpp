@@ -197,12 +197,12 @@ struct RegisterGroups {
     }
 };
 
-// Scale a decoded row by its groups' scales and zeros (fp16, NG of them), in registers.
+// Scale a decoded row by its groups' scales (fp16 or one-byte) and zeros (NG of them), in registers.
 template <int NV>
 inline void scale_groups(const RowSource& s, int64_t slot, int NG, const RegisterGroups<NV>& groups, __m256* v) {
     float sc[16], zc[16];
     for (int g = 0; g < NG; g++)
-        sc[g] = half_to_float(s.scale[slot * NG + g]), zc[g] = s.zero ? half_to_float(s.zero[slot * NG + g]) : 0.f;
+        sc[g] = scale_of(s, slot * NG + g), zc[g] = s.zero ? half_to_float(s.zero[slot * NG + g]) : 0.f;
     for (int k = 0; k < NV; k++)
         v[k] = _mm256_fmadd_ps(v[k], _mm256_set1_ps(sc[groups.of[k]]), _mm256_set1_ps(zc[groups.of[k]]));
 }
@@ -286,7 +286,7 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             __m256 v[NV];
             decode<FMT, NV>(s, slot, levels, v);
             if (one_group) {  // applied after the sum
-                tscale[t] = half_to_float(s.scale[slot]);
+                tscale[t] = scale_of(s, slot);
                 tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
             } else if (s.kind == ROW_TOKEN) {  // narrower groups: scale the row first
                 scale_groups<NV>(s, slot, NG, groups, v);
@@ -331,7 +331,7 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
             at.next();
             decode<FMT, NV>(s, slot, levels, tile[t]);
             if (one_group) {
-                tscale[t] = half_to_float(s.scale[slot]);
+                tscale[t] = scale_of(s, slot);
                 tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
             } else if (s.kind == ROW_TOKEN) {
                 scale_groups<NV>(s, slot, NG, groups, tile[t]);

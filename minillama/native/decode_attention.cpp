@@ -71,7 +71,7 @@ static void score_token_impl(const RowSource& s, int64_t bh, int R_, int D_, con
     for (int j = 0; j < n; j++, at.next()) {
         const int64_t slot = bh * s.slots + at.slot;
         decode_row((const uint8_t*)s.data + slot * W, s.bits, D, s.codebook, c);
-        scale_row(s.scale + slot * G, s.zero ? s.zero + slot * G : nullptr, D, s.group, c);
+        scale_row(s, slot * G, D, c);
         for (int r = 0; r < R; r++) {
             const float* qr = q + (int64_t)r * D;
             float acc = 0.f;
@@ -94,7 +94,7 @@ static void value_token_impl(const RowSource& s, int64_t bh, int R_, int D_, con
     for (int j = 0; j < n; j++, at.next()) {
         const int64_t slot = bh * s.slots + at.slot;
         decode_row((const uint8_t*)s.data + slot * W, s.bits, D, s.codebook, c);
-        scale_row(s.scale + slot * G, s.zero ? s.zero + slot * G : nullptr, D, s.group, c);
+        scale_row(s, slot * G, D, c);
         for (int r = 0; r < R; r++) {
             const float pt = p[(int64_t)r * lp + j];
             float* a = &acc[(size_t)r * D];

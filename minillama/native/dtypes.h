@@ -1,8 +1,10 @@
 // Scalar reads and roundings of the tensor dtypes the kernels exchange with PyTorch
 // (dtype codes: 0 float32, 1 float16, 2 bfloat16), rounding as torch's .to() rounds.
-// Shared by encode.cpp (cache writes) and decode_ops.cpp (the small decode-step ops).
+// Shared by encode.cpp (cache writes), decode_ops.cpp (the small decode-step ops) and rows.h
+// (the one-byte log scales the attention kernels read).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -37,4 +39,31 @@ static inline float round_to_dtype(float x, int dtype) {  // bfloat16: to neares
     float f;
     std::memcpy(&f, &u, 4);
     return f;
+}
+
+// One-byte log scales (kv/quantize.py: log_scales): byte u stands for 2^((u - 128) / 16), made
+// exactly as there, 2^(j / 16) rounded once to float times a power of two; `bounds` are the
+// geometric midpoints sqrt(t[u] t[u + 1]) in double (exact products, a correctly rounded root)
+// that the encoder rounds a scale by (log_scale_code).
+struct LogScales {
+    float t[256];
+    double bounds[255];
+    LogScales() {
+        for (int u = 0; u < 256; u++) t[u] = std::ldexp((float)std::exp2((u & 15) / 16.0), (u >> 4) - 8);
+        for (int u = 0; u < 255; u++) bounds[u] = std::sqrt((double)t[u] * (double)t[u + 1]);
+    }
+};
+static const LogScales log_scales;
+
+// The byte of the grid point nearest s in log terms: how many midpoints lie below s (as
+// torch.bucketize counts them); 128 (a scale of 1) where s is not > 0.
+static inline uint8_t log_scale_code(double s) {
+    if (!(s > 0.0)) return 128;
+    int lo = 0, hi = 255;  // the answer lies in [lo, hi]
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (log_scales.bounds[mid] < s) lo = mid + 1;
+        else hi = mid;
+    }
+    return (uint8_t)lo;
 }

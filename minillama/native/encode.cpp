@@ -9,7 +9,7 @@
 //                as kv/packing.py packs them; groups of G channels of one token (axis 0) or of
 //                G tokens of one channel (axis 1, KIVI keys);
 // encode_codebook float16 rows -> per group of G channels the index of the nearest of 2^b
-//                levels and an fp16 scale: the group's RMS, then `refine` rounds of the best
+//                levels and a scale (fp16, or one byte on a log grid): the group's RMS, then `refine` rounds of the best
 //                scale for the chosen levels, <x, l> / <l, l>, with the sums in double
 //                (kv/quantize.py: quantize_codebook, _refined_scale).
 // The PyTorch path (kv/layered.py: LayeredStore.append with kv/quantize.py, kv/packing.py) is the
@@ -40,11 +40,21 @@ static inline void pack_row(const uint8_t* c, int n, int bits, uint8_t* out) {
     }
 }
 
-// The fp16 scale a refinement round stores: double -> float -> fp16, 1 where that is not > 0.
-static inline uint16_t stored_scale(double s) {
-    const uint16_t h = float_to_half((float)s);
-    return half_to_float_(h) > 0.f ? h : float_to_half(1.f);
-}
+// The forms a codebook's scale is stored in (kv/quantize.py: stored_fp16, stored_log8): `store`
+// rounds a refinement round's scale, `value` is what it stands for.
+struct Fp16Scale {  // double -> float -> fp16, 1 where that is not > 0
+    using T = uint16_t;
+    static T store(double s) {
+        const uint16_t h = float_to_half((float)s);
+        return half_to_float_(h) > 0.f ? h : float_to_half(1.f);
+    }
+    static float value(T h) { return half_to_float_(h); }
+};
+struct LogScale {  // one byte, the nearest 2^((u - 128) / 16) in log terms (dtypes.h)
+    using T = uint8_t;
+    static T store(double s) { return log_scale_code(s); }
+    static float value(T u) { return log_scales.t[u]; }
+};
 
 // sum a_e b_e in double: each product of float32s is exact there, and the sum is exact but for
 // the last bit of a double where the terms span more than its 53 bits, so the order of the
@@ -76,9 +86,9 @@ static void nearest_levels(const float* x, int G, float s, const float* mids, ui
 
 // One (sequence, head)'s block x (n, D) fp16 -> codebook codes (c, n x D unpacked) and scales
 // (n x D/G), packed into codes: encode_codebook's body.
-template <int BITS>
+template <int BITS, class Scale>
 static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const float* levels, int refine,
-                                  uint8_t* codes, uint16_t* scale, uint8_t* c) {
+                                  uint8_t* codes, typename Scale::T* scale, uint8_t* c) {
     constexpr int L = 1 << BITS;
     const int W = D * BITS / 8;
     float mids[L - 1];  // the boundaries between neighbouring levels, as torch.bucketize takes them
@@ -87,24 +97,29 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const
     for (int64_t g = 0; g < (int64_t)n * (D / G); g++) {
         const uint16_t* xg = xb + g * G;
         for (int e = 0; e < G; e++) x[e] = half_to_float_(xg[e]);
-        uint16_t s16 = stored_scale(std::sqrt(dot(x.data(), x.data(), G) / G));
+        typename Scale::T stored = Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
         uint8_t* cg = c + g * G;
         for (int round = 0; round < refine; round++) {
-            nearest_levels<L>(x.data(), G, half_to_float_(s16), mids, cg);
+            nearest_levels<L>(x.data(), G, Scale::value(stored), mids, cg);
             for (int e = 0; e < G; e++) l[e] = levels[cg[e]];
-            s16 = stored_scale(dot(x.data(), l.data(), G) / std::max(dot(l.data(), l.data(), G), 1e-12));
+            stored = Scale::store(dot(x.data(), l.data(), G) / std::max(dot(l.data(), l.data(), G), 1e-12));
         }
-        nearest_levels<L>(x.data(), G, half_to_float_(s16), mids, cg);
-        scale[g] = s16;
+        nearest_levels<L>(x.data(), G, Scale::value(stored), mids, cg);
+        scale[g] = stored;
     }
     for (int t = 0; t < n; t++) pack_row(&c[(size_t)t * D], D, BITS, codes + (int64_t)t * W);
 }
 
+// `scale`: fp16 scales, or one-byte log scales where log_scale is set.
 static void encode_codebook_block(const uint16_t* xb, int n, int D, int bits, int G, const float* levels, int refine,
-                                  uint8_t* codes, uint16_t* scale, uint8_t* c) {
-    if (bits == 2) return encode_codebook_block<2>(xb, n, D, G, levels, refine, codes, scale, c);
-    if (bits == 3) return encode_codebook_block<3>(xb, n, D, G, levels, refine, codes, scale, c);
-    encode_codebook_block<4>(xb, n, D, G, levels, refine, codes, scale, c);
+                                  int log_scale, uint8_t* codes, void* scale, uint8_t* c) {
+#define ENCODE(BITS)                                                                                                   \
+    return log_scale ? encode_codebook_block<BITS, LogScale>(xb, n, D, G, levels, refine, codes, (uint8_t*)scale, c)   \
+                     : encode_codebook_block<BITS, Fp16Scale>(xb, n, D, G, levels, refine, codes, (uint16_t*)scale, c)
+    if (bits == 2) ENCODE(2);
+    if (bits == 3) ENCODE(3);
+    ENCODE(4);
+#undef ENCODE
 }
 
 extern "C" {
@@ -190,18 +205,19 @@ int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, 
     return MINILLAMA_OK;
 }
 
-// x: (BH, n, D) fp16 -> codes (BH, n, packed width), scale (BH, n, D/G) fp16; levels: the 2^bits
-// ascending levels (kv/quantize.py: gaussian_codebook).
+// x: (BH, n, D) fp16 -> codes (BH, n, packed width), scale (BH, n, D/G): fp16, or one byte each
+// with log_scale; levels: the 2^bits ascending levels (kv/quantize.py: gaussian_codebook).
 int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, const float* levels, int refine,
-                    uint8_t* codes, uint16_t* scale) {
+                    int log_scale, uint8_t* codes, void* scale) {
     if (bits != 2 && bits != 3 && bits != 4) return MINILLAMA_E_CODES;
     if (!encodable(n, D, bits, G, 0) || refine < 0) return MINILLAMA_E_SHAPE;
     const int W = D * bits / 8;
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < BH; bh++) {
         std::vector<uint8_t> c((size_t)n * D);
-        encode_codebook_block(x + bh * n * D, n, D, bits, G, levels, refine, codes + bh * n * W,
-                              scale + bh * (int64_t)n * (D / G), c.data());
+        const int64_t first = bh * (int64_t)n * (D / G);  // the head's first scale
+        void* at = log_scale ? (void*)((uint8_t*)scale + first) : (void*)((uint16_t*)scale + first);
+        encode_codebook_block(x + bh * n * D, n, D, bits, G, levels, refine, log_scale, codes + bh * n * W, at, c.data());
     }
     return MINILLAMA_OK;
 }
@@ -234,7 +250,8 @@ int write_token(const TokenWrite* write) {
     const int W = w.bits ? D * w.bits / 8 : 0;
     const int srows = w.axis ? 1 : w.flush, swidth = w.axis ? D : (w.group > 0 ? D / w.group : 0);
     std::vector<uint8_t> codes((size_t)std::max(w.flush, 1) * std::max(W, 1));
-    std::vector<uint16_t> scale((size_t)std::max(srows * swidth, 1)), zero(scale.size());
+    std::vector<uint16_t> scale((size_t)std::max(srows * swidth, 1)), zero(scale.size());  // one-byte scales use its bytes
+    const size_t scale_bytes = w.levels && w.log_scale ? 1 : 2;
     std::vector<uint8_t> unpacked((size_t)std::max(w.flush, 1) * D);
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t* row = fresh.data() + r * D;
@@ -245,14 +262,15 @@ int write_token(const TokenWrite* write) {
                 for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &block[(size_t)i * D], row_bytes);
             } else {
                 if (w.levels)
-                    encode_codebook_block(block.data(), w.flush, D, w.bits, w.group, w.levels, w.refine, codes.data(),
-                                          scale.data(), unpacked.data());
+                    encode_codebook_block(block.data(), w.flush, D, w.bits, w.group, w.levels, w.refine, w.log_scale,
+                                          codes.data(), scale.data(), unpacked.data());
                 else
                     encode_block(block.data(), w.flush, D, w.bits, w.group, w.axis, codes.data(), scale.data(),
                                  zero.data(), unpacked.data());
                 for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &codes[(size_t)i * W], W);
                 for (int i = 0; i < srows; i++) {
-                    std::memcpy(at(w.scale, r, w.scale_slot + i), &scale[(size_t)i * swidth], (size_t)swidth * 2);
+                    std::memcpy(at(w.scale, r, w.scale_slot + i), (const char*)scale.data() + (size_t)i * swidth * scale_bytes,
+                                (size_t)swidth * scale_bytes);
                     if (w.zero.buf) std::memcpy(at(w.zero, r, w.scale_slot + i), &zero[(size_t)i * swidth], (size_t)swidth * 2);
                 }
             }

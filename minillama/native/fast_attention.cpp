@@ -257,10 +257,10 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             __m512 v[NV];
             decode<NV>(s, slot, levels, v);
             if (one_group) {  // applied after the sum
-                tscale[t] = half_to_float(s.scale[slot]);
+                tscale[t] = scale_of(s, slot);
                 tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
             } else if (s.kind == ROW_TOKEN) {  // narrower groups: scale the row first
-                const __m512 sg = load_groups(s.scale + slot * NG, NG);
+                const __m512 sg = scales16(s, slot * NG, (__mmask16)((1u << NG) - 1));
                 const __m512 zg = s.zero ? load_groups(s.zero + slot * NG, NG) : _mm512_setzero_ps();
                 for (int k = 0; k < NV; k++)
                     v[k] = _mm512_fmadd_ps(v[k], _mm512_permutexvar_ps(lanes.idx[k], sg), _mm512_permutexvar_ps(lanes.idx[k], zg));
@@ -309,10 +309,10 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
             at.next();
             decode<NV>(s, slot, levels, tile[t]);
             if (one_group) {
-                tscale[t] = half_to_float(s.scale[slot]);
+                tscale[t] = scale_of(s, slot);
                 tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
             } else if (s.kind == ROW_TOKEN) {
-                const __m512 sg = load_groups(s.scale + slot * NG, NG);
+                const __m512 sg = scales16(s, slot * NG, (__mmask16)((1u << NG) - 1));
                 const __m512 zg = s.zero ? load_groups(s.zero + slot * NG, NG) : _mm512_setzero_ps();
                 for (int k = 0; k < NV; k++)
                     tile[t][k] = _mm512_fmadd_ps(tile[t][k], _mm512_permutexvar_ps(lanes.idx[k], sg),

@@ -61,6 +61,7 @@ struct RowSource {
     const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position
     const float* sin;
     int pos0;               // position of the part's first token (consecutive after it)
+    const uint8_t* scale8;  // ROW_TOKEN codebooks with one-byte log scales (rows.h: log_scale), instead of scale
 };
 
 struct Part {
@@ -96,6 +97,7 @@ struct TokenWrite {
     int codes_slot, scale_slot;
     const float* levels;  // a codebook's 2^bits ascending levels (encode_codebook), or null: affine codes
     int refine;           // a codebook's scale refinement rounds
+    int log_scale;        // a codebook's scales are one-byte log scales (rows.h: log_scale), not fp16
 };
 
 // One layer's decode attention: q (B, H*R, D) against every held part of K and V plus the new
@@ -189,7 +191,7 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
 int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
                   uint16_t* scale, uint16_t* zero);
 int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, const float* levels, int refine,
-                    uint8_t* codes, uint16_t* scale);
+                    int log_scale, uint8_t* codes, void* scale);
 int write_token(const TokenWrite* write);
 
 // What a step changes in the plans of the layers that share a codec (layer_attention.cpp): for
@@ -218,10 +220,10 @@ int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 Layer
 
 // The layouts ctypes mirrors (x86-64 and aarch64 LP64: 8-byte pointers, 4-byte ints).
 static_assert(sizeof(void*) == 8, "minillama's native kernels assume a 64-bit target");
-static_assert(sizeof(RowSource) == 128, "RowSource layout changed: update native/abi.py");
+static_assert(sizeof(RowSource) == 136, "RowSource layout changed: update native/abi.py");
 static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56 && offsetof(RowSource, vdim) == 92,
               "RowSource layout");
-static_assert(sizeof(Part) == 136, "Part layout changed: update native/abi.py");
+static_assert(sizeof(Part) == 144, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8, "StepEnds layout changed: update native/abi.py");

@@ -114,19 +114,19 @@ def encode_affine(
 
 
 def encode_codebook(
-    lib, x: torch.Tensor, bits: int, group: int, levels: torch.Tensor, refine: int
+    lib, x: torch.Tensor, bits: int, group: int, levels: torch.Tensor, refine: int, log_scale: bool = False
 ) -> dict[str, torch.Tensor]:
     """x (B, H, T, D) float16 -> codes (B, H, T, D bits / 8) uint8 and scale (B, H, T, D / group)
-    float16: kv/quantize.py's quantize_codebook (levels float32, ascending) then kv/packing.py's
-    pack, byte for byte."""
+    float16, or uint8 one-byte log scales with ``log_scale``: kv/quantize.py's quantize_codebook
+    (levels float32, ascending) then kv/packing.py's pack, byte for byte."""
     if x.dtype != torch.float16 or levels.dtype != torch.float32:
         raise NotSupported("encode_codebook: float16 input and float32 levels only")
     x, levels = x.contiguous(), levels.contiguous()
     b, h, t, d = x.shape
     codes = torch.empty(b, h, t, d * bits // 8, dtype=torch.uint8)
-    scale = torch.empty(b, h, t, d // group, dtype=torch.float16)
+    scale = torch.empty(b, h, t, d // group, dtype=torch.uint8 if log_scale else torch.float16)
     check(
-        lib.encode_codebook(_p(x), b * h, t, d, bits, group, _p(levels), refine, _p(codes), _p(scale)),
+        lib.encode_codebook(_p(x), b * h, t, d, bits, group, _p(levels), refine, int(log_scale), _p(codes), _p(scale)),
         "encode_codebook",
     )
     return {"codes": codes, "scale": scale}

@@ -22,15 +22,14 @@ static inline void decode(const RowSource& s, int64_t bh, int i, int slot, int D
     } else if (s.kind == ROW_VECTOR) {
         const uint8_t* row = (const uint8_t*)s.data + (bh * s.slots + slot) * (D / s.vdim);
         for (int j = 0; j < D / s.vdim; j++) std::memcpy(out + j * s.vdim, s.codebook + row[j] * s.vdim, s.vdim * sizeof(float));
-        scale_row(s.scale + (bh * s.slots + slot) * (D / s.group), nullptr, D, s.group, out);
+        scale_row(s, (bh * s.slots + slot) * (D / s.group), D, out);
     } else {
         const int W = s.bits == 5 ? (D + 4) / 5 : D * s.bits / 8;
         const uint8_t* row = (const uint8_t*)s.data + (bh * s.slots + slot) * W;
         if (s.kind == 1) {
             decode_row(row, s.bits, D, s.codebook, out);
             const int G = D / s.group;
-            scale_row(s.scale + (bh * s.slots + slot) * G, s.zero ? s.zero + (bh * s.slots + slot) * G : nullptr, D,
-                      s.group, out);
+            scale_row(s, (bh * s.slots + slot) * G, D, out);
         } else if (s.kind == 2) {
             unpack_row(row, s.bits, D, out);
             const int64_t r = (bh * s.sslots + (s.sstart + i / s.group) % s.sslots) * D;

@@ -3,10 +3,12 @@
 // Header-only (static inline): each kernel source includes it.
 #pragma once
 
+#include "dtypes.h"
 #include "minillama.h"
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 #include <xmmintrin.h>
@@ -25,6 +27,11 @@ static inline float half_to_float(uint16_t h) {
     _Float16 f;
     std::memcpy(&f, &h, 2);
     return (float)f;
+}
+
+// Scale i of a part's scale rows: fp16, or a one-byte log scale (scale8).
+static inline float scale_of(const RowSource& s, int64_t i) {
+    return s.scale8 ? log_scales.t[s.scale8[i]] : half_to_float(s.scale[i]);
 }
 
 // Byte -> codes lookup tables for 4- and 2-bit packing (one byte holds 2 or 4 codes):
@@ -46,6 +53,21 @@ static const Tables tables;
 #define MINILLAMA_AVX512 1
 // SIMD unpacking, same results as the lookup tables below: split each byte into its
 // codes with shifts and masks, interleave them back into order, widen to float.
+
+// Up to 16 one-byte log scales (the lanes of `m`; 0 elsewhere) -> floats, exactly log_scales.t:
+// 2^((u & 15) / 16) by a permute of one register, times 2^((u >> 4) - 8) by vscalefps.
+static inline __m512 log_scales16(const uint8_t* p, __mmask16 m) {
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p));
+    const __m512 frac = _mm512_permutexvar_ps(u, _mm512_loadu_ps(log_scales.t + 128));  // t[128 + j] = 2^(j / 16)
+    const __m512 octave = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(u, 4), _mm512_set1_epi32(8)));
+    return _mm512_maskz_mov_ps(m, _mm512_scalef_ps(frac, octave));
+}
+
+// Up to 16 scales of a part from index `first` (the lanes of `m`): fp16 or one-byte log scales.
+static inline __m512 scales16(const RowSource& s, int64_t first, __mmask16 m) {
+    if (s.scale8) return log_scales16(s.scale8 + first, m);
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s.scale + first));
+}
 
 // 16 bytes of 4-bit codes (low nibble first) -> 32 floats.
 static inline void unpack16_int4(const uint8_t* p, float* __restrict__ out) {
@@ -235,10 +257,11 @@ struct Accumulator {
 // registers (D multiply-adds), and the row then serves all R query heads that share this
 // KV head; nothing is written back. With few channel groups per row this beats folding
 // the scales into q or p per group and query head, which needs a loop over groups.
-static inline void scale_row(const uint16_t* scale, const uint16_t* zero, int D, int group, float* c) {
-    for (int g = 0; g < D / group; g++) {
-        const float s = half_to_float(scale[g]), z = zero ? half_to_float(zero[g]) : 0.f;
-        for (int d = g * group; d < (g + 1) * group; d++) c[d] = c[d] * s + z;
+// `first` is the index of the row's first group in the part's scale (and zero) rows.
+static inline void scale_row(const RowSource& src, int64_t first, int D, float* c) {
+    for (int g = 0; g < D / src.group; g++) {
+        const float s = scale_of(src, first + g), z = src.zero ? half_to_float(src.zero[first + g]) : 0.f;
+        for (int d = g * src.group; d < (g + 1) * src.group; d++) c[d] = c[d] * s + z;
     }
 }
 

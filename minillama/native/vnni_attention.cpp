@@ -31,8 +31,9 @@ inline void prefetch_rows(const RowSource& s, int64_t bh, int slot, int ahead, i
     const char* p = (const char*)s.data + (bh * s.slots + first) * (int64_t)row_bytes;
     for (int b = 0; b < count * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     if (scales) {
-        const char* q = (const char*)(s.scale + (bh * s.slots + first) * scales);
-        for (int b = 0; b < count * scales * 2; b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
+        const int64_t at = (bh * s.slots + first) * scales;
+        const char* q = s.scale8 ? (const char*)(s.scale8 + at) : (const char*)(s.scale + at);
+        for (int b = 0; b < count * scales * (s.scale8 ? 1 : 2); b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
     }
 }
 
@@ -345,7 +346,7 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         const int64_t whole_first = bh * s.slots + at.slot;
         if (whole) {
             if (!channel) {
-                _mm512_store_ps(tscale, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.scale + whole_first))));
+                _mm512_store_ps(tscale, scales16(s, whole_first, 0xFFFF));
                 if (s.zero) _mm512_store_ps(tzero, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + whole_first))));
             }
             for (int t = 0; t < 16; t++) at.next();
@@ -356,7 +357,7 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             base = _mm512_add_epi32(base, _mm512_set1_epi32((int32_t)(first * words)));
             if (!channel)
                 for (int t = 0; t < len; t++)
-                    tscale[t] = half_to_float(s.scale[first + t]), tzero[t] = s.zero ? half_to_float(s.zero[first + t]) : 0.f;
+                    tscale[t] = scale_of(s, first + t), tzero[t] = s.zero ? half_to_float(s.zero[first + t]) : 0.f;
             for (int t = 0; t < len; t++) at.next();
         } else {  // the ring wraps inside the chunk
             alignas(64) int32_t index[16];
@@ -364,7 +365,7 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 const int64_t slot = bh * s.slots + at.slot;
                 index[t] = (int32_t)(slot * words);
                 if (t < len) {
-                    if (!channel) tscale[t] = half_to_float(s.scale[slot]), tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
+                    if (!channel) tscale[t] = scale_of(s, slot), tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
                     if (t < len - 1) at.next();
                 }
             }
@@ -690,20 +691,22 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         const bool straight = at.slot + len <= s.slots;  // the sub-block's rows are consecutive slots
         if (straight && NG <= 2 && len == SB) {  // 16 tokens' NG scales at a time, split by group
             const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-            const uint16_t* src[2] = {s.scale + first * NG, s.zero ? s.zero + first * NG : nullptr};
+            auto load16 = [&](int m, int64_t j) {  // 16 scales (m = 0) or zeros (1) from index j
+                return m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + j))) : scales16(s, j, 0xFFFF);
+            };
             for (int m = 0; m < 2; m++) {
                 float(*dst)[SB] = m ? zc : sc;
                 for (int h = 0; h < SB; h += 16) {
-                    if (!src[m]) {  // a codebook without zeros
+                    if (m && !s.zero) {  // a codebook without zeros
                         for (int g = 0; g < NG; g++) _mm512_store_ps(dst[g] + h, _mm512_setzero_ps());
                         continue;
                     }
-                    const __m512 a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src[m] + NG * h)));
+                    const __m512 a = load16(m, first * NG + NG * h);
                     if (NG == 1) {
                         _mm512_store_ps(dst[0] + h, a);
                         continue;
                     }
-                    const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src[m] + NG * h + 16)));
+                    const __m512 c = load16(m, first * NG + NG * h + 16);
                     _mm512_store_ps(dst[0] + h, _mm512_permutex2var_ps(a, even, c));
                     _mm512_store_ps(dst[1] + h, _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), c));
                 }
@@ -714,7 +717,7 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
                 const int64_t slot = bh * s.slots + c.slot;
                 if (t < len) c.next();
                 for (int g = 0; g < NG; g++)
-                    sc[g][t] = t < len ? half_to_float(s.scale[slot * NG + g]) : 0.f,
+                    sc[g][t] = t < len ? scale_of(s, slot * NG + g) : 0.f,
                     zc[g][t] = t < len && s.zero ? half_to_float(s.zero[slot * NG + g]) : 0.f;
             }
         }
