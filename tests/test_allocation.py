@@ -116,6 +116,25 @@ def test_maps_price_each_tensor_and_the_budget_goes_where_they_lose_most():
     assert [(k.name, v.name) for k, v in cheapest.spec.layer_codecs] == [("lm3h", "lm2h")] * 2
 
 
+def test_with_byte_scales_the_freed_bits_buy_more_upgrades():
+    """--byte-scales: every Lloyd-Max choice becomes its one-byte-scale twin (b + 8/64 bits, not
+    b + 16/64) at its map's price. At 3.125 bits the fp16 scales start at 2.75 and afford one
+    upgrade (layer 1's values, 0.036 removed per bit); the byte scales start at 2.625 and afford
+    that and the next best, layer 0's keys (0.018 per bit): 3.125 bits."""
+    maps = [("low", LOW), ("high", HIGH)]
+    fp16 = allocate_from_maps(maps, 3.125, 2, 64)
+    assert [(k.name, v.name) for k, v in fp16.spec.layer_codecs] == [("lm3h", "lm2h"), ("lm3h", "lm3h")]
+    a = allocate_from_maps(maps, 3.125, 2, 64, byte_scales=True)
+    assert [(k.name, v.name) for k, v in a.spec.layer_codecs] == [("lm4hb", "lm2hb"), ("lm3hb", "lm3hb")]
+    assert a.bits == pytest.approx((4.125 + 2.125 + 3.125 + 3.125) / 4)
+    assert a.cost == pytest.approx(0.002 + 0.01 + 0.001 + 0.004) and a.cost < fp16.cost
+    assert allocate_from_maps(maps, 3.125, 2, 64, byte_scales=True) == a  # deterministic
+    cache = KVCache(a.spec, 2, 2, 64, 256)
+    fill_synthetic(cache, 128)
+    assert cache.layers[0][0].body["scale"].buf.dtype == torch.uint8  # one byte a scale, held and counted
+    assert sum(formula_live_bytes(2, 2, 64, a.spec, 128).values()) == sum(cache.live_bytes().values())
+
+
 def test_maps_of_other_group_sizes_or_other_files_are_refused():
     other = sensitivity_map("k=lm4h,v=lm3h,group=32", {(0, "k"): 0.1, (0, "v"): 0.1, (1, "k"): 0.1, (1, "v"): 0.1})
     with pytest.raises(UserError, match="a codec's bits depend on its group"):
@@ -139,6 +158,11 @@ def test_kv_allocate_prints_a_spec_that_runs(tiny_dir, tmp_path):
         CliRunner().invoke(cli, ["kv", "allocate", "--model", str(tiny_dir), *paths, "--bits", "3", "--json"]).stdout
     )
     assert info["body_bits"] == pytest.approx(3.0) and info["counts"]["v"] == {"lm2h": 1, "lm3h": 1}
+    byte = CliRunner().invoke(cli, ["kv", "allocate", "--model", str(tiny_dir), *paths, "--bits", "3", "--byte-scales"])
+    counts = parse_kv(byte.stdout.splitlines()[-1]).codec_counts()
+    assert byte.exit_code == 0 and set(counts["k"]) | set(counts["v"]) <= {"lm2hb", "lm3hb", "lm4hb"}
+    misplaced = CliRunner().invoke(cli, ["kv", "hadv2", "--byte-scales"])
+    assert misplaced.exit_code != 0 and "--byte-scales go with allocate" in misplaced.stderr
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,11 @@ KLDs. The maps must share group sizes (the bits of a codec depend on them); othe
 (centering, sinks, residual) are taken from the first map, and the note says where the maps
 differ, since a price measured under other options is then an estimate.
 
+With ``byte_scales`` every Lloyd-Max choice is replaced by its one-byte-scale twin (lm3h ->
+lm3hb): the twin's bits, the map's price. That price is an estimate -- the byte's coarser scale
+adds a few percent of KLD (docs/quality.md, Frontier V) -- taken so that the freed bits can be
+spent without new maps; the mix is then measured like any other.
+
 Choose on one text, check on others: a mix made from maps of one text is evaluated on the
 cached path of another before it is trusted (docs/quality.md).
 """
@@ -23,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from minillama.errors import UserError
 from minillama.kv.allocate import Choice, allocate
+from minillama.kv.codecs import byte_scale_twin
 from minillama.kv.spec import KVSpec, parse_kv
 
 OPTIONS = ("residual", "sinks", "center", "rope", "positions", "start")
@@ -51,10 +57,10 @@ def map_spec(rows: list[dict], where: str) -> KVSpec:
 
 
 def choices_from_maps(
-    maps: list[tuple[str, list[dict]]], n_layers: int, head_dim: int
+    maps: list[tuple[str, list[dict]]], n_layers: int, head_dim: int, byte_scales: bool = False
 ) -> tuple[KVSpec, list[list[Choice]], list[str]]:
     """The first map's spec; per tensor (layer 0's K, layer 0's V, layer 1's K, ...) its priced
-    codecs; and notes."""
+    codecs (with ``byte_scales``, the one-byte-scale twins where a codec has one); and notes."""
     specs = [map_spec(rows, where) for where, rows in maps]
     first = specs[0]
     notes = []
@@ -77,6 +83,7 @@ def choices_from_maps(
                 raise UserError(f"{where} prices layer {layer!r}; the model has {n_layers} layers")
             t = 0 if tensor == "k" else 1
             codec, group, _ = s.tensors(layer)[t]
+            codec = (byte_scale_twin(codec) or codec) if byte_scales else codec
             entry = priced[2 * layer + t].setdefault(codec.name, [codec, codec.body_bits(head_dim, group), []])
             entry[2].append(float(r["kld_mean"]))
     for j, p in enumerate(priced):
@@ -86,9 +93,11 @@ def choices_from_maps(
     return first, choices, notes
 
 
-def allocate_from_maps(maps: list[tuple[str, list[dict]]], budget: float, n_layers: int, head_dim: int) -> Allocation:
+def allocate_from_maps(
+    maps: list[tuple[str, list[dict]]], budget: float, n_layers: int, head_dim: int, byte_scales: bool = False
+) -> Allocation:
     """The cheapest-in-KLD mix of the maps' codecs within `budget` bits per element (kv/allocate.py)."""
-    first, choices, notes = choices_from_maps(maps, n_layers, head_dim)
+    first, choices, notes = choices_from_maps(maps, n_layers, head_dim, byte_scales)
     pick = allocate(choices, budget)
     chosen = [options[i] for options, i in zip(choices, pick)]
     layers = tuple((chosen[2 * i].codec, chosen[2 * i + 1].codec) for i in range(n_layers))

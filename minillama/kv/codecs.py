@@ -396,6 +396,16 @@ def register(codec: Codec) -> Codec:
     return codec
 
 
+def byte_scale_twin(codec: Codec) -> Codec | None:
+    """The registered codec that stores `codec`'s codes with one-byte log scales (lm3h -> lm3hb), or None."""
+    if not isinstance(codec, Codebook) or codec.log_scale:
+        return None
+    same = (codec.bits, codec.rotate)
+    return next(
+        (c for c in CODECS.values() if isinstance(c, Codebook) and c.log_scale and (c.bits, c.rotate) == same), None
+    )
+
+
 def exact_codec(dtype: torch.dtype) -> Codec:
     """The unquantized codec of a dtype: how sinks and residual tokens are stored."""
     return next(c for c in CODECS.values() if isinstance(c, FloatCodec) and c.dtype == dtype)

@@ -44,7 +44,12 @@ def describe_codecs() -> str:
     "--map", "maps", multiple=True, metavar="FILE", help="With allocate: a sensitivity map (ppl --sensitivity --json)."
 )
 @click.option("--bits", type=Finite(min=0, min_open=True), help="With allocate: average bits per element.")
-def kv(spec, path, list_, model_name, tokens, as_json, maps, bits):
+@click.option(
+    "--byte-scales",
+    is_flag=True,
+    help="With allocate: Lloyd-Max codecs with one-byte log scales (lm3h -> lm3hb), priced by their fp16 maps.",
+)
+def kv(spec, path, list_, model_name, tokens, as_json, maps, bits, byte_scales):
     """Explain KV cache specs: `--list`, the exact byte budget of SPEC, `inspect FILE`: what a
     saved cache file (generate/chat --prompt-cache, chat /save) holds, or `allocate`: a spec
     with each layer's codecs chosen from sensitivity maps under a budget of bits.
@@ -56,17 +61,20 @@ def kv(spec, path, list_, model_name, tokens, as_json, maps, bits):
       minillama kv k=int4h,v=int2h,group=64,sinks=4 --tokens 896
       minillama kv inspect doc.kv --json
       minillama kv allocate --map k3v2lm.json --map k4v3lmc.json --bits 3.0
+      minillama kv allocate --map k3v2lm.json --map k4v3lmc.json --bits 3.0 --byte-scales
     """
     from minillama.errors import UserError
 
-    if (maps or bits is not None) and spec != "allocate":
-        raise UserError("--map and --bits go with allocate: minillama kv allocate --map MAP.json ... --bits B")
+    if (maps or bits is not None or byte_scales) and spec != "allocate":
+        raise UserError(
+            "--map, --bits and --byte-scales go with allocate: minillama kv allocate --map MAP.json ... --bits B"
+        )
     if spec == "allocate":
         if path:
             raise UserError(f"unexpected argument {path!r}: give the maps with --map FILE")
         if not maps or bits is None:
             raise UserError("kv allocate needs at least one --map FILE (ppl --sensitivity --json) and --bits B")
-        allocate_command(maps, bits, model_name, tokens, as_json)
+        allocate_command(maps, bits, model_name, tokens, as_json, byte_scales)
         return
     if spec == "inspect":
         import json
@@ -94,7 +102,7 @@ def kv(spec, path, list_, model_name, tokens, as_json, maps, bits):
     click.echo(byte_budget(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, parsed, tokens))
 
 
-def allocate_command(maps, bits, model_name, tokens, as_json) -> None:
+def allocate_command(maps, bits, model_name, tokens, as_json, byte_scales=False) -> None:
     """``kv allocate``: read the maps, choose, print the summary and the spec (last line)."""
     import json
 
@@ -107,7 +115,7 @@ def allocate_command(maps, bits, model_name, tokens, as_json) -> None:
 
     cfg = LlamaConfig.from_file(resolve_model_path(resolve_model(model_name)) / "config.json")
     loaded = [(path, read_json(path)) for path in maps]
-    a = allocate_from_maps(loaded, bits, cfg.num_hidden_layers, cfg.head_dim)
+    a = allocate_from_maps(loaded, bits, cfg.num_hidden_layers, cfg.head_dim, byte_scales)
     live = formula_live_bytes(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, a.spec, tokens)
     effective = 8 * sum(live.values()) / (cfg.num_hidden_layers * 2 * cfg.n_kv_heads * cfg.head_dim * tokens)
     if as_json:
