@@ -8,6 +8,7 @@ codec. The allocation spends a budget of bits where the maps say a tensor loses 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,9 +204,25 @@ def test_a_mixed_spec_decodes_on_the_kernels_as_on_the_reference(tiny):
     assert torch.allclose(logits[0], logits[1], atol=1e-3, rtol=1e-4)
 
 
+REPO = Path(__file__).resolve().parent.parent
+BUDGETS = {"k2v2mix": 2.3, "k3v2mix": 2.81, "k4v3mix": 3.81, "k2v2mixb": 2.3, "k3v2mixb": 2.81, "k4v3mixb": 3.81}
+
+
+def test_the_mixes_are_what_kv_allocate_makes_of_the_committed_maps():
+    """Each preset mix is `kv allocate` of the four Hamlet maps in bench/results (--byte-scales for
+    the *b ones) at its budget: anyone can remake it, and a change to the allocator shows here."""
+    maps = [
+        (m, json.loads((REPO / "bench" / "results" / f"sensitivity_{m}_hamlet_w1.json").read_text()))
+        for m in ("k4v4lmc", "k4v3lmc", "k3v2lm", "k2v2lmc")
+    ]
+    for name, budget in BUDGETS.items():
+        a = allocate_from_maps(maps, budget, 30, 64, byte_scales=name.endswith("b"))
+        assert a.spec.layer_codecs == parse_kv(name).layer_codecs, name
+
+
 def test_the_mixes_are_within_their_budgets_on_the_default_models_shape():
     """The mixes were allocated at 2.3, 2.81 and 3.81 bits for 30 layers x head_dim 64."""
-    for name, budget in (("k2v2mix", 2.3), ("k3v2mix", 2.81), ("k4v3mix", 3.81)):
+    for name, budget in BUDGETS.items():
         spec = parse_kv(name)
         assert len(spec.layer_codecs) == 30 and str(spec) == name
         body = sum(k.body_bits(64, 64) + v.body_bits(64, 64) for k, v in spec.layer_codecs) / 60

@@ -176,6 +176,23 @@ MIXES: dict[str, str] = {
     "lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm3h;"
     "lm4h/lm3h;lm4h/lm2h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;"
     "lm4h/lm4h;lm4h/lm3h;lm4h/lm2h;lm4h/lm4h;lm4h/lm4h;lm4h/lm2h;lm4h/lm3h;lm2h/lm2h;lm4h/lm3h;lm4h/lm3h",
+    # The same maps with one-byte log scales (kv allocate --byte-scales): every codec's lm*hb twin,
+    # the freed 1/8 bit an element spent on more layers at more bits.
+    # --bits 2.3 --byte-scales: keys lm2hb / lm3hb / lm4hb in 22 / 7 / 1 layers, values lm2hb (lm3hb in one)
+    "k2v2mixb": "k=lm2hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers="
+    "lm2hb/lm2hb;lm2hb/lm3hb;lm2hb/lm2hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;"
+    "lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;lm2hb/lm2hb;"
+    "lm3hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm4hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb",
+    # --bits 2.81 --byte-scales: keys lm2hb / lm3hb / lm4hb in 11 / 7 / 12 layers, values lm2hb / lm3hb in 20 / 10
+    "k3v2mixb": "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers="
+    "lm2hb/lm3hb;lm3hb/lm3hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;lm3hb/lm3hb;lm3hb/lm2hb;lm3hb/lm2hb;lm4hb/lm3hb;lm3hb/lm2hb;"
+    "lm4hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm4hb/lm2hb;"
+    "lm4hb/lm3hb;lm4hb/lm3hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm2hb/lm2hb;lm4hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb",
+    # --bits 3.81 --byte-scales: keys lm4hb, values lm3hb / lm4hb / lm2hb in 15 / 13 / 2
+    "k4v3mixb": "k=lm4hb,v=lm3hb,group=64,residual=8,sinks=4,center=1,layers="
+    "lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;"
+    "lm4hb/lm3hb;lm4hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;"
+    "lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm3hb",
 }
 
 PRESET_NOTES: dict[str, str] = {
@@ -194,6 +211,9 @@ PRESET_NOTES: dict[str, str] = {
     "k2v2mix": "~2.5 bits: Lloyd-Max keys 2/3-bit, values 2-bit by layer (kv allocate; SmolLM2-135M)",
     "k3v2mix": "~3.0 bits: Lloyd-Max keys 2/3/4-bit, values 2/3-bit by layer (kv allocate; SmolLM2-135M)",
     "k4v3mix": "~4.0 bits: Lloyd-Max keys 2/4-bit, values 2/3/4-bit by layer (kv allocate; SmolLM2-135M)",
+    "k2v2mixb": "~2.5 bits: k2v2mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
+    "k3v2mixb": "~3.0 bits: k3v2mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
+    "k4v3mixb": "~4.0 bits: k4v3mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
 }
 
 GRAMMAR = (
