@@ -82,6 +82,30 @@ def test_the_step_silu_rounds_as_torch_silu_does():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_rms_norm_rounds_as_the_model_does(dtype):
+    """The step's residual add and RMSNorm (one native call) against model/llama.py's: the sum
+    rounded to the dtype, normalized in float32, rounded, times the weight. The sum of squares is
+    taken in another order, so a bfloat16 output may sit one rounding step away (rarely)."""
+    from minillama.model.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    x, h = torch.randn(4, 576, generator=g).mul(3).to(dtype), torch.randn(4, 576, generator=g).to(dtype)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=g).add(0.5))
+        total, normed = ops.add_rms_norm(backend.library(), x, h, norm.weight, 1e-5)
+        assert torch.equal(total, x + h)
+        expected = norm(x + h)
+    step = 2.0**-7 if dtype == torch.bfloat16 else 1e-6  # bfloat16's relative rounding step; float32: the sums' order
+    assert torch.allclose(normed.float(), expected.float(), rtol=step, atol=0)
+    if dtype == torch.bfloat16:
+        assert (normed == expected).float().mean() > 0.99
+    _, alone = ops.add_rms_norm(backend.library(), x, None, norm.weight, 1e-5)  # no residual: the norm of x
+    assert torch.allclose(alone.float(), norm(x).detach().float(), rtol=step, atol=0)
+
+
+@needs_kernels
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("preset", PRESETS)
