@@ -423,6 +423,7 @@ WRITE_SPECS = [
     "k=int3c,v=int3,group=16,residual=5,sinks=3,center=1",
     "k=int2h,v=int8c,group=8,residual=0",
     "k=int4cs,v=int2h,residual=4,rope=pre",
+    "k=lm3h,v=lm2h,group=16,residual=3,sinks=2,center=1,layers=lm3h/lm2h;lm4hb/lm2h;lm3h/int4",  # 4 groups
 ]
 
 
@@ -468,16 +469,17 @@ def kernels_and_reference(spec: str, dtype, capacity: int, seed: int):
 @pytest.mark.parametrize("spec", WRITE_SPECS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_one_token_write_is_byte_identical_to_pytorch(spec, dtype, monkeypatch):
-    """A decode step writes its token with one native call per codec (native/encode.cpp:
-    write_token), deciding from the counters what ``LayeredStore.append`` decides from the
-    tensors. Token by token from an empty cache -- sinks filling, the residual wrapping, KIVI
-    groups and per-token units leaving it -- then, after evictions moved the body's start, a
-    truncation and more tokens into the wrapped body rings: the same bytes as the reference."""
+    """A decode step writes its token with one native call for every group of layers that share
+    codecs (native/encode.cpp: write_tokens), deciding from the counters what
+    ``LayeredStore.append`` decides from the tensors. Token by token from an empty cache -- sinks
+    filling, the residual wrapping, KIVI groups and per-token units leaving it -- then, after
+    evictions moved the body's start, a truncation and more tokens into the wrapped body rings:
+    the same bytes as the reference."""
     from minillama.native import ops
 
     calls = []
-    real = ops.write_token
-    monkeypatch.setattr(ops, "write_token", lambda lib, w: calls.append(1) or real(lib, w))
+    real = ops.write_tokens
+    monkeypatch.setattr(ops, "write_tokens", lambda lib, ws: calls.append(len(ws)) or real(lib, ws))
     caches, feed = kernels_and_reference(spec, dtype, capacity=120, seed=2)
     for _ in range(70):
         feed(1)
@@ -489,7 +491,26 @@ def test_the_one_token_write_is_byte_identical_to_pytorch(spec, dtype, monkeypat
     assert_same_bytes(*caches)
     assert caches[0].evicted > 0
     if "cs" not in spec:  # calibrated ranges take the PyTorch write
-        assert len(calls) >= 100
+        assert len(calls) >= 99 and set(calls) == {len(caches[0].stores)}  # one call a token, every group in it
+
+
+@needs_kernels
+def test_a_decode_tokens_write_is_all_or_nothing():
+    """write_tokens checks every group's new rows before it stores any: a value that is not finite
+    in one group (here the values) leaves the others (the keys) untouched too."""
+    from minillama.native import ops
+    from minillama.native.abi import NotSupported
+
+    cache = KVCache(parse_kv("k=lm3h,v=int2h,group=16,residual=3"), n_layers=2, n_kv_heads=2, head_dim=64, capacity=64)
+    fill_synthetic(cache, 20)
+    k, v = torch.randn(2, 1, 2, 1, 64), torch.randn(2, 1, 2, 1, 64)  # (L, B, H, 1, D)
+    v[1, 0, 1, 0, 7] = float("nan")
+    before = [r.buf.clone() for s in cache.stores for r in (s.residual, *s.body.values())]
+    pending = [shared.token_write(v if t else k) for shared, t in zip(cache.stores, cache.tensor_of)]
+    with pytest.raises(NotSupported, match="not finite"):
+        ops.write_tokens(backend.library(), [p.write for p in pending])
+    after = [r.buf for s in cache.stores for r in (s.residual, *s.body.values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 @needs_kernels

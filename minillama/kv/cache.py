@@ -26,6 +26,9 @@ from minillama.kv.layered import LayeredStore
 from minillama.kv.memory import check_fits
 from minillama.kv.spec import KVSpec
 from minillama.kv.store import TensorStore, allocation_bytes
+from minillama.kv.write import kernels
+from minillama.native import ops
+from minillama.native.abi import NotSupported
 
 
 class ContextFullError(UserError):
@@ -173,17 +176,47 @@ class KVCache:
             )
         unit = self.spec.unit
         evict = -(-overflow // unit) * unit if overflow > 0 else 0
-        written = read = 0
-        for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
-            x = v if t else k
-            w, r = shared.append(x if len(shared.layers) == self.n_layers else x[shared.layers], evict)
-            written, read = written + w, read + r
+        done = self._append_token(k, v) if n == 1 and not evict else None
+        if done is None:
+            done = (0, 0)
+            for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
+                w, r = shared.append(self._members(shared, v if t else k), evict)
+                done = (done[0] + w, done[1] + r)
+        written, read = done
         self.position += n
         self.evicted += evict
         self.count_read(read)
         self.bytes.last_read, self.bytes.last_written = self._step_read, written
         self.bytes.total_written += written
         self._step_read = 0
+
+    def _members(self, shared: LayeredStore, x: torch.Tensor) -> torch.Tensor:
+        """The rows of x (L, B, H, n, D) that a group's layers store."""
+        return x if len(shared.layers) == self.n_layers else x[shared.layers]
+
+    def _append_token(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int] | None:
+        """A decode token into every group with one native call (native/encode.cpp: write_tokens,
+        which stores all of it or nothing); None, with nothing changed, where the kernels are off
+        or a group's codec is one they do not write, or the values are not finite: the caller then
+        appends group by group (and the PyTorch path refuses non-finite values clearly)."""
+        lib = kernels(k.device)
+        if lib is None:
+            return None
+        pending = []
+        for shared, t in zip(self.stores, self.tensor_of):
+            p = shared.token_write(self._members(shared, v if t else k))
+            if p is None:
+                return None
+            pending.append(p)
+        try:
+            ops.write_tokens(lib, [p.write for p in pending])
+        except NotSupported:
+            return None
+        written = read = 0
+        for p in pending:
+            w, r = p.finish()
+            written, read = written + w, read + r
+        return written, read
 
     def seek(self, position: int) -> None:
         """Leave a gap: the next token gets this absolute position (used to rebuild a ring)."""

@@ -16,15 +16,17 @@ The members' counters are kept equal by construction: every change to them (an a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from minillama.kv.codecs import Affine, Codebook, FloatCodec
 from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.kv.ring import Ring, ring_buffer
 from minillama.kv.store import TensorStore, layout
-from minillama.kv.write import encode, kernels, native_encoding, storage_form
-from minillama.native import ops
-from minillama.native.abi import DTYPE_CODE, NotSupported, RingRef, TokenWrite
+from minillama.kv.write import encode, native_encoding, storage_form
+from minillama.native.abi import DTYPE_CODE, RingRef, TokenWrite
 
 
 class SharedRing:
@@ -34,7 +36,7 @@ class SharedRing:
         self.buf = buf  # (L, B, H, slots, width)
         self.members = members
         self.lead = members[0]  # every member has its counters
-        # As write_token addresses it: (L * B * H) rows of slots x width bytes (the buffer never moves).
+        # As write_tokens addresses it: (L * B * H) rows of slots x width bytes (the buffer never moves).
         self.ref = RingRef(buf.data_ptr(), buf.shape[3], buf.shape[4] * buf.element_size())
 
     def push(self, x: torch.Tensor) -> int:
@@ -110,6 +112,7 @@ class LayeredStore:
         self.sinks = SharedRing(bufs.pop("sinks"), [s.sinks for s in self.stores])
         self.residual = SharedRing(bufs.pop("residual"), [s.residual for s in self.stores])
         self.body = {name: SharedRing(buf, [s.body[name] for s in self.stores]) for name, buf in bufs.items()}
+        self._centers: tuple[list, torch.Tensor] | None = None  # centered keys: the members' centers, stacked
 
     def append(self, x: torch.Tensor, evict: int) -> tuple[int, int]:
         """Store new vectors x (L, B, H, n, D) in the model's dtype, after evicting `evict` oldest non-sink
@@ -121,10 +124,6 @@ class LayeredStore:
         lead, stores = self.stores[0], self.stores
         codec = lead.codec
         exact = lead.residual.buf.dtype
-        if x.shape[3] == 1 and not evict:
-            done = self._append_token(x)
-            if done is not None:
-                return done
         if lead.centered and lead.center is None:  # the first append sets each layer's center
             means = codec.to_space(x).float().mean(dim=-2, keepdim=True).to(exact)  # (L, B, H, 1, D)
             for store, m in zip(stores, means):
@@ -195,17 +194,17 @@ class LayeredStore:
             store.n_body += n_flush
         return written
 
-    def _append_token(self, x: torch.Tensor) -> tuple[int, int] | None:
-        """``append`` of one decode token with nothing to evict, in one native call
-        (native/encode.cpp: write_token): the same decisions as ``append``, taken here from the
-        counters, and the same bytes (a test holds them equal). None, with nothing changed, where
-        the kernel does not write this codec (vector codes, calibrated ranges, non-float16 rows, the
-        first append of centered keys) or the values are not finite: ``append`` then does it."""
+    def token_write(self, x: torch.Tensor) -> PendingWrite | None:
+        """This group's share of one decode token (nothing to evict) as native/encode.cpp's
+        write_tokens takes it: the same decisions as ``append``, taken here from the counters, and
+        the same bytes (a test holds them equal). Nothing changes until the cache has made the
+        write and called ``finish``. None where the kernel does not write this codec (vector codes,
+        calibrated ranges, non-float16 rows, the first append of centered keys): ``append`` then
+        does it."""
         lead, stores = self.stores[0], self.stores
         codec, n_layers = lead.codec, len(stores)
-        lib = kernels(x.device)
         kind = _token_kind(codec)
-        if lib is None or kind is None or x.dtype not in DTYPE_CODE or lead.residual.buf.dtype != torch.float16:
+        if kind is None or x.dtype not in DTYPE_CODE or lead.residual.buf.dtype != torch.float16:
             return None
         if lead.centered and lead.center is None:
             return None
@@ -217,7 +216,7 @@ class LayeredStore:
         bits, axis, levels = kind
         w = TokenWrite(L=n_layers, BH=x.shape[1] * x.shape[2], D=x.shape[-1], dtype=DTYPE_CODE[x.dtype])
         x = x.contiguous()  # (L, B, H, 1, D)
-        center = torch.stack([s.center for s in stores]).to(torch.float16).contiguous() if lead.centered else None
+        center = self._center16() if lead.centered else None  # (L, B, H, 1, D) float16
         w.x, w.rotate, w.center = x.data_ptr(), int(codec.rotate), center.data_ptr() if center is not None else None
         to = self.sinks if to_sinks else None if encoded else self.residual
         if to is not None:
@@ -234,21 +233,39 @@ class LayeredStore:
                     w.zero = self.body["zero"].ref
                 else:  # a codebook: codes and scales, no zeros
                     w.levels, w.refine, w.log_scale = levels.data_ptr(), REFINE, int(codec.log_scale)
-        try:
-            ops.write_token(lib, w)
-        except NotSupported:
-            return None
+        return PendingWrite(w, [x, center, levels], lambda: self._after_token(n_flush, r, to))
+
+    def _after_token(self, n_flush: int, r: int, to: SharedRing | None) -> tuple[int, int]:
+        """Move the counters as ``append``'s pushes and drops move them; (bytes written, bytes read)."""
+        lead = self.stores[0]
         written = read = 0
-        if n_flush:  # the counters move as the rings' pushes and drops move them in ``append``
+        if n_flush:
             for name, ring in self.body.items():
                 written += ring.advance(n_flush // lead.tokens_per_row[name])
-            read += r * res.row_bytes * n_layers
+            read += r * lead.residual.row_bytes * len(self.stores)
             self.residual.drop_oldest(r)
-            for store in stores:
+            for store in self.stores:
                 store.n_body += n_flush
         if to is not None:
             written += to.advance(1)
         return written, read
+
+    def _center16(self) -> torch.Tensor:
+        """Every member's key center stacked, (L, B, H, 1, D) float16; made again only when a center changes."""
+        centers = [s.center for s in self.stores]  # held below, so an old center's id is never reused
+        if self._centers is None or any(a is not b for a, b in zip(centers, self._centers[0])):
+            self._centers = (centers, torch.stack(centers).to(torch.float16).contiguous())
+        return self._centers[1]
+
+
+@dataclass
+class PendingWrite:
+    """A group's share of a decode token's write (native/encode.cpp: write_tokens), what it
+    points into, and what counts it once the cache has made it (bytes written, bytes read)."""
+
+    write: TokenWrite
+    keep: list
+    finish: Callable[[], tuple[int, int]]
 
 
 def _token_kind(codec) -> tuple[int, int, torch.Tensor | None] | None:

@@ -184,7 +184,7 @@ SIGNATURES = {  # name: (argument types, return type)
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
     "encode_codebook": ([_P, _I64, _I, _I, _I, _I, _P, _I, _I, _P, _P], _I),
-    "write_token": ([ctypes.POINTER(TokenWrite)], _I),
+    "write_tokens": ([ctypes.POINTER(TokenWrite), _I], _I),
     "set_parts": ([ctypes.POINTER(ctypes.POINTER(LayerPlan)), _I, _I, _P, _I], _I),
     "decode_step": ([ctypes.POINTER(LayerStep), _I, ctypes.POINTER(StepEnds)], _I),
     "step_scratch_bytes": ([_I, _I, _I, _I, _I, _I, _I], ctypes.c_int64),

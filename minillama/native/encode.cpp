@@ -228,20 +228,26 @@ int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G
 // part of it) encoded (encode_affine, encode_codebook where the write has levels, or copied for
 // float16 bodies) into the body's next slots;
 // then the new row into its sinks or residual slot (after the block is read: it may take the
-// slot the block's first row leaves). Every output is first checked finite: nothing is written
-// otherwise, and the caller takes the PyTorch path, which refuses non-finite values clearly.
-int write_token(const TokenWrite* write) {
-    const TokenWrite& w = *write;
-    const int D = w.D, rows = w.L * w.BH;
+// slot the block's first row leaves). In three steps, so that a step's writes of every group
+// are all made or none: check_write (the fields), fresh_rows (the storage form, checked finite),
+// commit (the stores, which cannot fail).
+static int check_write(const TokenWrite& w) {
     if (w.flush < 0 || w.flush > 256 || w.from_res < 0 || w.from_res > w.flush || w.flush - w.from_res > 1)
         return MINILLAMA_E_SHAPE;
     if (w.bits != 0 && w.flush && !encodable(w.flush, w.D, w.bits, w.group, w.axis)) return MINILLAMA_E_CODES;
     if (w.levels && (w.axis != 0 || w.bits < 2 || w.bits > 4 || w.refine < 0 || !w.scale.buf || w.zero.buf))
         return MINILLAMA_E_CODES;
-    std::vector<uint16_t> fresh((size_t)rows * D);  // (L * BH, D) the new rows in storage form
-    const int64_t bad = prepare_rows(w.x, w.dtype, rows, D, w.rotate, w.center, 1, fresh.data());
+    return MINILLAMA_OK;
+}
+
+static int fresh_rows(const TokenWrite& w, uint16_t* fresh) {  // fresh: (L * BH, D) fp16
+    const int64_t bad = prepare_rows(w.x, w.dtype, w.L * w.BH, w.D, w.rotate, w.center, 1, fresh);
     if (bad < 0) return (int)-bad;
-    if (bad > 0) return MINILLAMA_E_NONFINITE;
+    return bad > 0 ? MINILLAMA_E_NONFINITE : MINILLAMA_OK;
+}
+
+static void commit(const TokenWrite& w, const uint16_t* fresh) {
+    const int D = w.D, rows = w.L * w.BH;
     const size_t row_bytes = (size_t)D * 2;
     auto at = [](const RingRef& r, int64_t row, int slot) {  // row (L * BH order) of a ring, slot wrapped
         return (char*)r.buf + ((size_t)row * r.slots + (size_t)(slot % r.slots)) * r.width;
@@ -254,7 +260,7 @@ int write_token(const TokenWrite* write) {
     const size_t scale_bytes = w.levels && w.log_scale ? 1 : 2;
     std::vector<uint8_t> unpacked((size_t)std::max(w.flush, 1) * D);
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t* row = fresh.data() + r * D;
+        const uint16_t* row = fresh + r * D;
         if (w.flush) {
             for (int i = 0; i < w.from_res; i++) std::memcpy(&block[(size_t)i * D], at(w.res, r, w.res_first + i), row_bytes);
             if (w.flush > w.from_res) std::memcpy(&block[(size_t)w.from_res * D], row, row_bytes);
@@ -277,6 +283,22 @@ int write_token(const TokenWrite* write) {
         }
         if (w.to.buf) std::memcpy(at(w.to, r, w.to_slot), row, row_bytes);
     }
+}
+
+// A decode token into every group of a cache (n writes, one per group of layers that share
+// codecs): every write is checked and every new row made and found finite before anything is
+// stored, so on an error status nothing has changed and the caller takes the PyTorch path,
+// which refuses non-finite values clearly.
+int write_tokens(const TokenWrite* writes, int n) {
+    if (n < 1) return MINILLAMA_E_SHAPE;
+    for (int i = 0; i < n; i++)
+        if (const int status = check_write(writes[i])) return status;
+    std::vector<std::vector<uint16_t>> fresh(n);
+    for (int i = 0; i < n; i++) {
+        fresh[i].resize((size_t)writes[i].L * writes[i].BH * writes[i].D);
+        if (const int status = fresh_rows(writes[i], fresh[i].data())) return status;
+    }
+    for (int i = 0; i < n; i++) commit(writes[i], fresh[i].data());
     return MINILLAMA_OK;
 }
 

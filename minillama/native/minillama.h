@@ -76,7 +76,7 @@ struct RingRef {
     int slots, width;
 };
 
-// One decode token into one group's rings (encode.cpp: write_token). The new vectors x
+// One decode token into one group's rings (encode.cpp: write_tokens, one per group). The new vectors x
 // (L * BH, D) in `dtype` are put in storage form (rotated, minus the fp16 center (L * BH, D));
 // when flush > 0, `from_res` rows of the residual from slot res_first, then (flush > from_res)
 // the new row, are encoded into the body from codes_slot (and scale_slot): affine codes of
@@ -192,7 +192,7 @@ int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, 
                   uint16_t* scale, uint16_t* zero);
 int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, const float* levels, int refine,
                     int log_scale, uint8_t* codes, void* scale);
-int write_token(const TokenWrite* write);
+int write_tokens(const TokenWrite* writes, int n);
 
 // What a step changes in the plans of the layers that share a codec (layer_attention.cpp): for
 // the first nparts parts of keys (values = 0) or values of each of plans[0..n), the row count,

@@ -180,10 +180,11 @@ def set_parts(lib, plans: ctypes.Array, values: bool, live: ctypes.Array, nparts
     check(lib.set_parts(plans, len(plans), int(values), live, nparts), "set_parts")
 
 
-def write_token(lib, write: TokenWrite) -> None:
-    """One decode token into a group's rings as `write` describes it (kv/layered.py builds it);
-    NotSupported (nothing written) for non-finite values or codes the kernel does not write."""
-    check(lib.write_token(ctypes.byref(write)), "write_token")
+def write_tokens(lib, writes: list[TokenWrite]) -> None:
+    """One decode token into the rings of every group of layers, each as its write describes it
+    (kv/layered.py builds them); all or nothing: NotSupported, with nothing written, for
+    non-finite values or codes the kernel does not write."""
+    check(lib.write_tokens((TokenWrite * len(writes))(*writes), len(writes)), "write_tokens")
 
 
 def decode_step(lib, steps: ctypes.Array, ends: StepEnds) -> None:
