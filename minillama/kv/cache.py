@@ -80,6 +80,7 @@ class KVCache:
         )
         check_fits(batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
         self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
+        self.unit = spec.unit  # tokens evicted together (whole per-channel groups)
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         # Keys, then values: the layers that share a codec keep their rings in shared buffers and
         # are written together (kv/layered.py); self.layers[i] is layer i's (K, V) stores.
@@ -174,7 +175,7 @@ class KVCache:
             raise ContextFullError(
                 f"context full: {self.held} + {n} tokens > capacity {self.capacity} (raise --ctx or use --on-full evict)"
             )
-        unit = self.spec.unit
+        unit = self.unit
         evict = -(-overflow // unit) * unit if overflow > 0 else 0
         done = self._append_token(k, v) if n == 1 and not evict else None
         if done is None:
@@ -192,7 +193,7 @@ class KVCache:
 
     def _members(self, shared: LayeredStore, x: torch.Tensor) -> torch.Tensor:
         """The rows of x (L, B, H, n, D) that a group's layers store."""
-        return x if len(shared.layers) == self.n_layers else x[shared.layers]
+        return x if len(shared.layers) == self.n_layers else x.index_select(0, shared.layer_index)
 
     def _append_token(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int] | None:
         """A decode token into every group with one native call (native/encode.cpp: write_tokens,

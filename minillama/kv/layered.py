@@ -89,6 +89,7 @@ class LayeredStore:
         centered: bool,
     ):
         self.layers = layers  # the cache's index of each member layer, in order
+        self.layer_index = torch.tensor(layers, device=device)  # (L,) the same, to pick a step's rows
         n = len(layers)
         bufs = {
             name: ring_buffer((n, batch, heads, shape.slots, shape.width), shape.dtype, device)
