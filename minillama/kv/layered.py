@@ -270,7 +270,7 @@ class PendingWrite:
 
 
 def _token_kind(codec) -> tuple[int, int, torch.Tensor | None] | None:
-    """(bits, axis, levels) for write_token: bits 0 for float16 rows, else affine codes and their
+    """(bits, axis, levels) for write_tokens: bits 0 for float16 rows, else affine codes and their
     group axis, or a Lloyd-Max codebook's codes (per token) and its levels; None for codecs it
     does not write."""
     if isinstance(codec, FloatCodec):
