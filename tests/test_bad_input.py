@@ -77,3 +77,16 @@ def test_a_context_too_big_for_memory_is_one_line_before_allocating(tiny_dir, co
     assert result.exit_code == 1 and "Traceback" not in result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "lower --ctx or pick a smaller --kv" in lines[0]
+
+
+def test_output_piped_into_a_reader_that_leaves_early_ends_quietly():
+    """`minillama kv --list | head -1`: once head has left, a write raises BrokenPipeError;
+    the CLI stops without an error line (exit 141, 128 + SIGPIPE, as other tools end)."""
+    import subprocess
+    import sys
+
+    script = "import sys\nfrom minillama.app.cli import main\nsys.argv = ['minillama', 'kv', '--list']\nmain()\n"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before the first line (the child is still importing)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == ""

@@ -6,6 +6,7 @@ prints, and turns errors into one clear line (a traceback only with --debug).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -59,6 +60,10 @@ class Main(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except BrokenPipeError:  # the reader of stdout left (`| head`): stop quietly, as other tools do
+            # stdout to /dev/null first, so that Python's own flush at exit does not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)  # 128 + SIGPIPE
         except Exception as e:
             if ctx.params.get("debug") or (ctx.obj or {}).get("debug"):
                 raise
