@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-static inline float half_to_float_(uint16_t h) {
+static inline float half_to_float(uint16_t h) {
     _Float16 f;
     std::memcpy(&f, &h, 2);
     return (float)f;
@@ -23,7 +23,7 @@ static inline uint16_t float_to_half(float x) {  // round to nearest even, as to
 
 static inline float load_value(const void* p, int64_t i, int dtype) {
     if (dtype == 0) return ((const float*)p)[i];
-    if (dtype == 1) return half_to_float_(((const uint16_t*)p)[i]);
+    if (dtype == 1) return half_to_float(((const uint16_t*)p)[i]);
     uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
     float f;
     std::memcpy(&f, &u, 4);
@@ -32,7 +32,7 @@ static inline float load_value(const void* p, int64_t i, int dtype) {
 
 static inline float round_to_dtype(float x, int dtype) {  // bfloat16: to nearest even, as torch does
     if (dtype == 0) return x;
-    if (dtype == 1) return half_to_float_(float_to_half(x));
+    if (dtype == 1) return half_to_float(float_to_half(x));
     uint32_t u;
     std::memcpy(&u, &x, 4);
     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;

@@ -46,9 +46,9 @@ struct Fp16Scale {  // double -> float -> fp16, 1 where that is not > 0
     using T = uint16_t;
     static T store(double s) {
         const uint16_t h = float_to_half((float)s);
-        return half_to_float_(h) > 0.f ? h : float_to_half(1.f);
+        return half_to_float(h) > 0.f ? h : float_to_half(1.f);
     }
-    static float value(T h) { return half_to_float_(h); }
+    static float value(T h) { return half_to_float(h); }
 };
 struct LogScale {  // one byte, the nearest 2^((u - 128) / 16) in log terms (dtypes.h)
     using T = uint8_t;
@@ -96,7 +96,7 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const
     std::vector<float> x(G), l(G);  // a group's values and its chosen levels
     for (int64_t g = 0; g < (int64_t)n * (D / G); g++) {
         const uint16_t* xg = xb + g * G;
-        for (int e = 0; e < G; e++) x[e] = half_to_float_(xg[e]);
+        for (int e = 0; e < G; e++) x[e] = half_to_float(xg[e]);
         typename Scale::T stored = Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
         uint8_t* cg = c + g * G;
         for (int round = 0; round < refine; round++) {
@@ -147,7 +147,7 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
         }
         const uint16_t* c = center ? center + (r / rows_per_center) * D : nullptr;
         for (int d = 0; d < D; d++) {
-            const float y = c ? v[d] - half_to_float_(c[d]) : v[d];
+            const float y = c ? v[d] - half_to_float(c[d]) : v[d];
             bad += !std::isfinite(y);
             out[r * D + d] = float_to_half(y);
         }
@@ -167,15 +167,15 @@ static void encode_block(const uint16_t* xb, int n, int D, int bits, int G, int 
         const int64_t step = axis == 0 ? 1 : D;
         float lo = INFINITY, hi = -INFINITY;
         for (int e = 0; e < G; e++) {
-            const float v = half_to_float_(xb[first + e * step]);
+            const float v = half_to_float(xb[first + e * step]);
             lo = std::min(lo, v), hi = std::max(hi, v);
         }
         const uint16_t s16 = float_to_half((hi - lo) / qmax), z16 = float_to_half(lo);
-        float s = half_to_float_(s16);
-        const float z = half_to_float_(z16);
+        float s = half_to_float(s16);
+        const float z = half_to_float(z16);
         if (!(s > 0.f)) s = 1.f;  // a constant group: every code is 0
         for (int e = 0; e < G; e++) {
-            const float q = std::nearbyint((half_to_float_(xb[first + e * step]) - z) / s);
+            const float q = std::nearbyint((half_to_float(xb[first + e * step]) - z) / s);
             c[first + e * step] = (uint8_t)std::min(std::max(q, 0.f), (float)qmax);
         }
         scale[g] = s16, zero[g] = z16;

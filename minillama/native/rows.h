@@ -23,12 +23,6 @@ struct FlushDenormals {
     ~FlushDenormals() { _mm_setcsr(saved); }
 };
 
-static inline float half_to_float(uint16_t h) {
-    _Float16 f;
-    std::memcpy(&f, &h, 2);
-    return (float)f;
-}
-
 // Scale i of a part's scale rows: fp16, or a one-byte log scale (scale8).
 static inline float scale_of(const RowSource& s, int64_t i) {
     return s.scale8 ? log_scales.t[s.scale8[i]] : half_to_float(s.scale[i]);
