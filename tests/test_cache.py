@@ -494,6 +494,27 @@ def test_the_one_token_write_is_byte_identical_to_pytorch(spec, dtype, monkeypat
         assert len(calls) >= 99 and set(calls) == {len(caches[0].stores)}  # one call a token, every group in it
 
 
+@pytest.mark.parametrize("name", ["reference", "kernels"])
+def test_a_non_finite_value_is_refused_before_anything_is_written(name):
+    """A NaN in one layer's values, on either backend: a clear error, and the cache as it was --
+    no group of layers (here the keys) a token ahead of the others."""
+    from minillama.kv.quantize import NonFiniteError
+
+    with backend.using(name):
+        cache = KVCache(
+            parse_kv("k=lm3h,v=int2h,group=16,residual=3"), n_layers=2, n_kv_heads=2, head_dim=64, capacity=64
+        )
+        fill_synthetic(cache, 20)
+        before = [r.buf.clone() for s in cache.stores for r in (s.sinks, s.residual, *s.body.values())]
+        for n in (1, 5):  # a decode token, a prefill chunk
+            k, v = torch.randn(2, 1, 2, n, 64), torch.randn(2, 1, 2, n, 64)  # (L, B, H, n, D)
+            v[1, 0, 1, 0, 7] = float("nan")
+            with pytest.raises(NonFiniteError, match="non-finite keys/values"):
+                cache.append_stacked(k, v)
+    after = [r.buf for s in cache.stores for r in (s.sinks, s.residual, *s.body.values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and cache.position == 20
+
+
 @needs_kernels
 def test_a_decode_tokens_write_is_all_or_nothing():
     """write_tokens checks every group's new rows before it stores any: a value that is not finite

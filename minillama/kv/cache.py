@@ -24,6 +24,7 @@ from minillama.kv.fused_attention import CachePlans
 from minillama.kv.interface import PartView
 from minillama.kv.layered import LayeredStore
 from minillama.kv.memory import check_fits
+from minillama.kv.quantize import check_finite
 from minillama.kv.spec import KVSpec
 from minillama.kv.store import TensorStore, allocation_bytes
 from minillama.kv.write import kernels
@@ -179,6 +180,8 @@ class KVCache:
         evict = -(-overflow // unit) * unit if overflow > 0 else 0
         done = self._append_token(k, v) if n == 1 and not evict else None
         if done is None:
+            if self.spec.quantized:  # refused before any group is written, not after the keys are
+                check_finite(k), check_finite(v)
             done = (0, 0)
             for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
                 w, r = shared.append(self._members(shared, v if t else k), evict)
