@@ -181,7 +181,8 @@ class KVCache:
         done = self._append_token(k, v) if n == 1 and not evict else None
         if done is None:
             if self.spec.quantized:  # refused before any group is written, not after the keys are
-                check_finite(k), check_finite(v)
+                check_finite(k)
+                check_finite(v)
             done = (0, 0)
             for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
                 w, r = shared.append(self._members(shared, v if t else k), evict)

@@ -167,11 +167,12 @@ def stored_fp16(s: torch.Tensor) -> torch.Tensor:
 # A byte u stands for s = 2^((u - 128) / 16): 16 steps an octave (4.4% apart), 2^-8 .. 2^7.94.
 # Exactly T16[u % 16] * 2^(u // 16 - 8) with T16[j] = 2^(j / 16) rounded once to float32, so
 # that a kernel decodes it with one 16-entry lookup and an exact power-of-two scaling
-# (native/rows.h: log_scale), and the encoder rounds to the nearest grid point in log terms by
-# comparing with the geometric midpoints sqrt(T[u] T[u + 1]), taken in float64 where the
-# product of two floats is exact and the square root correctly rounded: the same on every
-# machine and in native/encode.cpp. A group whose scale falls off the grid takes its end (a
-# scale below 2^-8 -- values of a few thousandths -- is then too large for its codes).
+# (native/rows.h: scales16; the table in native/dtypes.h: LogScales), and the encoder rounds to
+# the nearest grid point in log terms by comparing with the geometric midpoints
+# sqrt(T[u] T[u + 1]), taken in float64 where the product of two floats is exact and the
+# square root correctly rounded: the same on every machine and in native/encode.cpp. A group
+# whose scale falls off the grid takes its end (a scale below 2^-8 -- values of a few
+# thousandths -- is then too large for its codes).
 
 
 @functools.lru_cache(maxsize=1)
@@ -189,7 +190,8 @@ def _log_scale_bounds() -> torch.Tensor:
 
 
 def log_scale_code(s: torch.Tensor) -> torch.Tensor:
-    """Scales (any shape, any float dtype) -> the nearest one-byte log scale's code, uint8 (1 where not > 0)."""
+    """Scales (any shape, any float dtype) -> the nearest one-byte log scale's code, uint8 (128, a scale of
+    1, where s is not > 0)."""
     s = s.double()
     s = torch.where(s > 0, s, torch.ones_like(s))
     return torch.bucketize(s, _log_scale_bounds().to(s.device)).to(torch.uint8)

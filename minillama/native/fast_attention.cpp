@@ -169,10 +169,6 @@ struct GroupLanes {
     }
 };
 
-inline __m512 load_groups(const uint16_t* h, int NG) {  // NG <= 16 fp16 values -> floats
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << NG) - 1), h));
-}
-
 // score_fast's per-head state (Prep): the queries in decode order, folded with a group's scales
 // for per-channel keys, and what the zeros add.
 template <int NV>
@@ -261,7 +257,7 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
             } else if (s.kind == ROW_TOKEN) {  // narrower groups: scale the row first
                 const __m512 sg = scales16(s, slot * NG, (__mmask16)((1u << NG) - 1));
-                const __m512 zg = s.zero ? load_groups(s.zero + slot * NG, NG) : _mm512_setzero_ps();
+                const __m512 zg = s.zero ? halves16(s.zero + slot * NG, (__mmask16)((1u << NG) - 1)) : _mm512_setzero_ps();
                 for (int k = 0; k < NV; k++)
                     v[k] = _mm512_fmadd_ps(v[k], _mm512_permutexvar_ps(lanes.idx[k], sg), _mm512_permutexvar_ps(lanes.idx[k], zg));
             }
@@ -313,7 +309,7 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
                 tzero[t] = s.zero ? half_to_float(s.zero[slot]) : 0.f;
             } else if (s.kind == ROW_TOKEN) {
                 const __m512 sg = scales16(s, slot * NG, (__mmask16)((1u << NG) - 1));
-                const __m512 zg = s.zero ? load_groups(s.zero + slot * NG, NG) : _mm512_setzero_ps();
+                const __m512 zg = s.zero ? halves16(s.zero + slot * NG, (__mmask16)((1u << NG) - 1)) : _mm512_setzero_ps();
                 for (int k = 0; k < NV; k++)
                     tile[t][k] = _mm512_fmadd_ps(tile[t][k], _mm512_permutexvar_ps(lanes.idx[k], sg),
                                                  _mm512_permutexvar_ps(lanes.idx[k], zg));

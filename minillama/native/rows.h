@@ -57,10 +57,12 @@ static inline __m512 log_scales16(const uint8_t* p, __mmask16 m) {
     return _mm512_maskz_mov_ps(m, _mm512_scalef_ps(frac, octave));
 }
 
+// Up to 16 fp16 values (the lanes of `m`; 0 elsewhere) -> floats.
+static inline __m512 halves16(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+
 // Up to 16 scales of a part from index `first` (the lanes of `m`): fp16 or one-byte log scales.
 static inline __m512 scales16(const RowSource& s, int64_t first, __mmask16 m) {
-    if (s.scale8) return log_scales16(s.scale8 + first, m);
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s.scale + first));
+    return s.scale8 ? log_scales16(s.scale8 + first, m) : halves16(s.scale + first, m);
 }
 
 // 16 bytes of 4-bit codes (low nibble first) -> 32 floats.

@@ -692,7 +692,7 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         if (straight && NG <= 2 && len == SB) {  // 16 tokens' NG scales at a time, split by group
             const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
             auto load16 = [&](int m, int64_t j) {  // 16 scales (m = 0) or zeros (1) from index j
-                return m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s.zero + j))) : scales16(s, j, 0xFFFF);
+                return m ? halves16(s.zero + j, 0xFFFF) : scales16(s, j, 0xFFFF);
             };
             for (int m = 0; m < 2; m++) {
                 float(*dst)[SB] = m ? zc : sc;
