@@ -32,15 +32,24 @@ from minillama.native import abi, backend, build
 def library_at(rev: str, names: list[str], where: Path) -> ctypes.CDLL:
     """The native sources with `names` as they were at `rev`, compiled for this CPU into `where`."""
     native = build.HERE
-    shutil.copytree(native, where / "src", ignore=shutil.ignore_patterns("__pycache__"))
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=native, capture_output=True, text=True)
     prefix = native.relative_to(root.stdout.strip()).as_posix()
+    texts = {}
     for name in names:
         old = subprocess.run(["git", "show", f"{rev}:{prefix}/{name}"], cwd=native, capture_output=True, text=True)
         if old.returncode:
             sys.exit(f"{name} at {rev}: {old.stderr.strip()}")
-        (where / "src" / name).write_text(old.stdout)
-    out = where / "libold.so"
+        texts[name] = old.stdout
+    return library_with(texts, where, f"{rev}'s kernels")
+
+
+def library_with(texts: dict[str, str], where: Path, what: str) -> ctypes.CDLL:
+    """The tree's native sources with the files named in `texts` replaced by those texts, compiled
+    for this CPU into `where` (a fresh folder); `what` names the build in an error."""
+    shutil.copytree(build.HERE, where / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    for name, text in texts.items():
+        (where / "src" / name).write_text(text)
+    out = where / "lib.so"
     sources = [str(where / "src" / s.name) for s in build.SOURCES]
     done = subprocess.run(
         [build.compiler(), *build.COMMON, *build.TARGETS["native"], *sources, "-o", str(out)],
@@ -48,7 +57,7 @@ def library_at(rev: str, names: list[str], where: Path) -> ctypes.CDLL:
         text=True,
     )
     if done.returncode:
-        sys.exit(f"building {rev}'s kernels failed: {done.stderr[-2000:]}")
+        sys.exit(f"building {what} failed: {done.stderr[-2000:]}")
     lib = ctypes.CDLL(str(out))
     abi.bind(lib)
     return lib

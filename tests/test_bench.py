@@ -192,6 +192,40 @@ def test_kernel_ab_times_the_tree_against_a_revision_in_turn():
     assert len(rows) == 1 and rows[0].startswith("hadv2") and "tree/HEAD" in rows[0]
 
 
+def test_attention_bounds_variants_still_apply_to_the_kernel_source():
+    """bench/attention_bounds.py edits native/vnni_attention.cpp by exact lines: each variant's
+    lines are there once, so a change to the kernel cannot leave the script measuring nothing."""
+    spec = importlib.util.spec_from_file_location(
+        "bounds", Path(__file__).parent.parent / "bench" / "attention_bounds.py"
+    )
+    bounds = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    try:
+        spec.loader.exec_module(bounds)
+    finally:
+        sys.path.pop(0)
+    source = (Path(__file__).parent.parent / "minillama" / "native" / "vnni_attention.cpp").read_text()
+    for name, edits in bounds.VARIANTS.items():
+        assert edits, name
+        for old, _ in edits:
+            assert source.count(old) == 1, (name, old)
+        made = bounds.edited(source, edits)
+        assert all(new in made for _, new in edits), name
+
+
+def test_attention_bounds_times_a_variant_against_the_tree():
+    """One variant built and timed beside the tree: a row per spec with the variant's ratio."""
+    if backend.library() is None:
+        pytest.skip(f"the kernels are not in use: {backend.describe()}")
+    script = Path(__file__).parent.parent / "bench" / "attention_bounds.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "40", "hadv2", "2", "no-values"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.strip().splitlines()[2:]
+    assert len(rows) == 1 and rows[0].startswith("hadv2") and rows[0].endswith(")")
+
+
 def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread():
     """bench/peers.py --rounds: a, b, a, b, ... and per round a / b (median, min, max), so a target
     ratio is judged on rounds taken side by side, not on two runs minutes apart."""
