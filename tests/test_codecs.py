@@ -344,7 +344,7 @@ def test_channel_ranges_are_each_channels_min_and_span():
 
 def test_one_byte_log_scales_are_the_grid_2_to_the_k_over_16():
     """Byte u stands for 2^((u - 128) / 16): 1 at 128, 4.4% steps, 2^-8 .. 2^(127/16); a scale is
-    stored as the grid point nearest it in log terms, and a scale that is not > 0 as 1."""
+    stored as the grid point nearest it in log terms, and a scale that is not > 0 as the smallest."""
     from minillama.kv.quantize import log_scale_code, log_scales, stored_log8
 
     t = log_scales()
@@ -355,7 +355,24 @@ def test_one_byte_log_scales_are_the_grid_2_to_the_k_over_16():
     u = log_scale_code(s)
     assert torch.equal(u.long(), torch.round(torch.log2(s.double()) * 16).long() + 128)
     assert torch.equal(stored_log8(s), t[u.long()].double())
-    assert log_scale_code(torch.tensor([0.0, -1.0, 1e-9, 1e9])).tolist() == [128, 128, 0, 255]
+    assert log_scale_code(torch.tensor([0.0, -1.0, 1e-9, 1e9])).tolist() == [0, 0, 0, 255]
+
+
+@pytest.mark.parametrize("name", ["lm2h", "lm3h", "lm4h", "lm2hb", "lm3hb", "lm4hb"])
+def test_an_all_zero_group_decodes_to_almost_zero(name):
+    """A Lloyd-Max book has no zero level, so a group of zeros decodes to its smallest level times
+    the stored scale: that scale is the smallest the form holds (2^-24 as fp16, 2^-8 as a byte),
+    never 1, so zeros come back as zeros to within max |level| x that scale. Other groups of the
+    same rows are untouched by it."""
+    from minillama.kv.quantize import gaussian_codebook
+
+    codec = CODECS[name]
+    x = gaussian()[:, :, :4]  # (B, H, 4, D)
+    x[:, :, 1:3, :16] = 0.0  # every first group of two tokens
+    back = codec.decode(codec.encode(x, 16), 16, x.shape[-1])
+    smallest = 2.0**-8 if codec.log_scale else 2.0**-24
+    assert back[:, :, 1:3, :16].abs().max() <= gaussian_codebook(codec.bits).abs().max() * smallest
+    assert (back[:, :, 1:3, 16:] - x[:, :, 1:3, 16:]).norm() < 0.5 * x[:, :, 1:3, 16:].norm()
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -157,9 +157,10 @@ def quantize_codebook(
 
 def stored_fp16(s: torch.Tensor) -> torch.Tensor:
     """A scale as the cache stores it: float64 -> float32 -> fp16 (as the native encoder rounds),
-    1 where that is not > 0."""
+    the smallest fp16, 2^-24, where that is not > 0: an all-zero group (or one below fp16's
+    range) decodes to levels of 2^-24, not to levels of 1."""
     s = s.float().to(torch.float16).float()
-    return torch.where(s > 0, s, torch.ones_like(s))
+    return torch.where(s > 0, s, torch.full_like(s, 2.0**-24))
 
 
 # -- one-byte scales on a logarithmic grid (issue 28, item 5: cheaper metadata) --
@@ -190,10 +191,10 @@ def _log_scale_bounds() -> torch.Tensor:
 
 
 def log_scale_code(s: torch.Tensor) -> torch.Tensor:
-    """Scales (any shape, any float dtype) -> the nearest one-byte log scale's code, uint8 (128, a scale of
-    1, where s is not > 0)."""
+    """Scales (any shape, any float dtype) -> the nearest one-byte log scale's code, uint8 (0, the
+    grid's smallest scale 2^-8, where s is not > 0)."""
     s = s.double()
-    s = torch.where(s > 0, s, torch.ones_like(s))
+    s = torch.where(s > 0, s, torch.zeros_like(s))  # below every midpoint: code 0
     return torch.bucketize(s, _log_scale_bounds().to(s.device)).to(torch.uint8)
 
 

@@ -56,9 +56,9 @@ struct LogScales {
 static const LogScales log_scales;
 
 // The byte of the grid point nearest s in log terms: how many midpoints lie below s (as
-// torch.bucketize counts them); 128 (a scale of 1) where s is not > 0.
+// torch.bucketize counts them); 0 (the grid's smallest scale) where s is not > 0.
 static inline uint8_t log_scale_code(double s) {
-    if (!(s > 0.0)) return 128;
+    if (!(s > 0.0)) return 0;
     int lo = 0, hi = 255;  // the answer lies in [lo, hi]
     while (lo < hi) {
         const int mid = (lo + hi) / 2;

@@ -42,11 +42,11 @@ static inline void pack_row(const uint8_t* c, int n, int bits, uint8_t* out) {
 
 // The forms a codebook's scale is stored in (kv/quantize.py: stored_fp16, stored_log8): `store`
 // rounds a refinement round's scale, `value` is what it stands for.
-struct Fp16Scale {  // double -> float -> fp16, 1 where that is not > 0
+struct Fp16Scale {  // double -> float -> fp16, the smallest fp16 (2^-24) where that is not > 0
     using T = uint16_t;
     static T store(double s) {
         const uint16_t h = float_to_half((float)s);
-        return half_to_float(h) > 0.f ? h : float_to_half(1.f);
+        return half_to_float(h) > 0.f ? h : (uint16_t)1;
     }
     static float value(T h) { return half_to_float(h); }
 };
