@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from minillama.app.cli import cli
 from minillama.eval.bench import weight_bytes_per_token
+from minillama.kv.codecs import CODECS
 from minillama.native import backend
 
 KEYS = {
@@ -224,6 +226,25 @@ def test_attention_bounds_times_a_variant_against_the_tree():
     assert done.returncode == 0, done.stderr
     rows = done.stdout.strip().splitlines()[2:]
     assert len(rows) == 1 and rows[0].startswith("hadv2") and rows[0].endswith(")")
+
+
+def test_outlier_gauge_keeps_what_it_says_exact():
+    """bench/outlier_gauge.py: no outliers is the codec's own round trip; every entry an outlier
+    leaves nothing to quantize (no error); one per row lowers the error of heavy-tailed rows."""
+    spec = importlib.util.spec_from_file_location("gauge", Path(__file__).parent.parent / "bench" / "outlier_gauge.py")
+    gauge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gauge)
+    codec = CODECS["lm3h"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 40, 64, generator=g)
+    x[..., 5] *= 20  # one loud channel, as keys have
+    stored = codec.to_space(x)
+    plain = codec.decode(codec.encode(stored, 64), 64, 64)
+    assert gauge.relative_error(codec, x, 0) == pytest.approx(
+        ((plain - stored) ** 2).sum().item() / (stored**2).sum().item()
+    )
+    assert gauge.relative_error(codec, x, 64) < 1e-10
+    assert gauge.relative_error(codec, x, 1) < 0.5 * gauge.relative_error(codec, x, 0)
 
 
 def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread():

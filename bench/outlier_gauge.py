@@ -1,0 +1,86 @@
+"""What exact outliers per row would buy a codec, before building them (issue 28, item 3).
+
+    python bench/outlier_gauge.py lm3h,lm2h,int4h
+    python bench/outlier_gauge.py lm3h --dataset wikitext2 --tokens 896
+    python bench/outlier_gauge.py lm3h,lm4h --text wiki.test.raw     # any text file
+
+The default model's keys and values of every layer over one prefill of a text (an fp32 cache,
+the reference backend), each codec's round trip (groups of 64 channels) measured as relative
+squared error sum |x' - x|^2 / sum |x|^2 in the codec's storage space, averaged over layers:
+as it is, and with the k largest |x| of every row (before any rotation) kept exact and added
+back after the rest is decoded -- the dense-and-sparse split of KVQuant. An outlier costs its
+value and its channel index per row; the script prints the bits per element that costs at
+fp16 and at int8 values, and, for scale, what one more code bit does to the same error.
+Nothing here is a codec: it says whether one is worth building.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from minillama.app.default_model import resolve_model
+from minillama.eval.datasets import load as load_text
+from minillama.kv.cache import KVCache
+from minillama.kv.codecs import CODECS
+from minillama.kv.spec import parse_kv
+from minillama.model.generate import prefill
+from minillama.model.loader import load_model
+from minillama.native import backend
+
+GROUP = 64
+
+
+def relative_error(codec, x: torch.Tensor, k: int) -> float:
+    """x (B, H, T, D) -> the round trip's relative squared error with k exact entries per row."""
+    rest, sparse = x, torch.zeros_like(x)
+    if k:
+        idx = x.abs().topk(k, dim=-1).indices  # (B, H, T, k)
+        sparse = sparse.scatter(-1, idx, torch.gather(x, -1, idx))
+        rest = x - sparse
+    stored = codec.to_space(x)  # (B, H, T, D): what the codec's error is measured in
+    back = codec.decode(codec.encode(codec.to_space(rest), GROUP), GROUP, x.shape[-1]) + codec.to_space(sparse)
+    return ((back - stored) ** 2).sum().item() / (stored**2).sum().item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("codecs", help="comma-separated codec names (minillama kv --list)")
+    ap.add_argument("--dataset", default="hamlet")
+    ap.add_argument("--text", default=None, help="a text file instead of --dataset")
+    ap.add_argument("--tokens", type=int, default=896)
+    ap.add_argument("--max-k", type=int, default=2, help="outliers per row to try, 1 .. this")
+    args = ap.parse_args()
+    lm = load_model(resolve_model(None), "float32")
+    text = Path(args.text).read_text() if args.text else load_text(args.dataset)
+    ids = lm.tokenizer.encode(text)[: args.tokens]
+    cfg = lm.config
+    cache = KVCache.for_model(cfg, parse_kv("fp32"), len(ids) + 8)
+    with backend.using("reference"):
+        prefill(lm.model, ids, cache)
+    layers = [cache.layer(i).read(torch.float32) for i in range(cache.n_layers)]  # [(k, v)] (1, H, T, D) each
+    d = layers[0][0].shape[-1]
+    index_bits = math.ceil(math.log2(d))
+    print(
+        f"{lm.name}, {args.text or args.dataset}, {len(ids)} tokens; head_dim {d}, groups of {GROUP}; relative squared error"
+    )
+    print(
+        f"an outlier per row costs {(16 + index_bits) / d:.3f} bits/element as fp16 + index, {(8 + index_bits) / d:.3f} as int8 + index"
+    )
+    for name in args.codecs.split(","):
+        if name not in CODECS:
+            raise SystemExit(f"unknown codec {name!r}: see minillama kv --list")
+        codec = CODECS[name]
+        for t, tensor in (("k", 0), ("v", 1)):
+            errors = [
+                sum(relative_error(codec, kv[tensor], k) for kv in layers) / len(layers) for k in range(args.max_k + 1)
+            ]
+            cells = "  ".join(f"{k}/row {e:.4f} ({e / errors[0]:.2f}x)" for k, e in enumerate(errors) if k)
+            print(f"{name:8s} {t}: none {errors[0]:.4f}  {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
