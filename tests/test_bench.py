@@ -247,6 +247,29 @@ def test_outlier_gauge_keeps_what_it_says_exact():
     assert gauge.relative_error(codec, x, 1) < 0.5 * gauge.relative_error(codec, x, 0)
 
 
+def test_outlier_ppl_stand_in_decodes_what_it_keeps_and_prices_it():
+    """bench/outlier_ppl.py's stand-in codec: with every entry an outlier a row comes back exactly
+    (in the rotated space the cache stores); with one, closer than lm3h alone on rows with a loud
+    channel; its bits are b + 16/64 + k (8 + 6)/64 by hand."""
+    spec = importlib.util.spec_from_file_location("oppl", Path(__file__).parent.parent / "bench" / "outlier_ppl.py")
+    oppl = importlib.util.module_from_spec(spec)
+    sys.modules["oppl"] = oppl  # its dataclass looks its module up there
+    try:
+        spec.loader.exec_module(oppl)
+    finally:
+        del sys.modules["oppl"]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2, 24, 64, generator=g)
+    x[..., 9] *= 25
+    stored = CODECS["lm3h"].to_space(x)  # (1, 2, 24, 64): what the cache hands encode
+    every = oppl.WithOutliers("t64", 3, "", rotate=True, outliers=64)
+    assert torch.allclose(every.decode(every.encode(stored, 64), 64, 64), stored, atol=1e-5)
+    one = oppl.WithOutliers("t1", 3, "", rotate=True, outliers=1)
+    plain = CODECS["lm3h"].decode(CODECS["lm3h"].encode(stored, 64), 64, 64)
+    assert (one.decode(one.encode(stored, 64), 64, 64) - stored).norm() < 0.7 * (plain - stored).norm()
+    assert oppl.nominal_bits(3, 1) == 3 + 16 / 64 + 14 / 64 and oppl.nominal_bits(4, 2) == 4 + 16 / 64 + 28 / 64
+
+
 def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread():
     """bench/peers.py --rounds: a, b, a, b, ... and per round a / b (median, min, max), so a target
     ratio is judged on rounds taken side by side, not on two runs minutes apart."""
