@@ -34,16 +34,25 @@ from minillama.native import backend
 GROUP = 64
 
 
+def split_outliers(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (rest, sparse), each (..., D): sparse holds the k largest |x| of every row
+    (zeros elsewhere), rest the others (zeros there); rest + sparse = x."""
+    idx = x.abs().topk(k, dim=-1).indices  # (..., k)
+    sparse = torch.zeros_like(x).scatter(-1, idx, torch.gather(x, -1, idx))
+    return x - sparse, sparse
+
+
+def round_trip(codec, x: torch.Tensor, k: int, group: int = GROUP) -> torch.Tensor:
+    """x (B, H, T, D) in the model's space -> what `codec` with the k largest |x| of every row kept
+    exact would decode, (B, H, T, D) in the codec's storage space (rotated for Hadamard codecs)."""
+    rest, sparse = split_outliers(x, k)
+    return codec.decode(codec.encode(codec.to_space(rest), group), group, x.shape[-1]) + codec.to_space(sparse)
+
+
 def relative_error(codec, x: torch.Tensor, k: int) -> float:
     """x (B, H, T, D) -> the round trip's relative squared error with k exact entries per row."""
-    rest, sparse = x, torch.zeros_like(x)
-    if k:
-        idx = x.abs().topk(k, dim=-1).indices  # (B, H, T, k)
-        sparse = sparse.scatter(-1, idx, torch.gather(x, -1, idx))
-        rest = x - sparse
     stored = codec.to_space(x)  # (B, H, T, D): what the codec's error is measured in
-    back = codec.decode(codec.encode(codec.to_space(rest), GROUP), GROUP, x.shape[-1]) + codec.to_space(sparse)
-    return ((back - stored) ** 2).sum().item() / (stored**2).sum().item()
+    return ((round_trip(codec, x, k) - stored) ** 2).sum().item() / (stored**2).sum().item()
 
 
 def main() -> None:

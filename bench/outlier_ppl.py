@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from outlier_gauge import round_trip  # bench/ is the script's folder, so on sys.path
 
 from minillama.app.default_model import resolve_model
 from minillama.eval.datasets import load as load_text
 from minillama.eval.perplexity import evaluate
 from minillama.kv.codecs import CODECS, Codebook, PartSpec
-from minillama.kv.quantize import dequantize_codebook, hadamard_rotate, quantize_codebook
 from minillama.kv.spec import parse_kv
 from minillama.model.loader import load_model
 
@@ -44,13 +44,8 @@ class WithOutliers(Codebook):
         return [PartSpec("values", torch.float32, head_dim, 1)]
 
     def encode(self, x, group, params=None):
-        plain = hadamard_rotate(x.float()) if self.rotate else x.float()  # (B, H, T, D): H is its own inverse
-        idx = plain.abs().topk(self.outliers, dim=-1).indices  # (B, H, T, k)
-        sparse = torch.zeros_like(plain).scatter(-1, idx, torch.gather(plain, -1, idx))
-        rest = self.to_space(plain - sparse)
-        codes, scale = quantize_codebook(rest, self.bits, group)
-        back = dequantize_codebook(codes, scale, self.bits, group) + self.to_space(sparse)
-        return {"values": back}
+        plain = self.to_space(x.float())  # (B, H, T, D) in the model's space: H is its own inverse
+        return {"values": round_trip(CODECS[f"lm{self.bits}h"], plain, self.outliers, group)}
 
     def decode(self, parts, group, head_dim, params=None):
         return parts["values"].float()

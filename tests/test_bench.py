@@ -254,10 +254,12 @@ def test_outlier_ppl_stand_in_decodes_what_it_keeps_and_prices_it():
     spec = importlib.util.spec_from_file_location("oppl", Path(__file__).parent.parent / "bench" / "outlier_ppl.py")
     oppl = importlib.util.module_from_spec(spec)
     sys.modules["oppl"] = oppl  # its dataclass looks its module up there
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))  # it imports outlier_gauge beside it
     try:
         spec.loader.exec_module(oppl)
     finally:
         del sys.modules["oppl"]
+        sys.path.pop(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 2, 24, 64, generator=g)
     x[..., 9] *= 25
