@@ -111,7 +111,7 @@ def edited(text: str, edits: list[tuple[str, str]]) -> str:
         if text.count(old) != 1:
             sys.exit(f"{FILE} no longer has this line once (update bench/attention_bounds.py): {old.strip()[:80]}")
         text = text.replace(old, new)
-    return "#include <cstring>\n" + text
+    return text
 
 
 def main() -> None:
