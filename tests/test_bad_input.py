@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -82,9 +84,6 @@ def test_a_context_too_big_for_memory_is_one_line_before_allocating(tiny_dir, co
 def test_output_piped_into_a_reader_that_leaves_early_ends_quietly():
     """`minillama kv --list | head -1`: once head has left, a write raises BrokenPipeError;
     the CLI stops without an error line (exit 141, 128 + SIGPIPE, as other tools end)."""
-    import subprocess
-    import sys
-
     script = "import sys\nfrom minillama.app.cli import main\nsys.argv = ['minillama', 'kv', '--list']\nmain()\n"
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader leaves before the first line (the child is still importing)
