@@ -199,6 +199,7 @@ SLOW_WRITE = textwrap.dedent("""
     from minillama.app import cli  # installs nothing by import; main() installs the SIGTERM handler
     import signal
     signal.signal(signal.SIGTERM, cli._terminated)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if the runner ignores SIGINT
     real_fsync = os.fsync
     def slow_fsync(fd):  # the bytes are in the temporary file; hold the rename back
         print("writing", flush=True)
