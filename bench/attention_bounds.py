@@ -40,7 +40,7 @@ from pathlib import Path
 from attention_rounds import Layers, spec_list  # bench/ is the script's folder, so on sys.path
 from kernel_ab import library_with
 
-from minillama.native import backend, build
+from minillama.native import abi, backend, build
 
 FILE = "vnni_attention.cpp"
 
@@ -114,6 +114,12 @@ def edited(text: str, edits: list[tuple[str, str]]) -> str:
     return text
 
 
+def vnni_build(lib: ctypes.CDLL) -> bool:
+    """Whether `lib` runs native/vnni_attention.cpp's kernels (built for AVX-512 with VNNI): on
+    other CPUs the variants' edits compile away and every ratio would read 1.00."""
+    return {"avx512", "avx512_vnni"} <= set(abi.features(lib))
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     specs = spec_list(sys.argv[2] if len(sys.argv) > 2 else "fp16;hadv2")
@@ -125,6 +131,8 @@ def main() -> None:
     tree = backend.library()
     if tree is None:
         sys.exit(f"the kernels are not in use: {backend.describe()}")
+    if not vnni_build(tree):
+        sys.exit(f"the variants edit the AVX-512 VNNI kernels, which this build does not hold: {backend.describe()}")
     source = (build.HERE / FILE).read_text()
     layers = Layers("smollm2", n)
     with tempfile.TemporaryDirectory() as tmp:
