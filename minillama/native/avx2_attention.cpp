@@ -403,6 +403,19 @@ struct Int4Query {
 
 // x (D = 8 NV floats) -> Int4Query's bytes and steps of head r, eight channels per register:
 // KIVI queries are rounded again for every group of tokens, so this is vectorized.
+// Lane t of the result = the largest of the eight lanes of v[t] (hsum8's tree, with max).
+inline __m256 hmax8(const __m256* v) {
+    __m256 p[4], u[2];
+    for (int i = 0; i < 4; i++)
+        p[i] = _mm256_max_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm256_max_ps(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44), _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
+    return _mm256_max_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+
+// x (D = 8 NV floats) -> Int4Query's bytes and steps of head r, eight channels per register:
+// KIVI queries are rounded again for every group of tokens, so this is vectorized: the maxima
+// of eight blocks come out of one transposing tree, and one division gives their eight steps.
 template <int NV>
 inline void round_query(const float* x, Int4Query<NV>& st, int r) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -410,16 +423,15 @@ inline void round_query(const float* x, Int4Query<NV>& st, int r) {
     const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
                                               0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256i q32[NV];
-    for (int l = 0; l < NV; l++) {  // lane block l: channels 8l .. 8l + 7, one step
-        const __m256 v = _mm256_loadu_ps(x + 8 * l);
-        __m256 m = _mm256_and_ps(v, absmask);
-        m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));  // every lane: the block's max |x|
-        const __m256 a = _mm256_blendv_ps(_mm256_mul_ps(m, _mm256_set1_ps(1.f / 127.f)), _mm256_set1_ps(1.f),
-                                          _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_EQ_OQ));
-        st.qa[r][l] = _mm256_cvtss_f32(a);
-        q32[l] = _mm256_cvtps_epi32(_mm256_div_ps(v, a));  // round to nearest even, |q| <= 127
+    for (int l0 = 0; l0 < NV; l0 += 8) {  // lane block l: channels 8l .. 8l + 7, one step
+        __m256 v[8];
+        for (int l = 0; l < 8; l++) v[l] = _mm256_and_ps(_mm256_loadu_ps(x + 8 * (l0 + l)), absmask);
+        const __m256 m = hmax8(v), zero = _mm256_cmp_ps(m, _mm256_setzero_ps(), _CMP_EQ_OQ);  // lane l: block l0 + l's max |x|
+        _mm256_storeu_ps(st.qa[r] + l0, _mm256_blendv_ps(_mm256_mul_ps(m, _mm256_set1_ps(1.f / 127.f)), _mm256_set1_ps(1.f), zero));
+        alignas(32) float inv[8];
+        _mm256_store_ps(inv, _mm256_blendv_ps(_mm256_div_ps(_mm256_set1_ps(127.f), m), _mm256_set1_ps(1.f), zero));
+        for (int l = 0; l < 8; l++)  // round to nearest even, |q| <= 127
+            q32[l0 + l] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * (l0 + l)), _mm256_set1_ps(inv[l])));
     }
     for (int c = 0; c < NV / 4; c++) {  // 32 channels: int32 -> int8 in channel order, then even | odd
         const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q32[4 * c], q32[4 * c + 1]),
@@ -458,15 +470,18 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz
                 prep.group = g;
                 const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
+                __m256 sc[NV], zc[NV];  // the group's scales and zeros, once for every head
+                for (int k = 0; k < NV; k++) {
+                    sc[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.scale + row + 8 * k)));
+                    zc[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.zero + row + 8 * k)));
+                }
                 for (int r = 0; r < R; r++) {
                     alignas(32) float x[D];
                     __m256 z = _mm256_setzero_ps();
                     for (int k = 0; k < NV; k++) {
                         const __m256 qk = _mm256_loadu_ps(q + r * D + 8 * k);
-                        const __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.scale + row + 8 * k)));
-                        const __m256 zc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.zero + row + 8 * k)));
-                        _mm256_store_ps(x + 8 * k, _mm256_mul_ps(qk, sc));
-                        z = _mm256_fmadd_ps(qk, zc, z);
+                        _mm256_store_ps(x + 8 * k, _mm256_mul_ps(qk, sc[k]));
+                        z = _mm256_fmadd_ps(qk, zc[k], z);
                     }
                     round_query<NV>(x, st, r);
                     st.qz[r] = hsum(z);
