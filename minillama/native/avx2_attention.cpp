@@ -401,8 +401,6 @@ struct Int4Query {
     float qsum[16], qz[16];             // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
 };
 
-// x (D = 8 NV floats) -> Int4Query's bytes and steps of head r, eight channels per register:
-// KIVI queries are rounded again for every group of tokens, so this is vectorized.
 // Lane t of the result = the largest of the eight lanes of v[t] (hsum8's tree, with max).
 inline __m256 hmax8(const __m256* v) {
     __m256 p[4], u[2];
