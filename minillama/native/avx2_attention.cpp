@@ -392,13 +392,21 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
 // floats times their steps, and eight tokens' registers are reduced by one transposing tree.
 // Error: |q_d - a q8_d| <= a/2, so a score is off by at most sum_d a_l(d) / 2 * c_td times the
 // row's scale (per-token) -- the bound tests/test_integer_attention.py holds every integer
-// kernel to.
+// kernel to. 4-bit codebook keys (Lloyd-Max, one scale a row) take the same query but look their
+// codes up as int16 levels (levels16, as the VNNI kernel does: off by at most max |L| / 4094)
+// and multiply with vpmaddwd (book_query below).
 template <int NV>
 struct Int4Query {
     alignas(32) int8_t qe[16][4 * NV];  // [head][byte]: the even channels' int8 query, byte j = channel 2j
     alignas(32) int8_t qo[16][4 * NV];  // the odd channels, byte j = channel 2j + 1
     alignas(32) float qa[16][NV];       // [head][lane]: the int8 step of channels 8l .. 8l + 7
     float qsum[16], qz[16];             // sum_d q_d (per-token zeros); q . z_g (per-channel zeros)
+    // Codebooks: the levels' low and high bytes (levels16) for vpshufb in both 128-bit lanes, each
+    // head's query widened to int16 in the order the looked-up levels come out (book_query), and
+    // the steps of those lanes times the level step.
+    alignas(32) uint8_t tlo[32], thi[32];
+    alignas(32) int16_t qw[16][NV / 8][4][16];  // [head][32-byte load][E0, E1, O0, O1][lane]
+    alignas(32) float qwa[16][NV / 8][2][8];    // [head][load][sums of E0 + O0, of E1 + O1][int32 lane]
 };
 
 // Lane t of the result = the largest of the eight lanes of v[t] (hsum8's tree, with max).
@@ -441,19 +449,49 @@ inline void round_query(const float* x, Int4Query<NV>& st, int r) {
     }
 }
 
+// A codebook row's 32-byte load b (channels 64b .. 64b + 63) becomes four registers of int16
+// levels: the low nibbles (even channels) looked up in both byte tables and interleaved, the
+// unpacklo half E0 (channels 2j, j = 0-7 | 16-23 of the load's bytes) and the unpackhi half E1
+// (j = 8-15 | 24-31), then O0, O1 for the high nibbles (2j + 1). vpmaddwd of E0 and of O0 with
+// the query in the same order, added, leaves int32 lane i = channels 4i .. 4i + 3 of the lane's
+// 32: two lanes per 8-channel block of one query step. Per head: the query and those steps.
 template <int NV>
+inline void book_query(Int4Query<NV>& st, int r, float level_step) {
+    for (int b = 0; b < NV / 8; b++) {
+        for (int k = 0; k < 8; k++)
+            for (int half = 0; half < 2; half++) {  // lane 8 half + k of E0: byte 16 half + k, of E1: byte 16 half + 8 + k
+                const int j = 32 * b + 16 * half + k;
+                st.qw[r][b][0][8 * half + k] = st.qe[r][j], st.qw[r][b][1][8 * half + k] = st.qe[r][j + 8];
+                st.qw[r][b][2][8 * half + k] = st.qo[r][j], st.qw[r][b][3][8 * half + k] = st.qo[r][j + 8];
+            }
+        for (int i = 0; i < 8; i++) {  // int32 lane i: channels 64b + 32 (i / 4) + 4 (i % 4) (+ 16 for E1 + O1)
+            const int block = 8 * b + 4 * (i / 4) + (i % 4) / 2;
+            st.qwa[r][b][0][i] = st.qa[r][block] * level_step, st.qwa[r][b][1][i] = st.qa[r][block + 2] * level_step;
+        }
+    }
+}
+
+template <int NV, bool BOOK>
 bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
     constexpr int D = 8 * NV, NB = D / 64;  // NB: 32-byte loads per row
     static_assert(sizeof(Int4Query<NV>) <= sizeof(Prep::bytes), "Prep is too small");
     Int4Query<NV>& st = *reinterpret_cast<Int4Query<NV>*>(prep.bytes);
-    const bool channel = s.kind == ROW_CHANNEL;
+    const bool channel = s.kind == ROW_CHANNEL;  // BOOK (s.codebook) is a template argument: the affine loop stays as it was
     if (!prep.ready) {
+        float level_step = 1.f;
+        if (BOOK) {
+            int16_t l16[16];
+            level_step = levels16(s.codebook, 16, l16);
+            for (int c = 0; c < 32; c++)
+                st.tlo[c] = (uint8_t)(l16[c % 16] & 0xFF), st.thi[c] = (uint8_t)((uint16_t)l16[c % 16] >> 8);
+        }
         if (!channel)
             for (int r = 0; r < R; r++) {
                 round_query<NV>(q + r * D, st, r);
                 float sum = 0.f;
                 for (int d = 0; d < D; d++) sum += q[r * D + d];
                 st.qsum[r] = sum;
+                if (BOOK) book_query<NV>(st, r, level_step);
             }
         prep.ready = true, prep.group = -1;
     }
@@ -496,6 +534,34 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             const int64_t slot = bh * s.slots + at.slot;
             at.next();
             const uint8_t* rowp = (const uint8_t*)s.data + slot * (D / 2);
+            if (BOOK) {  // int16 levels times the int16 query (book_query's order), vpmaddwd
+                tscale[t] = scale_of(s, slot);
+                const __m256i tlo = _mm256_load_si256((const __m256i*)st.tlo);
+                const __m256i thi = _mm256_load_si256((const __m256i*)st.thi);
+                __m256i lv[NB][4];
+                for (int b = 0; b < NB; b++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i*)(rowp + 32 * b));
+                    const __m256i even = _mm256_and_si256(x, nib), odd = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+                    const __m256i el = _mm256_shuffle_epi8(tlo, even), eh = _mm256_shuffle_epi8(thi, even);
+                    const __m256i ol = _mm256_shuffle_epi8(tlo, odd), oh = _mm256_shuffle_epi8(thi, odd);
+                    lv[b][0] = _mm256_unpacklo_epi8(el, eh), lv[b][1] = _mm256_unpackhi_epi8(el, eh);
+                    lv[b][2] = _mm256_unpacklo_epi8(ol, oh), lv[b][3] = _mm256_unpackhi_epi8(ol, oh);
+                }
+                for (int r = 0; r < R; r++) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int b = 0; b < NB; b++) {
+                        const __m256i* w = (const __m256i*)st.qw[r][b];
+                        const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(lv[b][0], _mm256_load_si256(w)),
+                                                           _mm256_madd_epi16(lv[b][2], _mm256_load_si256(w + 2)));
+                        const __m256i c = _mm256_add_epi32(_mm256_madd_epi16(lv[b][1], _mm256_load_si256(w + 1)),
+                                                           _mm256_madd_epi16(lv[b][3], _mm256_load_si256(w + 3)));
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_load_ps(st.qwa[r][b][0]), acc);
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_load_ps(st.qwa[r][b][1]), acc);
+                    }
+                    part[r][t] = acc;
+                }
+                continue;
+            }
             __m256i lo[NB], hi[NB];
             for (int b = 0; b < NB; b++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i*)(rowp + 32 * b));
@@ -532,14 +598,20 @@ bool score_fast(SCORE_ARGS, Prep& prep) {
 bool fast_reads(const RowSource& s, int D, bool values) { return fast_kind(s, D, values); }
 
 bool int4_keys(const RowSource& s, int D) {
-    if ((D != 64 && D != 128) || s.bits != 4 || s.cos || s.center || s.codebook || !s.zero) return false;
+    if ((D != 64 && D != 128) || s.bits != 4 || s.cos || s.center) return false;
+    if (s.codebook) return s.kind == ROW_TOKEN && s.group == D;  // 16 levels, one scale a row
+    if (!s.zero) return false;
     if (s.kind == ROW_CHANNEL) return s.group > 0;
     return s.kind == ROW_TOKEN && s.group == D;
 }
 
 bool score_int4(SCORE_ARGS, Prep& prep) {
     if (R > 16 || !int4_keys(s, D)) return false;
-    return D == 64 ? score_int4<8>(s, bh, R, q, i0, n, out, ls, prep) : score_int4<16>(s, bh, R, q, i0, n, out, ls, prep);
+    if (s.codebook)
+        return D == 64 ? score_int4<8, true>(s, bh, R, q, i0, n, out, ls, prep)
+                       : score_int4<16, true>(s, bh, R, q, i0, n, out, ls, prep);
+    return D == 64 ? score_int4<8, false>(s, bh, R, q, i0, n, out, ls, prep)
+                   : score_int4<16, false>(s, bh, R, q, i0, n, out, ls, prep);
 }
 
 bool value_fast(VALUE_ARGS) {

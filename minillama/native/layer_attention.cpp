@@ -28,7 +28,7 @@
 #include <omp.h>
 
 // Whether a SIMD integer kernel reads these rows on this build: VNNI (AVX-512) keys and values,
-// or on AVX2 score_int4 (4-bit keys) and value_bytes (2- and 4-bit values).
+// or on AVX2 score_int4 (4-bit keys, affine or codebook) and value_bytes (2- and 4-bit values).
 static bool simd_integer_reads(int values, const RowSource& s, int D) {
     return values ? vnni_values(s, D) || byte_values(s, D) : vnni_keys(s, D) || int4_keys(s, D);
 }

@@ -28,6 +28,18 @@ static inline float scale_of(const RowSource& s, int64_t i) {
     return s.scale8 ? log_scales.t[s.scale8[i]] : half_to_float(s.scale[i]);
 }
 
+// A codebook's n levels as int16, L16 = round(L 2047 / max |L|), for the integer kernels (VNNI
+// and AVX2): a level is off by at most max |L| / 4094 (int8 levels moved the small ones by 3%,
+// see vnni_attention.cpp's vnni_keys), and 2047 keeps a value sub-block's 32 products within
+// int32 (32 x 32767 x 2047 < 2^31). Returns the step (a level is step * L16).
+static inline float levels16(const float* book, int n, int16_t* out) {
+    float big = 0.f;
+    for (int l = 0; l < n; l++) big = std::max(big, std::fabs(book[l]));
+    const float step = big > 0.f ? big / 2047.f : 1.f;
+    for (int l = 0; l < n; l++) out[l] = (int16_t)std::nearbyint(book[l] / step);
+    return step;
+}
+
 // Byte -> codes lookup tables for 4- and 2-bit packing (one byte holds 2 or 4 codes):
 // a table load replaces the shifts and masks, which vectorize poorly.
 struct Tables {
@@ -291,7 +303,8 @@ bool score_fast(SCORE_ARGS, Prep& prep);
 bool value_fast(VALUE_ARGS);
 // Whether score_fast (values = false) or value_fast (true) reads these rows on this build.
 bool fast_reads(const RowSource& s, int D, bool values);
-// Integer scores of 4-bit keys on AVX2 CPUs (avx2_attention.cpp); int4_keys: whether score_int4 reads them.
+// Integer scores of 4-bit keys (affine or codebook) on AVX2 CPUs (avx2_attention.cpp); int4_keys: whether
+// score_int4 reads them.
 bool int4_keys(const RowSource& s, int D);
 bool score_int4(SCORE_ARGS, Prep& prep);
 // Integer (VNNI) scores of 2-, 3- and 4-bit keys (vnni_attention.cpp); vnni_keys: whether score_vnni reads these rows.

@@ -37,18 +37,6 @@ inline void prefetch_rows(const RowSource& s, int64_t bh, int slot, int ahead, i
     }
 }
 
-// A codebook's n levels as int16, L16 = round(L 2047 / max |L|): a level is off by at most
-// max |L| / 4094 (int8 levels moved the small ones by 3%, see vnni_keys), and 2047 keeps a
-// value sub-block's 32 products within int32 (32 x 32767 x 2047 < 2^31). Returns the step
-// (a level is step * L16).
-inline float levels16(const float* book, int n, int16_t* out) {
-    float big = 0.f;
-    for (int l = 0; l < n; l++) big = std::max(big, std::fabs(book[l]));
-    const float step = big > 0.f ? big / 2047.f : 1.f;
-    for (int l = 0; l < n; l++) out[l] = (int16_t)std::nearbyint(book[l] / step);
-    return step;
-}
-
 // A codebook's n levels as int8 for the key scores: L8 = round(L / t), t = max |L| / K with K in
 // 96..127 chosen for the smallest worst relative error of a level; returns t and that error.
 // Gaussian Lloyd-Max books: 2-bit 0.08% (K 120), 3-bit 0.27% (K 114), 4-bit 1.3% (K 107). At
