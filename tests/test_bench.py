@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from minillama.app.cli import cli
 from minillama.eval.bench import weight_bytes_per_token
 from minillama.kv.codecs import CODECS
-from minillama.native import abi, backend
+from minillama.native import backend
 
 KEYS = {
     "kv": str,
@@ -194,9 +194,8 @@ def test_kernel_ab_times_the_tree_against_a_revision_in_turn():
     assert len(rows) == 1 and rows[0].startswith("hadv2") and "tree/HEAD" in rows[0]
 
 
-def test_attention_bounds_variants_still_apply_to_the_kernel_source():
-    """bench/attention_bounds.py edits native/vnni_attention.cpp by exact lines: each variant's
-    lines are there once, so a change to the kernel cannot leave the script measuring nothing."""
+def attention_bounds():
+    """bench/attention_bounds.py as a module (it imports its neighbours from bench/)."""
     spec = importlib.util.spec_from_file_location(
         "bounds", Path(__file__).parent.parent / "bench" / "attention_bounds.py"
     )
@@ -206,6 +205,13 @@ def test_attention_bounds_variants_still_apply_to_the_kernel_source():
         spec.loader.exec_module(bounds)
     finally:
         sys.path.pop(0)
+    return bounds
+
+
+def test_attention_bounds_variants_still_apply_to_the_kernel_source():
+    """bench/attention_bounds.py edits native/vnni_attention.cpp by exact lines: each variant's
+    lines are there once, so a change to the kernel cannot leave the script measuring nothing."""
+    bounds = attention_bounds()
     source = (Path(__file__).parent.parent / "minillama" / "native" / "vnni_attention.cpp").read_text()
     for name, edits in bounds.VARIANTS.items():
         assert edits, name
@@ -223,7 +229,7 @@ def test_attention_bounds_times_a_variant_against_the_tree():
     done = subprocess.run(
         [sys.executable, str(script), "40", "hadv2", "2", "no-values"], capture_output=True, text=True, timeout=600
     )
-    if not {"avx512", "avx512_vnni"} <= set(abi.features(backend.library())):
+    if not attention_bounds().vnni_build(backend.library()):
         assert done.returncode != 0 and "does not hold" in done.stderr  # it refuses rather than print 1.00s
         pytest.skip("the variants edit the AVX-512 VNNI kernels, which this CPU does not run")
     assert done.returncode == 0, done.stderr
