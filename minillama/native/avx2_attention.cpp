@@ -496,6 +496,7 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         prep.ready = true, prep.group = -1;
     }
     const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i tlo = _mm256_load_si256((const __m256i*)st.tlo), thi = _mm256_load_si256((const __m256i*)st.thi);
     alignas(32) __m256 part[16][8];  // [head][token of the chunk]
     Cursor at(s.start, i0, s.slots);
     for (int i = i0; i < i0 + n;) {
@@ -536,8 +537,6 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             const uint8_t* rowp = (const uint8_t*)s.data + slot * (D / 2);
             if (BOOK) {  // int16 levels times the int16 query (book_query's order), vpmaddwd
                 tscale[t] = scale_of(s, slot);
-                const __m256i tlo = _mm256_load_si256((const __m256i*)st.tlo);
-                const __m256i thi = _mm256_load_si256((const __m256i*)st.thi);
                 __m256i lv[NB][4];
                 for (int b = 0; b < NB; b++) {
                     const __m256i x = _mm256_loadu_si256((const __m256i*)(rowp + 32 * b));
