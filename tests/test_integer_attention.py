@@ -122,19 +122,26 @@ def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
-def int8_levels(book: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """The score kernel's int8 copy of a book (vnni_attention.cpp: levels8): L8 = round(L / t), t =
-    max |L| / K for the K in 127..96 with the smallest worst relative error; that error and each
-    level's absolute error."""
+def int8_levels(book: torch.Tensor, ks: range = range(127, 95, -1)) -> tuple[float, torch.Tensor]:
+    """A kernel's small-integer copy of a book (rows.h: levels8): L8 = round(L / t), t = max |L| / K
+    for the K in `ks` (the score kernels: 127..96) with the smallest worst relative error; that
+    error and each level's copy's absolute error."""
     big = book.abs().max()
     best = None
-    for k in range(127, 95, -1):  # the first K on a tie, as the kernel
+    for k in ks:  # the first K on a tie, as the kernel
         t = big / k
         err = ((book / t).round() * t - book).abs()  # (levels,)
         worst = (err / book.abs()).max().item()
         if best is None or worst < best[0]:
             best = (worst, err)
     return best
+
+
+def byte_value_levels(book: torch.Tensor) -> torch.Tensor:
+    """The AVX2 byte values' copy of a book (avx2_int_values.cpp: K in 16..4), as floats."""
+    big = book.abs().max()
+    worst, k = min((int8_levels(book, range(k, k - 1, -1))[0], -k) for k in range(16, 3, -1))
+    return (book / (big / -k)).round() * (big / -k)
 
 
 def key_level_error(book: torch.Tensor) -> torch.Tensor:
@@ -236,23 +243,50 @@ def test_integer_values_hold_the_bound_where_a_target_reads_them(lib, spec, d):
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("d", [64, 128])
-def test_codebook_values_hold_the_int16_level_bound_where_a_target_reads_them(lib, bits, d):
-    """Lloyd-Max values on the integer route: levels become int16, L16 = round(L 2047 / max |L|),
-    so a level is off by at most max |L| / 4094 (int8 levels moved the small ones by 3%), and
-    the weights p s become int16 per block of 32 tokens (off by at most max w / 65534). The
-    error of each output is bounded by the sum of both."""
-    spec = f"k=int4c,v=lm{bits}h,group=32,residual=0"
+@pytest.mark.parametrize("r, vgroup", [(3, 32), (1, 64), (8, 64), (16, 32)])
+def test_codebook_values_hold_their_level_bound_where_a_target_reads_them(lib, bits, d, r, vgroup):
+    """Lloyd-Max values on the integer route, for groups of 32 channels (two in a register's
+    halves) and 64, and every grouping of query heads. With VNNI levels become int16, L16 =
+    round(L 2047 / max |L|), so a level is off by at most max |L| / 4094 (int8 levels moved the
+    small ones by 3%), and the weights p s become int16 per block of 32 tokens (off by at most
+    max w / 65534). On AVX2 only books whose levels hold within 0.5% as integers up to 16 (the
+    2-bit one: 3 and 10) are read, with byte weights and error diffusion as affine codes. The
+    error of each output is bounded by the sum of the level and the weight errors."""
+    spec = f"k=int4c,v=lm{bits}h,kgroup=32,vgroup={vgroup},residual=0"
     cache = filled(spec, 301, 1, head_dim=d)
     store = cache.layers[0][1]
     codes, parts = body(store)  # (B, H, m, D)
     m, g = store.n_body, store.group
-    p = torch.softmax(torch.randn(1, 2, 3, m) * 3, -1)  # (B, H, R, m): peaked attention weights
-    got = torch.zeros(1, 2, 3, d)
+    p = torch.softmax(torch.randn(1, 2, r, m) * 3, -1)  # (B, H, R, m): peaked attention weights
+    got = torch.zeros(1, 2, r, d)
     with skipped_where_unread("codebook values"):
         integer_call(lib, cache, True, p, got)
     exact = p @ store.codec.decode(parts, g, d)  # (B, H, R, D)
     book = gaussian_codebook(bits)
-    assert_int16_level_bound(got, exact, p, book[codes.long()], parts["scale"], g, book.abs().max())
+    if "avx512_vnni" in abi.features(lib):
+        assert_int16_level_bound(got, exact, p, book[codes.long()], parts["scale"], g, book.abs().max())
+    else:
+        assert_byte_level_bound(got, exact, p, book[codes.long()], byte_value_levels(book)[codes.long()], parts, g)
+
+
+def assert_byte_level_bound(got, exact, p, levels, copies, parts, g: int) -> None:
+    """The AVX2 integer values of a codebook: each level L read as its copy L8 t (copies, like
+    levels (B, H, m, D)), each weight w = p s as bytes per block of 32 tokens with error
+    diffusion, so over a block the output is off by at most b/2 (sum_t |L'_t+1 - L'_t| + |L'_last|)
+    (b = max w / 255, L' the copies; the module docstring's bound for codes) plus sum_t w_t |L'_t - L_t|."""
+    m = levels.shape[2]
+    scale = parts["scale"].float().repeat_interleave(g, dim=-1)  # (B, H, m, D)
+    w = p.unsqueeze(-1) * scale.unsqueeze(2)  # (B, H, R, m, D)
+    bound = (w * (copies - levels).abs().unsqueeze(2)).sum(3)  # (B, H, R, D): the levels' copies
+    blocks = torch.arange(m) // 32
+    for k in range(int(blocks.max()) + 1):
+        sel = blocks == k
+        b = w[..., sel, :].amax(dim=3) / 255  # (B, H, R, D)
+        c = copies[..., sel, :]  # (B, H, len, D)
+        steps = (c[..., 1:, :] - c[..., :-1, :]).abs().sum(2) + c[..., -1, :].abs()  # (B, H, D)
+        bound += b / 2 * steps.unsqueeze(2)
+    assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+    assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
 def assert_int16_level_bound(got, exact, p, levels, scale, g: int, big: float) -> None:
@@ -371,15 +405,18 @@ def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n
 
 
 def test_the_integer_route_is_taken_only_where_no_exact_kernel_is_faster(lib):
-    """KIVI 4-bit keys and 2- or 4-bit values go the integer way on every CPU with AVX2 (VNNI, or
-    vpmaddubsw: score_int4, value_bytes); 3-bit values only with VNNI: without it the exact SIMD
-    kernels read them faster (docs/speed-history.md), so attend_layer routes them there."""
-    hadv2, k4v3hc = filled("hadv2", 100, 1), filled("k4v3hc", 100, 1)
+    """KIVI 4-bit keys, 2- or 4-bit values and 2-bit Lloyd-Max values go the integer way on every
+    CPU with AVX2 (VNNI, or vpmaddubsw: score_int4, value_bytes); 3-bit and 4-bit Lloyd-Max values
+    only with VNNI: without it the exact SIMD kernels read them faster (docs/speed-history.md), or
+    the book's levels do not hold as small integers, so attend_layer routes them there."""
+    hadv2, k4v3hc, k3v2lm, k4v4lmc = (filled(s, 100, 1) for s in ("hadv2", "k4v3hc", "k3v2lm", "k4v4lmc"))
     vnni = "avx512_vnni" in abi.features(lib)
     for values, part, expected in (
         (False, body_part(hadv2, False), Route.INTEGER),
         (True, body_part(hadv2, True), Route.INTEGER),
+        (True, body_part(k3v2lm, True), Route.INTEGER),
         (True, body_part(k4v3hc, True), Route.INTEGER if vnni else Route.TOKEN),
+        (True, body_part(k4v4lmc, True), Route.INTEGER if vnni else Route.TOKEN),
     ):
         chosen = route(lib, values, part, row_source(part, None, None, []), 3, 64)
         assert chosen == expected, (values, chosen)

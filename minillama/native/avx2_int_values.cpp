@@ -20,10 +20,18 @@
 //            groups of 32 or more channels give each half one weight; the sums come out in a
 //            permuted channel order that is undone once per call (store_channels).
 //
-// Only affine codes with zeros (KIVI int2/int4 values, Hadamard or not) and groups of 32, 64
-// or 128 channels take this path; the rest stay on the exact kernels (avx2_attention.cpp).
+//   books    a codebook's levels (Lloyd-Max lm2*: no zeros) are small integers L8 = L / t
+//            (levels8 with K <= 16, taken only where every level holds within 0.5%: the 2-bit
+//            book's are 3 and 10), looked up from the codes by one vpshufb per field; the same
+//            maddubs then multiplies unsigned weights by signed levels, widened every
+//            32767 / (2 * 255 * max |L8|) pairs, and the sums are scaled by t once per call.
+//
+// Affine codes with zeros (KIVI int2/int4 values, Hadamard or not) and such codebooks, in groups
+// of 32, 64 or 128 channels, take this path; the rest stay on the exact kernels (avx2_attention.cpp).
 
 #include "rows.h"
+
+#include <cstdlib>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
     !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
@@ -97,29 +105,44 @@ inline void diffuse8(float (*wq)[NB * SB], uint16_t (*pairs)[SB / 2 + 1][8]) {
     }
 }
 
-// A block's per-token scales and zeros (fp16, NG per slot) as floats [group][token], zero past len.
+// Eight consecutive scales (fp16, or one-byte log scales looked up in log_scales) from index i.
+inline __m256 scales8(const RowSource& s, int64_t i) {
+    if (s.scale8) return _mm256_i32gather_ps(log_scales.t, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(s.scale8 + i))), 4);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.scale + i)));
+}
+
+inline __m256 zeros8(const RowSource& s, int64_t i) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s.zero + i))); }
+
+// A block's per-token scales and zeros (NG per slot; none for codebooks: 0) as floats
+// [group][token], zero past len.
 inline void block_scales(const RowSource& s, const int64_t* slots, int len, int NG, float* sc, float* zc, int ls) {
     if (len == SB && NG <= 2 && slots[SB - 1] == slots[0] + SB - 1) {  // contiguous: eight at a time
-        const uint16_t* src[2] = {s.scale + slots[0] * NG, s.zero + slots[0] * NG};
-        float* dst[2] = {sc, zc};
+        const int64_t first = slots[0] * NG;
         const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // (t g0, t g1) x 4 -> g0 x 4 | g1 x 4
-        for (int m = 0; m < 2; m++)
+        for (int m = 0; m < 2; m++) {
+            float* dst = m ? zc : sc;
+            if (m && !s.zero) {
+                for (int g = 0; g < NG; g++) std::memset(dst + g * ls, 0, sizeof(float) * SB);
+                continue;
+            }
             for (int t = 0; t < SB; t += 8) {
                 if (NG == 1) {
-                    _mm256_store_ps(dst[m] + t, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src[m] + t))));
+                    _mm256_store_ps(dst + t, m ? zeros8(s, first + t) : scales8(s, first + t));
                     continue;
                 }
-                const __m256 a = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src[m] + 2 * t))), split);
-                const __m256 b = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src[m] + 2 * t + 8))), split);
-                _mm256_store_ps(dst[m] + t, _mm256_permute2f128_ps(a, b, 0x20));
-                _mm256_store_ps(dst[m] + ls + t, _mm256_permute2f128_ps(a, b, 0x31));
+                const __m256 x = m ? zeros8(s, first + 2 * t) : scales8(s, first + 2 * t);
+                const __m256 y = m ? zeros8(s, first + 2 * t + 8) : scales8(s, first + 2 * t + 8);
+                const __m256 a = _mm256_permutevar8x32_ps(x, split), b = _mm256_permutevar8x32_ps(y, split);
+                _mm256_store_ps(dst + t, _mm256_permute2f128_ps(a, b, 0x20));
+                _mm256_store_ps(dst + ls + t, _mm256_permute2f128_ps(a, b, 0x31));
             }
+        }
         return;
     }
     for (int g = 0; g < NG; g++)
         for (int t = 0; t < SB; t++)
-            sc[g * ls + t] = t < len ? half_to_float(s.scale[slots[t] * NG + g]) : 0.f,
-                        zc[g * ls + t] = t < len ? half_to_float(s.zero[slots[t] * NG + g]) : 0.f;
+            sc[g * ls + t] = t < len ? scale_of(s, slots[t] * NG + g) : 0.f,
+                        zc[g * ls + t] = t < len && s.zero ? half_to_float(s.zero[slots[t] * NG + g]) : 0.f;
 }
 
 inline float hmax(__m256 m) {
@@ -149,9 +172,25 @@ inline void store_channels(const __m256* a, float z, float* out) {
     for (int m = 0; m < 4; m++) _mm256_storeu_ps(out + 8 * m, _mm256_add_ps(_mm256_loadu_ps(out + 8 * m), _mm256_add_ps(o[m], _mm256_set1_ps(z))));
 }
 
-template <int BITS, int NC, int RT>  // NC: chunks of 64 channels (D = 64 NC); RT: heads summed together (divides R)
+// A codebook's levels as small integers for these kernels (levels8 with K 4..16), usable where
+// every level holds within 0.5% (not the 4-bit book, which the exact kernels then read).
+inline const SmallLevels& byte_levels(const RowSource& s) { return small_levels(s.codebook, 1 << s.bits, 4, 16); }
+
+template <int BITS, int NC, int RT, bool BOOK>  // NC: chunks of 64 channels (D = 64 NC); RT: heads summed together (divides R)
 void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
-    constexpr int D = 64 * NC, W = D * BITS / 8, WIDEN = 32767 / (2 * 255 * ((1 << BITS) - 1));
+    constexpr int D = 64 * NC, W = D * BITS / 8;
+    const SmallLevels& book = byte_levels(s);
+    const int8_t* l8 = book.l8;
+    const float level_step = BOOK ? book.t : 1.f;  // a level is level_step * L8; affine codes are their own levels
+    int big8 = (1 << BITS) - 1;  // the largest |code| or |level|: how many pairs fit 16 bits
+    if (BOOK) {
+        big8 = 1;
+        for (int l = 0; l < 1 << BITS; l++) big8 = std::max(big8, std::abs((int)l8[l]));
+    }
+    const int WIDEN = 32767 / (2 * 255 * big8);
+    alignas(32) int8_t table[32];  // code -> level, in both 128-bit lanes (vpshufb)
+    for (int c = 0; c < 32; c++) table[c] = BOOK ? l8[c % 16] : 0;
+    const __m256i levels = _mm256_load_si256((const __m256i*)table);
     constexpr int NB = 4, T = NB * SB;  // blocks per pass: their error-diffusion chains overlap
     const int G = s.group, NG = D / G, chains = R * NG, CG = (chains + 7) / 8;
     alignas(32) static const uint8_t zero_row[64] = {0};
@@ -235,6 +274,8 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
                             __m256i f[4];
                             const uint8_t* y = brows[2 * j + 1] == zero_row ? zero_row : brows[2 * j + 1] + c * W / NC;
                             pair_codes<BITS>(brows[2 * j] + c * W / NC, y, f);
+                            if (BOOK)
+                                for (int e = 0; e < 4; e++) f[e] = _mm256_shuffle_epi8(levels, f[e]);
                             for (int r = 0; r < RT; r++) {
                                 int32_t two;  // (half 0's chain, the next one)
                                 std::memcpy(&two, first[r] + 8 * j, 4);
@@ -253,7 +294,7 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < NC; c++)
                     for (int v = 0; v < 8; v++) {  // v = 2e + h: half h of field e, channels of group (64c + 32h) / G
-                        const __m256 step = _mm256_set1_ps(b[r * NG + (64 * c + 32 * (v % 2)) / G][k]);
+                        const __m256 step = _mm256_set1_ps(b[r * NG + (64 * c + 32 * (v % 2)) / G][k] * level_step);
                         accf[r][c][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc32[r][c][v]), step, accf[r][c][v]);
                     }
         }
@@ -271,19 +312,22 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
 }  // namespace
 
 bool byte_values(const RowSource& s, int D) {
-    if ((D != 64 && D != 128) || s.kind != ROW_TOKEN || s.cos || s.center || s.codebook || !s.zero) return false;
-    return (s.bits == 2 || s.bits == 4) && s.group >= 32 && s.group % 32 == 0 && D % s.group == 0;
+    if ((D != 64 && D != 128) || s.kind != ROW_TOKEN || s.cos || s.center || !(s.bits == 2 || s.bits == 4)) return false;
+    if (!(s.group >= 32 && s.group % 32 == 0 && D % s.group == 0)) return false;
+    return s.codebook ? byte_levels(s).worst <= 0.005f : s.zero != nullptr;
 }
 
 bool value_bytes(VALUE_ARGS) {
     if (R > 16 || !byte_values(s, D)) return false;
     // Three heads' sums of four fields nearly fill the 16 registers; two or one head otherwise.
-#define RT_OF(BITS, NC)                                                                                               \
-    R % 3 == 0   ? value_bytes<BITS, NC, 3>(s, bh, R, p, lp, i0, n, acc)                                               \
-    : R % 2 == 0 ? value_bytes<BITS, NC, 2>(s, bh, R, p, lp, i0, n, acc)                                               \
-                 : value_bytes<BITS, NC, 1>(s, bh, R, p, lp, i0, n, acc)
-    if (s.bits == 4) D == 64 ? RT_OF(4, 1) : RT_OF(4, 2);
-    else D == 64 ? RT_OF(2, 1) : RT_OF(2, 2);
+#define RT_OF(BITS, NC, BOOK)                                                                                         \
+    R % 3 == 0   ? value_bytes<BITS, NC, 3, BOOK>(s, bh, R, p, lp, i0, n, acc)                                         \
+    : R % 2 == 0 ? value_bytes<BITS, NC, 2, BOOK>(s, bh, R, p, lp, i0, n, acc)                                         \
+                 : value_bytes<BITS, NC, 1, BOOK>(s, bh, R, p, lp, i0, n, acc)
+    if (s.codebook && s.bits == 4) D == 64 ? RT_OF(4, 1, true) : RT_OF(4, 2, true);
+    else if (s.codebook) D == 64 ? RT_OF(2, 1, true) : RT_OF(2, 2, true);
+    else if (s.bits == 4) D == 64 ? RT_OF(4, 1, false) : RT_OF(4, 2, false);
+    else D == 64 ? RT_OF(2, 1, false) : RT_OF(2, 2, false);
 #undef RT_OF
     return true;
 }

@@ -40,6 +40,51 @@ static inline float levels16(const float* book, int n, int16_t* out) {
     return step;
 }
 
+// A codebook's n levels as small integers: L8 = round(L / t), t = max |L| / K with K in
+// kmin..kmax chosen for the smallest worst relative error of a level (the first, largest K on a
+// tie); returns t and that error. The VNNI key scores take K in 96..127 (Gaussian Lloyd-Max
+// books: 2-bit 0.08% at K 120, 3-bit 0.27% at 114, 4-bit 1.3% at 107; at K = 127 a 3-bit book's
+// smallest level moved by 3.2%, a bias perplexity showed); the AVX2 byte values K in 4..16,
+// where the 2-bit book's levels 0.4528 and 1.5104 are 3 and 10 within 0.1%.
+static inline float levels8(const float* book, int n, int kmin, int kmax, int8_t* out, float* worst) {
+    float big = 0.f;
+    for (int l = 0; l < n; l++) big = std::max(big, std::fabs(book[l]));
+    if (big == 0.f) {
+        for (int l = 0; l < n; l++) out[l] = 0;
+        return *worst = 0.f, 1.f;
+    }
+    float best_t = big / kmax, best = INFINITY;
+    for (int K = kmax; K >= kmin; K--) {
+        const float t = big / K;
+        float err = 0.f;
+        for (int l = 0; l < n; l++)
+            if (book[l] != 0.f) err = std::max(err, std::fabs(std::nearbyint(book[l] / t) * t - book[l]) / std::fabs(book[l]));
+        if (err < best) best = err, best_t = t;
+    }
+    for (int l = 0; l < n; l++) out[l] = (int8_t)std::nearbyint(book[l] / best_t);
+    *worst = best;
+    return best_t;
+}
+
+// levels8 of the last book this thread asked for with these K (compared by value): the search
+// once, not per kernel call. book = nullptr: no levels (t 1, worst 1).
+struct SmallLevels {
+    float book[16];
+    int n, kmin, kmax;
+    int8_t l8[16];
+    float t, worst;
+};
+static inline const SmallLevels& small_levels(const float* book, int n, int kmin, int kmax) {
+    static thread_local SmallLevels last{{0.f}, 0, 0, 0, {0}, 1.f, 1.f};
+    static const SmallLevels none{{0.f}, 0, 0, 0, {0}, 1.f, 1.f};
+    if (!book) return none;
+    if (last.n != n || last.kmin != kmin || last.kmax != kmax || std::memcmp(last.book, book, sizeof(float) * n)) {
+        last.n = n, last.kmin = kmin, last.kmax = kmax, std::memcpy(last.book, book, sizeof(float) * n);
+        last.t = levels8(book, n, kmin, kmax, last.l8, &last.worst);
+    }
+    return last;
+}
+
 // Byte -> codes lookup tables for 4- and 2-bit packing (one byte holds 2 or 4 codes):
 // a table load replaces the shifts and masks, which vectorize poorly.
 struct Tables {

@@ -37,31 +37,6 @@ inline void prefetch_rows(const RowSource& s, int64_t bh, int slot, int ahead, i
     }
 }
 
-// A codebook's n levels as int8 for the key scores: L8 = round(L / t), t = max |L| / K with K in
-// 96..127 chosen for the smallest worst relative error of a level; returns t and that error.
-// Gaussian Lloyd-Max books: 2-bit 0.08% (K 120), 3-bit 0.27% (K 114), 4-bit 1.3% (K 107). At
-// K = 127 a 3-bit book's smallest level moved by 3.2%, a bias perplexity showed; where the best
-// error is small the bytes cost half the 16-bit levels' dot products (score_vnni).
-inline float levels8(const float* book, int n, int8_t* out, float* worst) {
-    float big = 0.f;
-    for (int l = 0; l < n; l++) big = std::max(big, std::fabs(book[l]));
-    if (big == 0.f) {
-        for (int l = 0; l < n; l++) out[l] = 0;
-        return *worst = 0.f, 1.f;
-    }
-    float best_t = big / 127.f, best = INFINITY;
-    for (int K = 127; K >= 96; K--) {
-        const float t = big / K;
-        float err = 0.f;
-        for (int l = 0; l < n; l++)
-            if (book[l] != 0.f) err = std::max(err, std::fabs(std::nearbyint(book[l] / t) * t - book[l]) / std::fabs(book[l]));
-        if (err < best) best = err, best_t = t;
-    }
-    for (int l = 0; l < n; l++) out[l] = (int8_t)std::nearbyint(book[l] / best_t);
-    *worst = best;
-    return best_t;
-}
-
 #if MINILLAMA_VBMI
 // 64 codes of BITS = 2 or 3 bits (8 codes per BITS bytes, lowest bits first) -> 64 bytes,
 // channel order: qword j gets bytes BITS j .. BITS j + BITS - 1 (vpermb), then vpmultishiftqb
@@ -256,19 +231,9 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     float level_step = 1.f;  // a codebook level is level_step * L16 (or L8)
     // Books whose int8 levels stay within 0.5% of every level (levels8) are read as bytes
     // U = L8 + 128 instead: one table, one vpdpbusd per nibble half, 128 sum(q8) taken back out.
-    struct ByteLevels {  // levels8 of the last book this thread read (by value): the search once, not per call
-        float book[16];
-        int n;
-        int8_t l8[16];
-        float t, worst;
-    };
-    static thread_local ByteLevels last{{0.f}, 0, {0}, 1.f, 1.f};
-    if (book && (last.n != 1 << s.bits || std::memcmp(last.book, s.codebook, sizeof(float) << s.bits))) {
-        last.n = 1 << s.bits, std::memcpy(last.book, s.codebook, sizeof(float) << s.bits);
-        last.t = levels8(s.codebook, last.n, last.l8, &last.worst);
-    }
-    const int8_t* l8 = last.l8;
-    const float t8 = last.t, worst = book ? last.worst : 1.f;
+    const SmallLevels& bl = small_levels(book ? s.codebook : nullptr, 1 << s.bits, 96, 127);
+    const int8_t* l8 = bl.l8;
+    const float t8 = bl.t, worst = book ? bl.worst : 1.f;
     const bool byte_levels = book && worst <= 0.005f;
     if (byte_levels) {
         alignas(64) uint8_t tb[64];
