@@ -332,12 +332,22 @@ def test_vector_coded_values_hold_the_int16_level_bound_where_a_target_reads_the
     assert_int16_level_bound(got, exact, p, levels, parts["scale"], g, book.abs().max())
 
 
-@pytest.mark.parametrize("spec", ["k=int4c,v=int2,group=32,residual=0", "k=int4c,v=int4,vgroup=64,residual=0", "kivi4"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "k=int4c,v=int2,group=32,residual=0",
+        "k=int4c,v=int4,vgroup=64,residual=0",
+        "kivi4",
+        "k=int4c,v=int3,group=32,residual=0",  # 3-bit rows: unpacked to bytes first on AVX2
+        "k=int4c,v=int3h,vgroup=64,residual=0",
+    ],
+)
 @pytest.mark.parametrize("r, d", [(1, 64), (2, 128), (5, 64), (8, 128), (16, 64), (16, 128)])
 def test_integer_values_hold_the_bound_for_every_gqa_and_head_size(lib, spec, r, d):
     """The SIMD value kernels keep several heads' sums in registers and step up to 64 weight
     chains (head x channel group) eight at a time: every grouping of heads, one or two 64-channel
-    chunks, and an odd number of tokens (a last token without a partner)."""
+    chunks, 3-bit rows unpacked by shuffles, and an odd number of tokens (a last token without a
+    partner)."""
     check_value_bound(lib, spec, 301, 1, r, d)
 
 
@@ -405,18 +415,19 @@ def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n
 
 
 def test_the_integer_route_is_taken_only_where_no_exact_kernel_is_faster(lib):
-    """KIVI 4-bit keys, 2- or 4-bit values and 2-bit Lloyd-Max values go the integer way on every
-    CPU with AVX2 (VNNI, or vpmaddubsw: score_int4, value_bytes); 3-bit and 4-bit Lloyd-Max values
-    only with VNNI: without it the exact SIMD kernels read them faster (docs/speed-history.md), or
-    the book's levels do not hold as small integers, so attend_layer routes them there."""
-    hadv2, k4v3hc, k3v2lm, k4v4lmc = (filled(s, 100, 1) for s in ("hadv2", "k4v3hc", "k3v2lm", "k4v4lmc"))
+    """KIVI 4-bit keys, 2-, 3- or 4-bit affine values and 2-bit Lloyd-Max values go the integer way
+    on every CPU with AVX2 (VNNI, or vpmaddubsw: score_int4, value_bytes); 3- and 4-bit Lloyd-Max
+    values only with VNNI: their levels do not hold as integers up to 16 (what byte products
+    allow), and int16 products are no faster than the exact kernels' FMAs without vpdpwssd, so
+    attend_layer routes them to the exact kernels there."""
+    hadv2, k4v3hc, k3v2lm, k4v3lmc = (filled(s, 100, 1) for s in ("hadv2", "k4v3hc", "k3v2lm", "k4v3lmc"))
     vnni = "avx512_vnni" in abi.features(lib)
     for values, part, expected in (
         (False, body_part(hadv2, False), Route.INTEGER),
         (True, body_part(hadv2, True), Route.INTEGER),
         (True, body_part(k3v2lm, True), Route.INTEGER),
-        (True, body_part(k4v3hc, True), Route.INTEGER if vnni else Route.TOKEN),
-        (True, body_part(k4v4lmc, True), Route.INTEGER if vnni else Route.TOKEN),
+        (True, body_part(k4v3hc, True), Route.INTEGER),
+        (True, body_part(k4v3lmc, True), Route.INTEGER if vnni else Route.TOKEN),
     ):
         chosen = route(lib, values, part, row_source(part, None, None, []), 3, 64)
         assert chosen == expected, (values, chosen)

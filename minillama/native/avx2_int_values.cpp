@@ -1,4 +1,4 @@
-// AVX2 integer values for 2- and 4-bit per-token codes: the codes never become floats.
+// AVX2 integer values for 2-, 3- and 4-bit per-token codes: the codes never become floats.
 //
 //   o_d = sum_t p_t (s_tg c_td + z_tg) = sum_t w_tg c_td + sum_t p_t z_tg,   w = p s >= 0
 //
@@ -11,7 +11,8 @@
 //            serial along tokens but independent across (head, group) chains, so eight chains are
 //            stepped together in one register, token by token, after a transpose.
 //   codes    two tokens' rows are interleaved byte by byte straight from the packed bytes
-//            (vpunpcklbw), then the fields split by shift and mask: every 16-bit lane holds
+//            (vpunpcklbw), then the fields split by shift and mask (3-bit rows are unpacked
+//            to bytes first, unpack3, 9 pairs a widening): every 16-bit lane holds
 //            (c_t,d, c_t+1,d) for one channel. `vpmaddubsw` of (w8_t, w8_t+1) against it adds
 //            the pair's products; 16-bit sums are widened to 32 bits before they can overflow
 //            (2 * 255 * 15 per pair: every 4 pairs for 4-bit codes, 21 for 2-bit), and to float
@@ -26,7 +27,7 @@
 //            maddubs then multiplies unsigned weights by signed levels, widened every
 //            32767 / (2 * 255 * max |L8|) pairs, and the sums are scaled by t once per call.
 //
-// Affine codes with zeros (KIVI int2/int4 values, Hadamard or not) and such codebooks, in groups
+// Affine codes with zeros (KIVI int2/3/4 values, Hadamard or not) and such codebooks, in groups
 // of 32, 64 or 128 channels, take this path; the rest stay on the exact kernels (avx2_attention.cpp).
 
 #include "rows.h"
@@ -47,10 +48,19 @@ constexpr int SB = 32;  // tokens per block of byte weights
 // channel 2 (i + 16h + 8 (e / 2)) + e % 2. 2-bit rows (byte b holds 4b .. 4b + 3; the halves
 // hold bytes 0-7 | 8-15, field e is the e-th code of each byte): channel 4 (i + 8h) + e.
 //
+// 3-bit rows (8 codes per 3 bytes) are first unpacked to one byte a code (unpack3) with the 16-byte pieces of each 64 channels stored in the order 0, 2, 1, 3, so a
+// 32-byte load holds channels 0-15 | 32-47 (then 16-31 | 48-63): field e, lane 8h + i is channel
+// 32h + 8e + i, each half in its own 32 channels as above.
+//
 // pair_codes: two tokens' rows -> four field registers of byte pairs (c_t,d, c_t+1,d), 64 channels.
 template <int BITS>
 inline void pair_codes(const uint8_t* x, const uint8_t* y, __m256i* f) {
-    if (BITS == 4) {  // fields 0, 1: unpacklo's low and high nibbles; 2, 3: unpackhi's
+    if (BITS == 3) {  // unpacked bytes: interleave, nothing to split
+        for (int m = 0; m < 2; m++) {
+            const __m256i a = _mm256_load_si256((const __m256i*)(x + 32 * m)), b = _mm256_load_si256((const __m256i*)(y + 32 * m));
+            f[2 * m] = _mm256_unpacklo_epi8(a, b), f[2 * m + 1] = _mm256_unpackhi_epi8(a, b);
+        }
+    } else if (BITS == 4) {  // fields 0, 1: unpacklo's low and high nibbles; 2, 3: unpackhi's
         const __m256i a = _mm256_loadu_si256((const __m256i*)x), b = _mm256_loadu_si256((const __m256i*)y);
         const __m256i lo = _mm256_unpacklo_epi8(a, b), hi = _mm256_unpackhi_epi8(a, b), m = _mm256_set1_epi8(15);
         f[0] = _mm256_and_si256(lo, m), f[1] = _mm256_and_si256(_mm256_srli_epi16(lo, 4), m);
@@ -60,6 +70,41 @@ inline void pair_codes(const uint8_t* x, const uint8_t* y, __m256i* f) {
         const __m256i z = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)), m = _mm256_set1_epi8(3);
         f[0] = _mm256_and_si256(z, m), f[1] = _mm256_and_si256(_mm256_srli_epi16(z, 2), m);
         f[2] = _mm256_and_si256(_mm256_srli_epi16(z, 4), m), f[3] = _mm256_and_si256(_mm256_srli_epi16(z, 6), m);
+    }
+}
+
+// One 3-bit row of D codes -> D bytes in pair_codes' piece order (channels 0-15 | 32-47, then
+// 16-31 | 48-63 of each 64), without leaving registers: the 24 bytes of 64 channels are loaded as
+// bytes 0-15 | 8-23 (both 128-bit lanes then hold what their codes need), vpshufb puts the two
+// bytes holding code j into 16-bit lane j (W = b | b' << 8), vpmullw by 2^(13 - o) lifts the
+// code's bits (offset o = 3j mod 8) to the top three and vpsrlw 13 brings it down; vpackuswb
+// of two such registers gives the byte order above.
+inline void unpack3(const uint8_t* row, int D, uint8_t* __restrict__ out) {
+    struct Index {
+        alignas(32) int8_t shuffle[4][32];  // [register k][byte]: codes 8k + j (lane 0) and 32 + 8k + j (lane 1)
+        alignas(32) int16_t lift[16];       // 2^(13 - 3j mod 8), j = lane % 8
+        Index() {
+            for (int k = 0; k < 4; k++)
+                for (int half = 0; half < 2; half++)
+                    for (int j = 0; j < 8; j++) {
+                        const int byte = 3 * k + 3 * j / 8 + 4 * half;  // within the lane: lane 1 starts at byte 8, codes at 32 (byte 12)
+                        shuffle[k][16 * half + 2 * j] = (int8_t)byte;
+                        shuffle[k][16 * half + 2 * j + 1] = (int8_t)(3 * j % 8 > 5 ? byte + 1 : -128);  // a second byte only if the code straddles
+                    }
+            for (int l = 0; l < 16; l++) lift[l] = (int16_t)(1 << (13 - 3 * (l % 8) % 8));
+        }
+    };
+    static const Index index;
+    const __m256i lift = _mm256_load_si256((const __m256i*)index.lift);
+    for (int c = 0; c < D / 64; c++) {
+        const uint8_t* src = row + 24 * c;
+        const __m256i bytes = _mm256_loadu2_m128i((const __m128i*)(src + 8), (const __m128i*)src);
+        __m256i code[4];
+        for (int k = 0; k < 4; k++)
+            code[k] = _mm256_srli_epi16(
+                _mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, _mm256_load_si256((const __m256i*)index.shuffle[k])), lift), 13);
+        _mm256_store_si256((__m256i*)(out + 64 * c), _mm256_packus_epi16(code[0], code[1]));
+        _mm256_store_si256((__m256i*)(out + 64 * c + 32), _mm256_packus_epi16(code[2], code[3]));
     }
 }
 
@@ -156,7 +201,9 @@ inline float hmax(__m256 m) {
 template <int BITS>
 inline void store_channels(const __m256* a, float z, float* out) {
     __m256 o[4];
-    if (BITS == 2) {  // lane i of a[k] is channel 4i + k: a 4 x 8 transpose
+    if (BITS == 3) {  // lane i of a[e] is channel 8e + i
+        for (int m = 0; m < 4; m++) o[m] = a[m];
+    } else if (BITS == 2) {  // lane i of a[k] is channel 4i + k: a 4 x 8 transpose
         const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
         const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
         const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);  // 0-3 | 16-19, 4-7 | 20-23
@@ -193,7 +240,9 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
     const __m256i levels = _mm256_load_si256((const __m256i*)table);
     constexpr int NB = 4, T = NB * SB;  // blocks per pass: their error-diffusion chains overlap
     const int G = s.group, NG = D / G, chains = R * NG, CG = (chains + 7) / 8;
-    alignas(32) static const uint8_t zero_row[64] = {0};
+    alignas(32) static const uint8_t zero_row[128] = {0};
+    constexpr int CW = BITS == 3 ? 64 : W / NC;  // bytes of a 64-channel chunk as pair_codes reads it
+    alignas(32) uint8_t unpacked[BITS == 3 ? NB * SB : 1][BITS == 3 ? D : 1];  // 3-bit rows as bytes
     alignas(32) float wq[64][T];                     // [chain = head * NG + group][token]: w / b
     alignas(32) uint16_t pairs[8][NB][SB / 2 + 1][8];  // [chain / 8][block][pair][chain % 8]: a pair's byte weights
     alignas(32) __m256i acc32[16][NC][8];            // [head][chunk][field k, half h]: 32-bit sums of a block
@@ -216,6 +265,8 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
         int64_t slots[T];
         for (int t = 0, slot = at.slot; t < len; t++, slot = slot + 1 == s.slots ? 0 : slot + 1)
             slots[t] = bh * s.slots + slot, rows[t] = (const uint8_t*)s.data + slots[t] * W;
+        if (BITS == 3)
+            for (int t = 0; t < len; t++) unpack3(rows[t], D, unpacked[t]), rows[t] = unpacked[t];
         at.slot = (int)((at.slot + (int64_t)len) % s.slots);
         rows[len] = zero_row;  // an odd last token pairs with zero codes
         alignas(32) float sc[4][T], zc[4][T];  // [group][token]
@@ -272,8 +323,8 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
                             for (int e = 0; e < 4; e++) acc16[r][e] = _mm256_setzero_si256();
                         for (int j = j0; j < j1; j++) {
                             __m256i f[4];
-                            const uint8_t* y = brows[2 * j + 1] == zero_row ? zero_row : brows[2 * j + 1] + c * W / NC;
-                            pair_codes<BITS>(brows[2 * j] + c * W / NC, y, f);
+                            const uint8_t* y = brows[2 * j + 1] == zero_row ? zero_row : brows[2 * j + 1] + c * CW;
+                            pair_codes<BITS>(brows[2 * j] + c * CW, y, f);
                             if (BOOK)
                                 for (int e = 0; e < 4; e++) f[e] = _mm256_shuffle_epi8(levels, f[e]);
                             for (int r = 0; r < RT; r++) {
@@ -312,7 +363,7 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
 }  // namespace
 
 bool byte_values(const RowSource& s, int D) {
-    if ((D != 64 && D != 128) || s.kind != ROW_TOKEN || s.cos || s.center || !(s.bits == 2 || s.bits == 4)) return false;
+    if ((D != 64 && D != 128) || s.kind != ROW_TOKEN || s.cos || s.center || !(s.bits >= 2 && s.bits <= 4)) return false;
     if (!(s.group >= 32 && s.group % 32 == 0 && D % s.group == 0)) return false;
     return s.codebook ? byte_levels(s).worst <= 0.005f : s.zero != nullptr;
 }
@@ -324,10 +375,13 @@ bool value_bytes(VALUE_ARGS) {
     R % 3 == 0   ? value_bytes<BITS, NC, 3, BOOK>(s, bh, R, p, lp, i0, n, acc)                                         \
     : R % 2 == 0 ? value_bytes<BITS, NC, 2, BOOK>(s, bh, R, p, lp, i0, n, acc)                                         \
                  : value_bytes<BITS, NC, 1, BOOK>(s, bh, R, p, lp, i0, n, acc)
-    if (s.codebook && s.bits == 4) D == 64 ? RT_OF(4, 1, true) : RT_OF(4, 2, true);
-    else if (s.codebook) D == 64 ? RT_OF(2, 1, true) : RT_OF(2, 2, true);
-    else if (s.bits == 4) D == 64 ? RT_OF(4, 1, false) : RT_OF(4, 2, false);
-    else D == 64 ? RT_OF(2, 1, false) : RT_OF(2, 2, false);
+#define BY_BITS(BOOK)                                                                                                 \
+    s.bits == 4   ? (D == 64 ? RT_OF(4, 1, BOOK) : RT_OF(4, 2, BOOK))                                                  \
+    : s.bits == 3 ? (D == 64 ? RT_OF(3, 1, BOOK) : RT_OF(3, 2, BOOK))                                                  \
+                  : (D == 64 ? RT_OF(2, 1, BOOK) : RT_OF(2, 2, BOOK))
+    if (s.codebook) BY_BITS(true);
+    else BY_BITS(false);
+#undef BY_BITS
 #undef RT_OF
     return true;
 }
