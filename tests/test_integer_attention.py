@@ -99,15 +99,13 @@ def body(store):
     return packing.unpack(parts["codes"], store.codec.packing, store.head_dim).float(), parts
 
 
-@pytest.mark.parametrize("spec", SCORE_SPECS)
-@pytest.mark.parametrize("n, batch", [(77, 1), (333, 3), (1000, 1)])
-def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
-    cache = filled(spec, n, batch)
+def check_score_bound(lib, spec: str, n: int, batch: int, r: int = 3, d: int = 64) -> None:
+    cache = filled(spec, n, batch, head_dim=d)
     store = cache.layers[0][0]
     codes, parts = body(store)  # (B, H, m, D)
-    m, d, g = store.n_body, store.head_dim, store.group
-    q = torch.randn(batch, 2, 3, d)  # (B, H, R, D), in the key codec's space
-    got = torch.empty(batch, 2, 3, m)
+    m, g = store.n_body, store.group
+    q = torch.randn(batch, 2, r, d)  # (B, H, R, D), in the key codec's space
+    got = torch.empty(batch, 2, r, m)
     integer_call(lib, cache, False, q, got)
     exact = q @ store.codec.decode(parts, g, d).transpose(-1, -2)  # (B, H, R, m)
     if isinstance(store.codec, ChannelAffine):
@@ -120,6 +118,22 @@ def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
         bound = a / 2 * (parts["scale"].float().transpose(-1, -2) * codes.abs().sum(-1).unsqueeze(2))
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-4).all()
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
+
+
+@pytest.mark.parametrize("spec", SCORE_SPECS)
+@pytest.mark.parametrize("n, batch", [(77, 1), (333, 3), (1000, 1)])
+def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
+    check_score_bound(lib, spec, n, batch)
+
+
+@pytest.mark.parametrize("codes", ["int4c", "int3c", "int3h", "int4"])
+@pytest.mark.parametrize("r, d", [(1, 64), (2, 128), (5, 64), (8, 128), (16, 64), (16, 128)])
+def test_integer_scores_hold_the_bound_for_every_gqa_and_head_size(lib, codes, r, d):
+    """The SIMD score kernels keep up to 16 heads' queries: every grouping of heads, one or two
+    64-channel chunks a row, 4-bit nibbles and 3-bit rows unpacked by shuffles, per-channel
+    (KIVI, groups of 16 tokens) and per-token codes (one scale a row)."""
+    group = "kgroup=16" if codes.endswith("c") else f"kgroup={d}"
+    check_score_bound(lib, f"k={codes},v=int4,{group},residual=3", 301, 1, r, d)
 
 
 def int8_levels(book: torch.Tensor, ks: range = range(127, 95, -1)) -> tuple[float, torch.Tensor]:

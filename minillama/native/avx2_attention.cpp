@@ -381,7 +381,8 @@ bool value_fast(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
     } while (0)
 
 // Integer scores of 4-bit keys (KIVI per-channel codes, or per-token codes with one scale per
-// row), as llama.cpp's q4 x q8 dot products: the codes stay bytes. A row of D codes is D / 2
+// row; 3-bit affine codes unpacked to the same bytes by split3), as llama.cpp's q4 x q8 dot
+// products: the codes stay bytes. A row of D codes is D / 2
 // bytes; its low nibbles are the even channels and its high nibbles the odd ones, so the query
 // is rounded to int8 once per head (per group of tokens for KIVI, whose scales are folded in
 // first) and laid out the same way, even channels then odd. vpmaddubsw multiplies the unsigned
@@ -471,9 +472,27 @@ inline void book_query(Int4Query<NV>& st, int r, float level_step) {
     }
 }
 
-template <int NV, bool BOOK>
+// 3-bit affine rows become the same even / odd code bytes as a 4-bit row's nibbles (rows.h's
+// Codes3: result 0 byte i of lane h is channel 32h + 2i, result 1 channel 32h + 2i + 1), so they
+// score with the same loop and contract.
+inline void split3(const uint8_t* src, __m256i& even, __m256i& odd) {
+    static const Codes3 codes3([](int k, int h, int j) { return 32 * h + 16 * (k % 2) + 2 * j + k / 2; });
+    __m256i b[2];
+    codes3(src, b);
+    even = b[0], odd = b[1];
+}
+
+// Chunk b of a row's codes as bytes: even channels (2i of the chunk's lane) and odd ones.
+template <bool THREE>
+inline void codes_of(const uint8_t* row, int b, __m256i nib, __m256i& even, __m256i& odd) {
+    if (THREE) return split3(row + 24 * b, even, odd);
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(row + 32 * b));
+    even = _mm256_and_si256(x, nib), odd = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+}
+
+template <int NV, bool BOOK, bool THREE>  // THREE: 3-bit affine rows (split3), else 4-bit
 bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
-    constexpr int D = 8 * NV, NB = D / 64;  // NB: 32-byte loads per row
+    constexpr int D = 8 * NV, NB = D / 64, W = THREE ? 3 * D / 8 : D / 2;  // NB: 64-channel chunks per row; W: row bytes
     static_assert(sizeof(Int4Query<NV>) <= sizeof(Prep::bytes), "Prep is too small");
     Int4Query<NV>& st = *reinterpret_cast<Int4Query<NV>*>(prep.bytes);
     const bool channel = s.kind == ROW_CHANNEL;  // BOOK (s.codebook) is a template argument: the affine loop stays as it was
@@ -525,7 +544,7 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 }
             }
         }
-        prefetch_chunk(s, bh, at.slot, D / 2);
+        prefetch_chunk(s, bh, at.slot, W);
         alignas(32) float tscale[8] = {0.f}, tzero[8] = {0.f};
         for (int t = 0; t < 8; t++) {
             if (t >= len) {
@@ -534,13 +553,13 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             }
             const int64_t slot = bh * s.slots + at.slot;
             at.next();
-            const uint8_t* rowp = (const uint8_t*)s.data + slot * (D / 2);
+            const uint8_t* rowp = (const uint8_t*)s.data + slot * W;
             if (BOOK) {  // int16 levels times the int16 query (book_query's order), vpmaddwd
                 tscale[t] = scale_of(s, slot);
                 __m256i lv[NB][4];
                 for (int b = 0; b < NB; b++) {
-                    const __m256i x = _mm256_loadu_si256((const __m256i*)(rowp + 32 * b));
-                    const __m256i even = _mm256_and_si256(x, nib), odd = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
+                    __m256i even, odd;
+                    codes_of<THREE>(rowp, b, nib, even, odd);
                     const __m256i el = _mm256_shuffle_epi8(tlo, even), eh = _mm256_shuffle_epi8(thi, even);
                     const __m256i ol = _mm256_shuffle_epi8(tlo, odd), oh = _mm256_shuffle_epi8(thi, odd);
                     lv[b][0] = _mm256_unpacklo_epi8(el, eh), lv[b][1] = _mm256_unpackhi_epi8(el, eh);
@@ -562,11 +581,7 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 continue;
             }
             __m256i lo[NB], hi[NB];
-            for (int b = 0; b < NB; b++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i*)(rowp + 32 * b));
-                lo[b] = _mm256_and_si256(x, nib);
-                hi[b] = _mm256_and_si256(_mm256_srli_epi16(x, 4), nib);
-            }
+            for (int b = 0; b < NB; b++) codes_of<THREE>(rowp, b, nib, lo[b], hi[b]);
             if (!channel) tscale[t] = half_to_float(s.scale[slot]), tzero[t] = half_to_float(s.zero[slot]);
             for (int r = 0; r < R; r++) {
                 __m256 acc = _mm256_setzero_ps();
@@ -597,8 +612,10 @@ bool score_fast(SCORE_ARGS, Prep& prep) {
 bool fast_reads(const RowSource& s, int D, bool values) { return fast_kind(s, D, values); }
 
 bool int4_keys(const RowSource& s, int D) {
-    if ((D != 64 && D != 128) || s.bits != 4 || s.cos || s.center) return false;
-    if (s.codebook) return s.kind == ROW_TOKEN && s.group == D;  // 16 levels, one scale a row
+    if ((D != 64 && D != 128) || (s.bits != 4 && s.bits != 3) || s.cos || s.center) return false;
+    // 16 levels, one scale a row. 3-bit books stay on the float kernels: split3's four vpmullw a row
+    // on top of the lookups' vpmaddwd left them at 0.97x (kernel_ab, within the noise).
+    if (s.codebook) return s.bits == 4 && s.kind == ROW_TOKEN && s.group == D;
     if (!s.zero) return false;
     if (s.kind == ROW_CHANNEL) return s.group > 0;
     return s.kind == ROW_TOKEN && s.group == D;
@@ -606,11 +623,13 @@ bool int4_keys(const RowSource& s, int D) {
 
 bool score_int4(SCORE_ARGS, Prep& prep) {
     if (R > 16 || !int4_keys(s, D)) return false;
-    if (s.codebook)
-        return D == 64 ? score_int4<8, true>(s, bh, R, q, i0, n, out, ls, prep)
-                       : score_int4<16, true>(s, bh, R, q, i0, n, out, ls, prep);
-    return D == 64 ? score_int4<8, false>(s, bh, R, q, i0, n, out, ls, prep)
-                   : score_int4<16, false>(s, bh, R, q, i0, n, out, ls, prep);
+#define BY_D(BOOK, THREE)                                                                                              \
+    return D == 64 ? score_int4<8, BOOK, THREE>(s, bh, R, q, i0, n, out, ls, prep)                                      \
+                   : score_int4<16, BOOK, THREE>(s, bh, R, q, i0, n, out, ls, prep)
+    if (s.bits == 3) BY_D(false, true);
+    if (s.codebook) BY_D(true, false);
+    BY_D(false, false);
+#undef BY_D
 }
 
 bool value_fast(VALUE_ARGS) {

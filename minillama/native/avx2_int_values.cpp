@@ -74,37 +74,14 @@ inline void pair_codes(const uint8_t* x, const uint8_t* y, __m256i* f) {
 }
 
 // One 3-bit row of D codes -> D bytes in pair_codes' piece order (channels 0-15 | 32-47, then
-// 16-31 | 48-63 of each 64), without leaving registers: the 24 bytes of 64 channels are loaded as
-// bytes 0-15 | 8-23 (both 128-bit lanes then hold what their codes need), vpshufb puts the two
-// bytes holding code j into 16-bit lane j (W = b | b' << 8), vpmullw by 2^(13 - o) lifts the
-// code's bits (offset o = 3j mod 8) to the top three and vpsrlw 13 brings it down; vpackuswb
-// of two such registers gives the byte order above.
+// 16-31 | 48-63 of each 64: rows.h's Codes3 with register k's lanes holding 8k .. and 32 + 8k ..).
 inline void unpack3(const uint8_t* row, int D, uint8_t* __restrict__ out) {
-    struct Index {
-        alignas(32) int8_t shuffle[4][32];  // [register k][byte]: codes 8k + j (lane 0) and 32 + 8k + j (lane 1)
-        alignas(32) int16_t lift[16];       // 2^(13 - 3j mod 8), j = lane % 8
-        Index() {
-            for (int k = 0; k < 4; k++)
-                for (int half = 0; half < 2; half++)
-                    for (int j = 0; j < 8; j++) {
-                        const int byte = 3 * k + 3 * j / 8 + 4 * half;  // within the lane: lane 1 starts at byte 8, codes at 32 (byte 12)
-                        shuffle[k][16 * half + 2 * j] = (int8_t)byte;
-                        shuffle[k][16 * half + 2 * j + 1] = (int8_t)(3 * j % 8 > 5 ? byte + 1 : -128);  // a second byte only if the code straddles
-                    }
-            for (int l = 0; l < 16; l++) lift[l] = (int16_t)(1 << (13 - 3 * (l % 8) % 8));
-        }
-    };
-    static const Index index;
-    const __m256i lift = _mm256_load_si256((const __m256i*)index.lift);
+    static const Codes3 codes3([](int k, int h, int j) { return 32 * h + 8 * k + j; });
     for (int c = 0; c < D / 64; c++) {
-        const uint8_t* src = row + 24 * c;
-        const __m256i bytes = _mm256_loadu2_m128i((const __m128i*)(src + 8), (const __m128i*)src);
-        __m256i code[4];
-        for (int k = 0; k < 4; k++)
-            code[k] = _mm256_srli_epi16(
-                _mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, _mm256_load_si256((const __m256i*)index.shuffle[k])), lift), 13);
-        _mm256_store_si256((__m256i*)(out + 64 * c), _mm256_packus_epi16(code[0], code[1]));
-        _mm256_store_si256((__m256i*)(out + 64 * c + 32), _mm256_packus_epi16(code[2], code[3]));
+        __m256i b[2];
+        codes3(row + 24 * c, b);
+        _mm256_store_si256((__m256i*)(out + 64 * c), b[0]);
+        _mm256_store_si256((__m256i*)(out + 64 * c + 32), b[1]);
     }
 }
 

@@ -162,6 +162,39 @@ static inline void unpack16_int3(__m512i bytes, int i, float* __restrict__ out) 
 #define MINILLAMA_AVX2 1
 // The same unpacking for AVX2 CPUs (8 floats per register).
 
+// 64 3-bit codes (24 bytes, 8 codes per 3 bytes, lowest bits first) -> two registers of 32 code
+// bytes in an order of the caller's choosing, without leaving registers. The bytes are loaded as
+// 0-15 | 8-23 (each 128-bit lane then holds what its codes need); per register k of four,
+// vpshufb puts the one or two bytes holding each of its 16 codes into a 16-bit lane (W = b | b'
+// << 8), vpmullw by 2^(13 - o) lifts the code's bits (offset o = 3c mod 8) to the top three and
+// vpsrlw 13 brings it down; vpackuswb of registers 0, 1 and of 2, 3 gives the bytes. Byte i of
+// lane h of result m is the code of channel(k, h, j) with k = 2m + i / 8, j = i % 8: lane 0's
+// channels must lie in 0-31 and lane 1's in 32-63.
+struct Codes3 {
+    alignas(32) int8_t shuffle[4][32];  // [register][byte]
+    alignas(32) int16_t lift[4][16];    // [register][16-bit lane]
+    template <class Channel>
+    explicit Codes3(Channel channel) {
+        for (int k = 0; k < 4; k++)
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 8; j++) {
+                    const int c = channel(k, h, j), byte = 3 * c / 8 - 8 * h, o = 3 * c % 8;  // lane 1 starts at byte 8
+                    shuffle[k][16 * h + 2 * j] = (int8_t)byte;
+                    shuffle[k][16 * h + 2 * j + 1] = (int8_t)(o > 5 ? byte + 1 : -128);  // a second byte only if the code straddles
+                    lift[k][8 * h + j] = (int16_t)(1 << (13 - o));
+                }
+    }
+    inline void operator()(const uint8_t* src, __m256i* out) const {
+        const __m256i bytes = _mm256_loadu2_m128i((const __m128i*)(src + 8), (const __m128i*)src);
+        __m256i code[4];
+        for (int k = 0; k < 4; k++)
+            code[k] = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(bytes, _mm256_load_si256((const __m256i*)shuffle[k])),
+                                                           _mm256_load_si256((const __m256i*)lift[k])),
+                                        13);
+        out[0] = _mm256_packus_epi16(code[0], code[1]), out[1] = _mm256_packus_epi16(code[2], code[3]);
+    }
+};
+
 // 16 bytes of 4-bit codes (low nibble first) -> 32 floats.
 static inline void unpack16_int4(const uint8_t* p, float* __restrict__ out) {
     const __m128i b = _mm_loadu_si128((const __m128i*)p), mask = _mm_set1_epi8(0x0F);
@@ -348,7 +381,7 @@ bool score_fast(SCORE_ARGS, Prep& prep);
 bool value_fast(VALUE_ARGS);
 // Whether score_fast (values = false) or value_fast (true) reads these rows on this build.
 bool fast_reads(const RowSource& s, int D, bool values);
-// Integer scores of 4-bit keys (affine or codebook) on AVX2 CPUs (avx2_attention.cpp); int4_keys: whether
+// Integer scores of 4-bit keys (affine or codebook) and 3-bit affine ones on AVX2 CPUs (avx2_attention.cpp); int4_keys: whether
 // score_int4 reads them.
 bool int4_keys(const RowSource& s, int D);
 bool score_int4(SCORE_ARGS, Prep& prep);
