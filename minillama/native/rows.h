@@ -391,7 +391,7 @@ bool score_vnni(SCORE_ARGS, Prep& prep);
 // Integer (VNNI, int16 weights) values of per-token codes; vnni_values: whether value_vnni reads them.
 bool vnni_values(const RowSource& s, int D);
 bool value_vnni(VALUE_ARGS);
-// Integer values of 2- and 4-bit per-token codes on AVX2 CPUs (avx2_int_values.cpp, byte weights);
+// Integer values of 2-, 3- and 4-bit per-token codes (and 2-bit books) on AVX2 CPUs (avx2_int_values.cpp, byte weights);
 // byte_values: whether value_bytes reads these rows.
 bool byte_values(const RowSource& s, int D);
 bool value_bytes(VALUE_ARGS);
