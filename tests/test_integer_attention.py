@@ -136,32 +136,31 @@ def test_integer_scores_hold_the_bound_for_every_gqa_and_head_size(lib, codes, r
     check_score_bound(lib, f"k={codes},v=int4,{group},residual=3", 301, 1, r, d)
 
 
-def int8_levels(book: torch.Tensor, ks: range = range(127, 95, -1)) -> tuple[float, torch.Tensor]:
+def int8_levels(book: torch.Tensor, ks: range = range(127, 95, -1)) -> tuple[float, torch.Tensor, float]:
     """A kernel's small-integer copy of a book (rows.h: levels8): L8 = round(L / t), t = max |L| / K
     for the K in `ks` (the score kernels: 127..96) with the smallest worst relative error; that
-    error and each level's copy's absolute error."""
-    big = book.abs().max()
+    error, each level's copy's absolute error, and t."""
+    big = book.abs().max().item()
     best = None
     for k in ks:  # the first K on a tie, as the kernel
         t = big / k
         err = ((book / t).round() * t - book).abs()  # (levels,)
         worst = (err / book.abs()).max().item()
         if best is None or worst < best[0]:
-            best = (worst, err)
+            best = (worst, err, t)
     return best
 
 
 def byte_value_levels(book: torch.Tensor) -> torch.Tensor:
     """The AVX2 byte values' copy of a book (avx2_int_values.cpp: K in 16..4), as floats."""
-    big = book.abs().max()
-    worst, k = min((int8_levels(book, range(k, k - 1, -1))[0], -k) for k in range(16, 3, -1))
-    return (book / (big / -k)).round() * (big / -k)
+    _, _, t = int8_levels(book, range(16, 3, -1))
+    return (book / t).round() * t
 
 
 def key_level_error(book: torch.Tensor) -> torch.Tensor:
     """How far the score kernel's copy of each level is from it: int8 (int8_levels) where every
     level stays within 0.5%, else 16-bit, off by at most max |L| / 4094."""
-    worst, err = int8_levels(book)
+    worst, err, _ = int8_levels(book)
     return err if worst <= 0.005 else torch.full_like(book, book.abs().max().item() / 4094)
 
 
@@ -208,7 +207,7 @@ def test_byte_key_levels_are_chosen_only_where_they_hold_half_a_percent():
     """The 2- and 3-bit Gaussian books fit int8 within 0.5% of every level; the 4-bit one does not
     (its smallest level, 5 steps of 107, is 1.3% off) and keeps the 16-bit levels."""
     for bits, byte in ((2, True), (3, True), (4, False)):
-        worst, _ = int8_levels(gaussian_codebook(bits))
+        worst, _, _ = int8_levels(gaussian_codebook(bits))
         assert (worst <= 0.005) == byte, (bits, worst)
 
 

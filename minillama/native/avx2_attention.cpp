@@ -495,7 +495,7 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     constexpr int D = 8 * NV, NB = D / 64, W = THREE ? 3 * D / 8 : D / 2;  // NB: 64-channel chunks per row; W: row bytes
     static_assert(sizeof(Int4Query<NV>) <= sizeof(Prep::bytes), "Prep is too small");
     Int4Query<NV>& st = *reinterpret_cast<Int4Query<NV>*>(prep.bytes);
-    const bool channel = s.kind == ROW_CHANNEL;  // BOOK (s.codebook) is a template argument: the affine loop stays as it was
+    const bool channel = s.kind == ROW_CHANNEL;  // BOOK (s.codebook) is a template argument: the affine loop has no lookups
     if (!prep.ready) {
         float level_step = 1.f;
         if (BOOK) {

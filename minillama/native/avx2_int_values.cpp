@@ -48,9 +48,10 @@ constexpr int SB = 32;  // tokens per block of byte weights
 // channel 2 (i + 16h + 8 (e / 2)) + e % 2. 2-bit rows (byte b holds 4b .. 4b + 3; the halves
 // hold bytes 0-7 | 8-15, field e is the e-th code of each byte): channel 4 (i + 8h) + e.
 //
-// 3-bit rows (8 codes per 3 bytes) are first unpacked to one byte a code (unpack3) with the 16-byte pieces of each 64 channels stored in the order 0, 2, 1, 3, so a
-// 32-byte load holds channels 0-15 | 32-47 (then 16-31 | 48-63): field e, lane 8h + i is channel
-// 32h + 8e + i, each half in its own 32 channels as above.
+// 3-bit rows (8 codes per 3 bytes) are first unpacked to one byte a code (unpack3), the 16-byte
+// pieces of each 64 channels stored in the order 0, 2, 1, 3, so a 32-byte load holds channels
+// 0-15 | 32-47 (then 16-31 | 48-63): field e, lane 8h + i is channel 32h + 8e + i, each half in
+// its own 32 channels as above.
 //
 // pair_codes: two tokens' rows -> four field registers of byte pairs (c_t,d, c_t+1,d), 64 channels.
 template <int BITS>
