@@ -174,6 +174,21 @@ def test_attention_rounds_prints_one_line_per_spec_with_its_ratio():
     assert rows[1].startswith("k=int4c,v=int2h") and rows[1].endswith("x")
 
 
+def test_route_ab_times_both_routes_or_says_why_one_refused():
+    """bench/route_ab.py: per spec, the integer route and the exact one side by side; rows the
+    integer kernels do not read (3-bit Lloyd-Max values without VNNI) say so instead of a time."""
+    script = Path(__file__).parent.parent / "bench" / "route_ab.py"
+    specs = "k=int4c,v=int2h,group=32,residual=8;k=int4c,v=lm3h,group=64,residual=8"
+    done = subprocess.run(
+        [sys.executable, str(script), "values", "64", specs, "2"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.strip().splitlines()[1:]
+    assert len(rows) == 2 and all(" token " in row for row in rows)
+    assert rows[0].startswith("k=int4c,v=int2h") and "integer" in rows[0] and rows[0].endswith(" ns")
+    assert "integer refused" in rows[1] or rows[1].count(" ns") == 2
+
+
 def test_kernel_ab_times_the_tree_against_a_revision_in_turn():
     """bench/kernel_ab.py: the native sources rebuilt with files from a git revision, both libraries'
     plans timed in turn; against HEAD's own copy of a file a row per spec with its ratio."""
