@@ -22,7 +22,7 @@ class ListLayer:
     """One layer of a ListCache as attention reads it (a LayerView)."""
 
     k_codec = v_codec = EXACT
-    key_center = key_scale = None
+    key_center = None
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], positions: list[int], empty: torch.Tensor):
         self.keys, self.values, self._positions, self.empty = keys, values, positions, empty
@@ -75,7 +75,6 @@ class ListCache:
         self.layers = [([], []) for _ in range(n_layers)]  # per layer: keys, values, one (B, H, 1, D) per token
         self.kept: list[int] = []  # the absolute position of every held token
         self.position = 0  # the absolute position of the next token
-        self.needs_queries = False  # nothing is scaled here
 
     @property
     def held(self) -> int:
@@ -89,7 +88,7 @@ class ListCache:
         positions = list(range(self.held)) if self.slot_positions else self.kept
         return ListLayer(*self.layers[i], positions, self.empty)
 
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries=None) -> None:
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         n = new_kv[0][0].shape[2]
         for (keys, values), (k, v) in zip(self.layers, new_kv):
             keys.extend(k.float().split(1, dim=2))

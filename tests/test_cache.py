@@ -16,7 +16,6 @@ from minillama.kv.layered import LayeredStore
 from minillama.kv.quantize import dequantize_affine, quantize_affine
 from minillama.kv.ring import HUGE_PAGE, ring_buffer
 from minillama.kv.spec import PRESETS, parse_kv
-from minillama.kv.write import key_scales
 from minillama.model.loader import load_model
 from minillama.native import backend
 from tests.conftest import make_tiny
@@ -88,78 +87,6 @@ def test_centering_shrinks_the_range_of_keys_with_a_constant_offset():
     cache.append([(k, torch.zeros(1, 1, 32, 8))])
     stored, _ = cache.layer(0).read(torch.float32)
     assert stored.abs().max() < 5 and torch.allclose(stored + cache.layer(0).key_center, k, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", ["reference", "kernels"])
-@pytest.mark.parametrize("spec", ["k=fp32,v=fp32,kscale=1", "k=fp32,v=fp32,center=1,kscale=1"])
-def test_scaling_keys_leaves_attention_unchanged_when_storage_is_exact(tiny, name, spec):
-    """kscale=1 stores k*s and reads it with q/s: the same scores, so the same logits, whatever s
-    is. Chunked prefill (the scales come from the first chunk) and decode steps on both backends."""
-    t = tokens(40, seed=6)
-    with backend.using(name):
-        plain = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64), t)
-        cache = KVCache.for_model(tiny.config, parse_kv(spec), 64)
-        assert cache.needs_queries
-        scaled = torch.cat(
-            [
-                tiny.model(t[:, :5], cache),
-                tiny.model(t[:, 5:12], cache),
-                *[tiny.model(t[:, i : i + 1], cache) for i in range(12, 40)],
-            ],
-            dim=1,
-        )
-    assert torch.allclose(scaled, plain, atol=1e-4)
-    assert not cache.needs_queries
-    s = cache.layer(0).key_scale  # (B, H, 1, D) float16, mean square 1, not all ones
-    assert s.shape == (1, tiny.config.n_kv_heads, 1, tiny.config.head_dim) and s.dtype == torch.float16
-    assert s.float().pow(2).mean(-1).sub(1).abs().max() < 0.01 and s.float().std() > 0.05
-
-
-def test_a_decode_token_into_an_empty_scaled_cache_takes_the_pytorch_layers(tiny):
-    """The first write sets the scales from the queries, which only the PyTorch layers hand over:
-    a one-token prompt on the kernels backend runs them for that token, then the native step."""
-    t = tokens(12, seed=2)
-    with backend.using("kernels"):
-        plain = run(tiny.model, KVCache.for_model(tiny.config, parse_kv("fp32"), 64), t, prefill=1)
-        cache = KVCache.for_model(tiny.config, parse_kv("k=fp32,v=fp32,kscale=1"), 64)
-        scaled = run(tiny.model, cache, t, prefill=1)
-    assert torch.allclose(scaled, plain, atol=1e-4) and cache.layer(0).key_scale is not None
-
-
-def test_the_first_write_of_scaled_keys_without_the_queries_is_refused():
-    cache = KVCache(parse_kv("k=lm3h,v=lm2h,group=64,residual=8,kscale=1"), 1, 1, 64, 128)
-    k = torch.randn(1, 1, 4, 64)
-    with pytest.raises(ValueError, match="queries"):
-        cache.append([(k, k)])
-    cache.append([(k, k)], [torch.ones(1, 1, 64)])
-    cache.append([(k, k)])  # later writes need nothing more: the scales stay the sequence's
-    assert cache.held == 8
-
-
-def test_key_scales_follow_the_square_root_rule_and_cut_the_score_error():
-    """s_c^2 ~ sqrt(Q_c / K_c): a channel with 16x the query energy and the same key energy is
-    stored 2x larger. On keys whose large channels the queries ignore, the scaled 3-bit round
-    trip puts less error on the scores than the plain one."""
-    g = torch.Generator().manual_seed(0)
-    d = 64
-    k_std = torch.ones(d)
-    k_std[:8] = 6.0  # large key channels ...
-    q_std = torch.ones(d)
-    q_std[:8] = 0.2  # ... the queries hardly read
-    q_std[8:16] = 4.0  # and small ones they read hard
-    keys = torch.randn(1, 1, 512, d, generator=g) * k_std  # (B, H, T, D)
-    queries = torch.randn(1, 1, 512, d, generator=g) * q_std
-    s = key_scales(keys, queries.pow(2).mean(dim=2), centered=False).float()  # (1, 1, 1, D)
-    ratio = (s[..., 8:16].mean() / s[..., 16:].mean()).item()  # Q 16x, K 1x: s 16^(1/4) = 2x
-    assert ratio == pytest.approx(2.0, rel=0.15)
-    codec = CODECS["lm3h"]
-
-    def score_error(scale):
-        stored = codec.to_space(keys * scale)
-        back = codec.to_space(codec.decode(codec.encode(stored, 64), 64, d)) / scale  # (B, H, T, D)
-        return ((queries[0, 0] @ (back - keys)[0, 0].T) ** 2).mean().item()
-
-    assert score_error(s) < 0.7 * score_error(torch.ones(d))
 
 
 # The largest logit error of each preset over 40 decode steps of the tiny model, relative to
@@ -294,7 +221,6 @@ def test_capacity_too_small_is_a_clear_error():
         "k=int2c,v=int2h,kgroup=16,vgroup=64,residual=4,center=1,rope=pre",
         "k=int3cs,v=int2h,residual=8,sinks=4,rope=pre,kfirst=int4c,first=1",
         "k=lm3h,v=vq2h,group=16,residual=8,sinks=4",
-        "k=lm3h,v=lm2h,group=16,residual=8,sinks=2,center=1,kscale=1",
     ],
 )
 @pytest.mark.parametrize("batch", [1, 3])
@@ -472,8 +398,6 @@ def test_the_first_layers_can_store_keys_with_another_codec(tiny):
         ("k=int4,v=int4,first=2", "go together"),
         ("k=int4,v=int4,kfirst=int9,first=1", "unknown codec"),
         ("k=int4,v=int4,rope=pre,kfirst=int4h,first=1", None),
-        ("k=lm3h,v=lm2h,kscale=2", "kscale must be 0 or 1"),
-        ("k=int4c,v=int2h,kscale=1,rope=pre", "kscale=1 needs rope=post"),
     ],
 )
 def test_per_layer_key_codecs_parse_and_validate_with_clear_errors(text, message):
@@ -500,7 +424,6 @@ WRITE_SPECS = [
     "k=int2h,v=int8c,group=8,residual=0",
     "k=int4cs,v=int2h,residual=4,rope=pre",
     "k=lm3h,v=lm2h,group=16,residual=3,sinks=2,center=1,layers=lm3h/lm2h;lm4hb/lm2h;lm3h/int4",  # 4 groups
-    "k=lm3h,v=lm2h,group=16,residual=3,sinks=2,center=1,kscale=1",  # key scales, then the center
 ]
 
 
@@ -515,7 +438,6 @@ def assert_same_bytes(fast: KVCache, slow: KVCache) -> None:
                 assert (ra.start, ra.count) == (rb.start, rb.count)
                 assert torch.equal(ra.read().view(torch.uint8), rb.read().view(torch.uint8))
             assert (a.center is None) == (b.center is None) and (a.center is None or torch.equal(a.center, b.center))
-            assert (a.scale is None) == (b.scale is None) and (a.scale is None or torch.equal(a.scale, b.scale))
 
 
 def kernels_and_reference(spec: str, dtype, capacity: int, seed: int):
@@ -536,10 +458,9 @@ def kernels_and_reference(spec: str, dtype, capacity: int, seed: int):
             )
             for _ in range(3)
         ]
-        queries = [torch.rand(2, 2, 64, generator=g) + 0.1 for _ in range(3)] if caches[0].needs_queries else None
         for name, cache in zip(names, caches):
             with backend.using(name):
-                cache.append(kv, queries)
+                cache.append(kv)
 
     return caches, feed
 

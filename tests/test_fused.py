@@ -34,9 +34,7 @@ def lib(request):
 
 def reference_attention(q, k, v, cache, layer=0):
     view = cache.layer(layer)
-    return attend(
-        q, k, v, view.read(torch.float32), view.k_codec, view.v_codec, view.key_center, k_scale=view.key_scale
-    )
+    return attend(q, k, v, view.read(torch.float32), view.k_codec, view.v_codec, view.key_center)
 
 
 SPECS = (
@@ -47,8 +45,6 @@ SPECS = (
         "k=int3h,v=ternh,group=32,residual=0,sinks=2",
         "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1",
         "k=int4c,v=int4,group=32,residual=32,center=1",
-        "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1,kscale=1",
-        "k=int4h,v=int3h,group=64,residual=8,kscale=1",
         "k=int4c,v=int2h,kgroup=16,vgroup=64,residual=8,sinks=4",
         "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=4,start=50",
         "k=int3c,v=int2h,kgroup=16,residual=8,sinks=4,kfirst=int4c,first=1",

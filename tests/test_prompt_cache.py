@@ -28,7 +28,6 @@ FAMILIES = [
     "k=int4c,v=int4,group=32,residual=32",  # KIVI per-channel: 200 tokens leave a partly filled key group
     "hadv2",  # Hadamard values
     "k4v3lmc",  # Lloyd-Max, centered keys, sinks
-    "k=lm3h,v=lm2h,group=32,residual=8,sinks=2,center=1,kscale=1",  # per-sequence key scales
     "k=lm3hb,v=lm2hb,group=32,residual=8,sinks=2",  # one-byte log scales (uint8 scale parts)
     "k=nuq3,v=int3cs,residual=5,sinks=2",  # calibrated per-sequence ranges and a fitted grid
     "k=int4c,v=int2h,group=16,residual=8,sinks=4,rope=pre",

@@ -31,7 +31,7 @@ from minillama.kv.allocate import Choice, allocate
 from minillama.kv.codecs import byte_scale_twin
 from minillama.kv.spec import KVSpec, parse_kv
 
-OPTIONS = ("residual", "sinks", "center", "kscale", "rope", "positions", "start")
+OPTIONS = ("residual", "sinks", "center", "rope", "positions", "start")
 
 
 @dataclass

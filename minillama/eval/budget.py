@@ -25,7 +25,6 @@ def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tok
         f"kv {spec}: k={spec.k.name} v={spec.v.name} kgroup={spec.kgroup} vgroup={spec.vgroup} residual={spec.residual} "
         f"sinks={spec.sinks}"
         + (" center=1" if spec.center else "")
-        + (" kscale=1" if spec.kscale else "")
         + (" rope=pre" if spec.rope == "pre" else "")
         + (" positions=cache" if spec.positions == "cache" else "")
         + (f" start={spec.start}" if spec.start else "")

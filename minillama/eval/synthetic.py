@@ -26,7 +26,5 @@ def fill_synthetic(cache: KVCache, tokens: int, chunk: int = 512, seed: int = 0)
             k = torch.randn(*shape, n, cache.head_dim, generator=g) + outliers  # (B, H, n, D)
             v = torch.randn(*shape, n, cache.head_dim, generator=g)  # (B, H, n, D)
             kv.append((k, v))
-        # kscale=1 sets its key scales from the first write's queries: unit ones, no channel preferred
-        queries = [torch.ones(*shape, cache.head_dim) for _ in kv] if cache.needs_queries else None  # (B, H, D) each
-        cache.append(kv, queries)
+        cache.append(kv)
         done += n

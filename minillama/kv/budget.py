@@ -12,7 +12,7 @@ from minillama.kv.spec import KVSpec
 
 
 def store_live_bytes(
-    codec: Codec, group: int, spec: KVSpec, tokens: int, head_dim: int, centered: bool = False, scaled: bool = False
+    codec: Codec, group: int, spec: KVSpec, tokens: int, head_dim: int, centered: bool = False
 ) -> dict[str, float]:
     """Closed-form bytes per KV head for one tensor holding `tokens` tokens (no eviction)."""
     exact = codec.exact_dtype.itemsize
@@ -26,8 +26,6 @@ def store_live_bytes(
         out[key] += body // p.tokens_per_row * p.width * p.dtype.itemsize
     if centered and tokens:
         out["scales"] += head_dim * exact  # the per-channel key mean, one row per head
-    if scaled and tokens:
-        out["scales"] += head_dim * 2  # the per-channel key scales (kscale=1), float16, one row per head
     if body:
         out["scales"] += codec.param_bytes(head_dim)  # per-sequence ranges (and grid), fitted at the first flush
     return out
@@ -40,8 +38,7 @@ def formula_live_bytes(
     heads = n_kv_heads * batch
     total = {"codes": 0, "scales": 0, "residual": 0, "sinks": 0}
     for layer in range(n_layers):
-        for t, (codec, group, centered) in enumerate(spec.tensors(layer)):
-            scaled = spec.kscale and t == 0  # kscale=1 scales the keys of every layer
-            for key, value in store_live_bytes(codec, group, spec, tokens, head_dim, centered, scaled).items():
+        for codec, group, centered in spec.tensors(layer):
+            for key, value in store_live_bytes(codec, group, spec, tokens, head_dim, centered).items():
                 total[key] += int(value) * heads
     return total

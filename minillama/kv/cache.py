@@ -92,10 +92,7 @@ class KVCache:
             kinds = [spec.tensors(layer)[t] for layer in range(n_layers)]  # (codec, group, centered) per layer
             for kind in dict.fromkeys(kinds):
                 members = [i for i, k in enumerate(kinds) if k == kind]
-                scaled = spec.kscale and t == 0  # kscale=1 scales the keys of every layer
-                shared = LayeredStore(
-                    members, *kind[:2], spec, capacity, batch, n_kv_heads, head_dim, device, kind[2], scaled
-                )
+                shared = LayeredStore(members, *kind[:2], spec, capacity, batch, n_kv_heads, head_dim, device, kind[2])
                 self.stores.append(shared)
                 self.tensor_of.append(t)
                 for i, store in zip(members, shared.stores):
@@ -166,24 +163,13 @@ class KVCache:
         self.bytes.total_read += nbytes
         self._step_read += nbytes
 
-    @property
-    def needs_queries(self) -> bool:
-        """The next append sets the key scales (kscale=1) and must bring the queries' energy."""
-        return any(shared.needs_queries for shared in self.stores)
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full."""
+        self.append_stacked(torch.stack([k for k, _ in new_kv]), torch.stack([v for _, v in new_kv]))
 
-    def append(
-        self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries: list[torch.Tensor] | None = None
-    ) -> None:
-        """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full. `queries`:
-        per layer the new queries' mean square per channel (B, H_kv, D) (model/attention.py:
-        query_energy), which the first append of a kscale=1 cache needs (``needs_queries``)."""
-        stacked = torch.stack(queries) if queries is not None else None  # (L, B, H_kv, D)
-        self.append_stacked(torch.stack([k for k, _ in new_kv]), torch.stack([v for _, v in new_kv]), stacked)
-
-    def append_stacked(self, k: torch.Tensor, v: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+    def append_stacked(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """``append`` with every layer's keys and values stacked, each (L, B, H_kv, n, D) (the native
-        step writes them so), and the queries' energy (L, B, H_kv, D) when ``needs_queries``.
-        Nothing keeps k or v: the caller may reuse them."""
+        step writes them so). Nothing keeps k or v: the caller may reuse them."""
         n = k.shape[3]
         overflow = self.held + n - self.capacity
         if overflow > 0 and self.on_full == "stop":
@@ -199,8 +185,7 @@ class KVCache:
                 check_finite(v)
             done = (0, 0)
             for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
-                q = self._members(shared, queries) if queries is not None and shared.needs_queries else None
-                w, r = shared.append(self._members(shared, v if t else k), evict, q)
+                w, r = shared.append(self._members(shared, v if t else k), evict)
                 done = (done[0] + w, done[1] + r)
         written, read = done
         self.position += n
@@ -299,7 +284,6 @@ class CacheLayer:
         self._k, self._v = cache.layers[i]
         self.k_codec, self.v_codec = self._k.codec, self._v.codec
         self.key_center = self._k.center  # (B, H, 1, D) or None
-        self.key_scale = self._k.scale  # (B, H, 1, D) float16 or None
 
     def positions(self, device=None) -> torch.Tensor:
         """Positions of the held tokens in age order (held,), as a read returns them."""

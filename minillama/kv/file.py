@@ -3,7 +3,7 @@
 A saved cache is a safetensors file (no pickle; memory-mappable; mlx-lm's prompt caches use
 the same container) holding, for every layer and tensor (K, V), each ring's *held* rows in
 age order -- packed codes, fp16 scales and zeros, the exact residual and sinks -- plus the
-per-sequence parameters (key center and scales, fitted ranges and grids), the token ids the cache was
+per-sequence parameters (key center, fitted ranges and grids), the token ids the cache was
 filled with, the held tokens' positions and the logits of the last token fed. Nothing is
 dequantized: the file is the cache's live bytes, those few extra tensors and a JSON header.
 
@@ -93,8 +93,6 @@ def encode(
             params = dict(store.codec.stored_params(store.params)) if store.params else {}
             if store.center is not None:
                 params["center"] = store.center
-            if store.scale is not None:
-                params["kscale"] = store.scale  # not "scale": that name is the body's ring of scales
             for name, t in params.items():
                 tensors[f"layers.{i}.{tensor}.{name}"] = t.contiguous()
             stores.append(
@@ -366,7 +364,6 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
             lead = (cache.batch, cache.n_kv_heads)
             shapes = {
                 "center": (*lead, 1, cache.head_dim),
-                "kscale": (*lead, 1, cache.head_dim),
                 "lo": (*lead, 1, cache.head_dim),
                 "span": (*lead, 1, cache.head_dim),
                 "levels": (*lead, 2**store.codec.bits),
@@ -379,10 +376,7 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
             store.center = t[prefix + "center"].to(device) if "center" in names else None
             if (store.center is not None) != (store.centered and position > 0):
                 raise bad(f"{prefix}center does not match the spec's center setting")
-            store.scale = t[prefix + "kscale"].to(device) if "kscale" in names else None
-            if (store.scale is not None) != (store.scaled and position > 0):
-                raise bad(f"{prefix}kscale does not match the spec's kscale setting")
-            params = {n: t[prefix + n].to(device) for n in names - {"center", "kscale"}}
+            params = {n: t[prefix + n].to(device) for n in names - {"center"}}
             if params:
                 if not store.codec.per_sequence or not {"lo", "span"} <= set(params):
                     raise bad(f"{prefix} has per-sequence parameters its codec {store.codec.name} does not use")

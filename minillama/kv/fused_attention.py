@@ -128,10 +128,6 @@ def layer_plan(
         center = view.key_center.float().contiguous()  # (B, H, 1, D)
         keep.append(center)
         plan.k_center = center.data_ptr()
-    if view.key_scale is not None:  # scaled keys: the query divided, the new key multiplied alike
-        scale = view.key_scale.float().contiguous()  # (B, H, 1, D)
-        keep.append(scale)
-        plan.k_scale = scale.data_ptr()
     k_parts, v_parts = view.parts()
     angles = rope(max(p.first_position + p.n for p in k_parts)) if pre and k_parts else None
     keep.append(angles)
@@ -206,7 +202,7 @@ class CachePlans:
     count, the slot of its oldest row and its first position, the same numbers for every layer
     that shares a codec (kv/layered.py). A group's plans are made again only when its parts
     appear (sinks, body, residual start out empty), a calibrated codec fits its ranges, the key
-    center or scales are set or the cache is cleared: ``_shape`` names all of that. `keep` holds alive every
+    center is set or the cache is cleared: ``_shape`` names all of that. `keep` holds alive every
     tensor the plans point into."""
 
     def __init__(self, lib, cache, r: int):
@@ -220,13 +216,13 @@ class CachePlans:
     def _shape(self, shared, rope_tables) -> tuple:
         lead = shared.stores[0]
         present = (lead.sinks.count > 0, lead.n_body > 0, lead.residual.count > 0)
-        return present, lead.center, lead.scale, lead.params, rope_tables, backend.exact_attention()
+        return present, lead.center, lead.params, rope_tables, backend.exact_attention()
 
     @staticmethod
     def _same(a: tuple | None, b: tuple) -> bool:
-        """Shapes are the same: equal flags, and the very same center, scale and parameter objects
-        (held here, so a new one can never reuse a freed one's identity)."""
-        return a is not None and a[0] == b[0] and all(x is y for x, y in zip(a[1:4], b[1:4])) and a[4:] == b[4:]
+        """Shapes are the same: equal flags, and the very same center and parameter objects (held
+        here, so a new one can never reuse a freed one's identity)."""
+        return a is not None and a[0] == b[0] and a[1] is b[1] and a[2] is b[2] and a[3:] == b[3:]
 
     def refresh(self, cache, rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None) -> list[LayerPlan]:
         """The plans for `cache` (the one they were made for) as it is now; NotSupported when a part

@@ -43,7 +43,7 @@ class GroupView:
     def k_codec(self):
         raise NotSupported(ONE_AT_A_TIME)
 
-    v_codec = key_center = key_scale = k_codec
+    v_codec = key_center = k_codec
 
     def parts(self) -> tuple[list[PartView], list[PartView]]:
         raise NotSupported(ONE_AT_A_TIME)
@@ -92,17 +92,9 @@ class CacheGroup:
     def layer(self, i: int) -> GroupView:
         return GroupView([c.layer(i) for c in self.caches], self.rows)
 
-    @property
-    def needs_queries(self) -> bool:
-        return any(c.needs_queries for c in self.caches)
-
-    def append(
-        self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries: list[torch.Tensor] | None = None
-    ) -> None:
-        """new_kv: per layer (k, v), each (sum of batches, H, T, D), and the queries' energy (sum of
-        batches, H, D) per layer or None: each cache gets its rows."""
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """new_kv: per layer (k, v), each (sum of batches, H, T, D): each cache gets its rows."""
         start = 0
         for cache, n in zip(self.caches, self.rows):
-            q = [e[start : start + n] for e in queries] if queries is not None else None
-            cache.append([(k[start : start + n], v[start : start + n]) for k, v in new_kv], q)
+            cache.append([(k[start : start + n], v[start : start + n]) for k, v in new_kv])
             start += n

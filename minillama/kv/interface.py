@@ -7,10 +7,9 @@ gpt-fast's model uses ``KVCache.update`` and mlx-lm's ``offset``/``update_and_fe
     cache.pre_rope             keys are stored before RoPE (rotated for their positions when read)
     cache.held                 how many tokens are stored
     cache.layer(i)             a LayerView: what attention reads of layer i
-    cache.append(new_kv, q)    the one place the cache grows (and evicts); q, the new queries'
-                               energy per channel, only while cache.needs_queries (kscale=1)
+    cache.append(new_kv)       the one place the cache grows (and evicts)
 
-A ``LayerView`` gives the codecs of keys and values (their storage spaces), the key center and scales,
+A ``LayerView`` gives the codecs of keys and values (their storage spaces), the key center,
 the held tokens' positions, ``read(dtype)`` for the reference attention (dequantized, counted
 as read) and ``parts()`` for the kernels: each held part (sinks, quantized body, residual) of
 each tensor, its rings as ``RingView`` (a buffer and the slot of its oldest row); a kernel that
@@ -58,7 +57,6 @@ class LayerView(Protocol):
     k_codec: Codec  # the keys' storage space: k_codec.to_space() maps plain keys into it
     v_codec: Codec  # the values' storage space
     key_center: torch.Tensor | None  # (B, H, 1, D) subtracted from the stored keys (center=1), or None
-    key_scale: torch.Tensor | None  # (B, H, 1, D) the stored keys were multiplied by, before rotation (kscale=1)
 
     def positions(self, device=None) -> torch.Tensor:
         """Positions of the held tokens in age order (held,)."""
@@ -89,11 +87,6 @@ class Cache(Protocol):
     @property
     def next_position(self) -> int: ...
 
-    @property
-    def needs_queries(self) -> bool: ...
-
     def layer(self, i: int) -> LayerView: ...
 
-    def append(
-        self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries: list[torch.Tensor] | None = None
-    ) -> None: ...
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...

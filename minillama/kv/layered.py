@@ -27,7 +27,7 @@ from minillama.kv.codecs import Affine, Codebook, FloatCodec
 from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.kv.ring import Ring, ring_buffer
 from minillama.kv.store import TensorStore, layout
-from minillama.kv.write import encode, key_scales, native_encoding, storage_form
+from minillama.kv.write import encode, native_encoding, storage_form
 from minillama.native.abi import DTYPE_CODE, RingRef, TokenWrite
 
 
@@ -89,7 +89,6 @@ class LayeredStore:
         head_dim: int,
         device,
         centered: bool,
-        scaled: bool = False,
     ):
         self.layers = layers  # the cache's index of each member layer, in order
         self.layer_index = torch.tensor(layers, device=device)  # (L,) the same, to pick a step's rows
@@ -110,7 +109,6 @@ class LayeredStore:
                 device,
                 centered,
                 {k: b[i] for k, b in bufs.items()},
-                scaled,
             )
             for i in range(n)
         ]
@@ -118,12 +116,10 @@ class LayeredStore:
         self.residual = SharedRing(bufs.pop("residual"), [s.residual for s in self.stores])
         self.body = {name: SharedRing(buf, [s.body[name] for s in self.stores]) for name, buf in bufs.items()}
         self._centers: tuple[list, torch.Tensor] | None = None  # centered keys: the members' centers, stacked
-        self._scales: tuple[list, torch.Tensor] | None = None  # scaled keys: the members' scales, stacked
 
-    def append(self, x: torch.Tensor, evict: int, queries: torch.Tensor | None = None) -> tuple[int, int]:
+    def append(self, x: torch.Tensor, evict: int) -> tuple[int, int]:
         """Store new vectors x (L, B, H, n, D) in the model's dtype, after evicting `evict` oldest non-sink
-        tokens of every layer; returns (bytes written, bytes read). `queries` (L, B, H, D): the new
-        queries' mean square per channel, which the first append of scaled keys needs (``needs_queries``).
+        tokens of every layer; returns (bytes written, bytes read).
 
         In order: the first tokens fill the sinks; the oldest are evicted from the body, then the
         residual, then the new ones; once ``residual + unit`` tokens wait (and ``start`` tokens are
@@ -131,21 +127,14 @@ class LayeredStore:
         lead, stores = self.stores[0], self.stores
         codec = lead.codec
         exact = lead.residual.buf.dtype
-        if self.needs_queries:  # the first append sets each layer's key scales
-            if queries is None:
-                raise ValueError("the first write of scaled keys (kscale=1) needs the queries' energy")
-            for store, sc in zip(stores, key_scales(x, queries, lead.centered)):  # each (B, H, 1, D)
-                store.scale = sc
-        scale = torch.stack([s.scale for s in stores]) if lead.scaled else None  # (L, B, H, 1, D)
         if lead.centered and lead.center is None:  # the first append sets each layer's center
-            scaled = x if scale is None else (x.float() * scale.float()).to(x.dtype)  # (L, B, H, n, D)
-            means = codec.to_space(scaled).float().mean(dim=-2, keepdim=True).to(exact)  # (L, B, H, 1, D)
+            means = codec.to_space(x).float().mean(dim=-2, keepdim=True).to(exact)  # (L, B, H, 1, D)
             for store, m in zip(stores, means):
                 store.center = m
         center = torch.stack([s.center for s in stores]) if lead.centered else None  # (L, B, H, 1, D)
         # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
         # quantized from the same values whether or not it waited in the residual.
-        x = storage_form(codec, x, center, exact, scale)  # (L, B, H, n, D)
+        x = storage_form(codec, x, center, exact)  # (L, B, H, n, D)
         written = read = 0
         take = min(lead.sinks.slots - lead.sinks.count, x.shape[3])
         if take:
@@ -172,11 +161,6 @@ class LayeredStore:
         if x.shape[3]:
             written += self.residual.push(x)
         return written, read
-
-    @property
-    def needs_queries(self) -> bool:
-        """Scaled keys without their scales yet: the next append must bring the queries' energy."""
-        return self.stores[0].scaled and self.stores[0].scale is None
 
     def _flush_count(self, waiting: int) -> int:
         """Tokens to encode into the body now, with `waiting` non-sink tokens past the body (the
@@ -225,7 +209,7 @@ class LayeredStore:
         kind = _token_kind(codec)
         if kind is None or x.dtype not in DTYPE_CODE or lead.residual.buf.dtype != torch.float16:
             return None
-        if (lead.centered and lead.center is None) or self.needs_queries:
+        if lead.centered and lead.center is None:
             return None
         sinks, res = lead.sinks, lead.residual
         to_sinks = sinks.count < sinks.slots
@@ -236,9 +220,7 @@ class LayeredStore:
         w = TokenWrite(L=n_layers, BH=x.shape[1] * x.shape[2], D=x.shape[-1], dtype=DTYPE_CODE[x.dtype])
         x = x.contiguous()  # (L, B, H, 1, D)
         center = self._center16() if lead.centered else None  # (L, B, H, 1, D) float16
-        scale = self._scale16() if lead.scaled else None  # (L, B, H, 1, D) float16
         w.x, w.rotate, w.center = x.data_ptr(), int(codec.rotate), center.data_ptr() if center is not None else None
-        w.scale_k = scale.data_ptr() if scale is not None else None
         to = self.sinks if to_sinks else None if encoded else self.residual
         if to is not None:
             w.to, w.to_slot = to.ref, (to.lead.start + to.lead.count) % to.lead.slots
@@ -254,7 +236,7 @@ class LayeredStore:
                     w.zero = self.body["zero"].ref
                 else:  # a codebook: codes and scales, no zeros
                     w.levels, w.refine, w.log_scale = levels.data_ptr(), REFINE, int(codec.log_scale)
-        return PendingWrite(w, [x, center, scale, levels], lambda: self._after_token(n_flush, r, to))
+        return PendingWrite(w, [x, center, levels], lambda: self._after_token(n_flush, r, to))
 
     def _after_token(self, n_flush: int, r: int, to: SharedRing | None) -> tuple[int, int]:
         """Move the counters as ``append``'s pushes and drops move them; (bytes written, bytes read)."""
@@ -270,13 +252,6 @@ class LayeredStore:
         if to is not None:
             written += to.advance(1)
         return written, read
-
-    def _scale16(self) -> torch.Tensor:
-        """Every member's key scales stacked, (L, B, H, 1, D) float16; made again only when one changes."""
-        scales = [s.scale for s in self.stores]  # held below, so an old scale's id is never reused
-        if self._scales is None or any(a is not b for a, b in zip(scales, self._scales[0])):
-            self._scales = (scales, torch.stack(scales).contiguous())
-        return self._scales[1]
 
     def _center16(self) -> torch.Tensor:
         """Every member's key center stacked, (L, B, H, 1, D) float16; made again only when a center changes."""

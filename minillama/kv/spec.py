@@ -2,15 +2,11 @@
 
     --kv PRESET
     --kv k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]
-                        [,kscale=0|1][,rope=post|pre][,positions=absolute|cache][,start=N]
+                        [,rope=post|pre][,positions=absolute|cache][,start=N]
 
 A spec is plain data; the cache (``cache.py``) and its stores (``store.py``) act on it.
 
 * ``group`` sets both tensors' group size; ``kgroup``/``vgroup`` set one.
-* ``kscale=1`` scales each key channel by (mean q^2 / mean k^2)^(1/4), both measured on the
-  sequence's first write (its prefill), and divides the queries by the same: scores are
-  unchanged, and the key codes' error moves to the channels the queries weigh least
-  (kv/write.py: key_scales; the per-channel rule QServe's SmoothAttention uses, from RMS).
 * ``rope=pre`` stores keys *before* the rotary embedding (KVQuant): RoPE turns each pair
   of channels by a position-dependent angle, which smears the per-channel structure that
   per-channel quantization relies on; the keys are rotated when they are read instead.
@@ -46,7 +42,6 @@ class KVSpec:
     sinks: int = 0
     name: str = ""
     center: bool = False  # subtract each sequence's per-channel key mean (see store.py)
-    kscale: bool = False  # scale key channels by the prefill's query/key energy (kv/write.py: key_scales)
     rope: str = "post"  # "post": keys stored after RoPE; "pre": before, rotated at read
     positions: str = "absolute"  # "absolute" or "cache" (slot positions; needs rope="pre")
     start: int = 0  # every token stays exact until this many are held
@@ -129,7 +124,6 @@ class KVSpec:
         text = f"k={self.k.name},v={self.v.name},{group},residual={self.residual},sinks={self.sinks}"
         extras = [
             ("center=1", self.center),
-            ("kscale=1", self.kscale),
             ("rope=pre", self.rope == "pre"),
             ("positions=cache", self.positions == "cache"),
             (f"start={self.start}", self.start > 0),
@@ -224,10 +218,10 @@ PRESET_NOTES: dict[str, str] = {
 
 GRAMMAR = (
     "k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
-    "[,kscale=0|1][,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]"
+    "[,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]"
     "[,layers=K/V;K/V;...]"
 )
-NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "kscale", "start", "first")
+NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start", "first")
 WORDS = {"rope": ("post", "pre"), "positions": ("absolute", "cache")}
 _FIELD = re.compile(r"^([a-z]+)=(.+)$")
 
@@ -287,12 +281,9 @@ def parse_kv(text: str) -> KVSpec:
         raise UserError("--kv group sizes must be at least 1")
     if "first" in nums and nums["first"] < 1:
         raise UserError("--kv first=0 gives no layer the kfirst codec: first=N needs N >= 1")
-    for flag in ("center", "kscale"):
-        if nums.get(flag, 0) > 1:
-            raise UserError(f"--kv {flag} must be 0 or 1")
+    if nums.get("center", 0) > 1:
+        raise UserError("--kv center must be 0 or 1")
     rope, positions = fields.get("rope", "post"), fields.get("positions", "absolute")
-    if nums.get("kscale") and rope == "pre":
-        raise UserError("--kv kscale=1 needs rope=post: scaled channels would not survive the rotation at read")
     if positions == "cache" and rope != "pre":
         raise UserError("--kv positions=cache needs rope=pre: keys stored after RoPE carry their old positions")
     kfirst = CODECS[fields["kfirst"]] if "kfirst" in fields else None
@@ -309,7 +300,6 @@ def parse_kv(text: str) -> KVSpec:
         nums.get("sinks", 0),
         name=text if text not in PRESETS.values() and text not in MIXES.values() else "",
         center=bool(nums.get("center", 0)),
-        kscale=bool(nums.get("kscale", 0)),
         rope=rope,
         positions=positions,
         start=nums.get("start", 0),

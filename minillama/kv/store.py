@@ -20,11 +20,6 @@ new keys are shifted too (``KVCache.key_center``). What changes is quantization:
 large, nearly constant key channels of Llama models no longer inflate each token's range,
 so per-token (rotated) key codes get finer.
 
-With ``kscale=1`` keys are first multiplied by per-channel scales s (B, H, 1, D), set once
-per sequence by its first write from the keys' and the queries' energy per channel
-(kv/write.py: key_scales; counted with the scales). Scores are unchanged because the query
-is divided by the same s (q/s).(k*s) = q.k; what changes is where the codec's error falls.
-
 With ``start=N`` nothing leaves the residual until N tokens are held. Calibrated codecs
 (``int4cs``, ``nuq3``, ...) fit their per-sequence parameters on the first flush: every
 non-sink token held at that moment (the prefill, or the first N with ``start=N``).
@@ -98,16 +93,14 @@ class TensorStore:
         device,
         centered: bool = False,
         bufs: dict[str, torch.Tensor] | None = None,
-        scaled: bool = False,
     ):
         """`bufs`: each ring's buffer (B, H, slots, width) by name, views into buffers several layers
         share (kv/layered.py: LayeredStore); zeros of the layout's shapes when None."""
         self.codec, self.group, self.head_dim = codec, group, head_dim
-        self.centered, self.scaled = centered, scaled
+        self.centered = centered
         self.center: torch.Tensor | None = (
             None  # (B, H, 1, D) per-channel mean in storage space, set by the first append
         )
-        self.scale: torch.Tensor | None = None  # (B, H, 1, D) float16 key scales (kscale=1), set by the first append
         self.params: dict[str, torch.Tensor] | None = None  # calib codecs: lo, span (B, H, 1, D), levels (B, H, 2**b)
         self.residual_len, self.unit, self.start = spec.residual, codec.unit(group), spec.start
         shapes = layout(codec, group, spec, capacity, head_dim)
@@ -135,12 +128,10 @@ class TensorStore:
 
     @property
     def center_bytes(self) -> int:
-        """Bytes of the per-sequence parameters: the key center and scales, a calibrated codec's ranges and grid."""
+        """Bytes of the per-sequence parameters: the key center, a calibrated codec's ranges and grid."""
         stored = dict(self.codec.stored_params(self.params)) if self.params else {}
         if self.center is not None:
             stored["center"] = self.center
-        if self.scale is not None:
-            stored["scale"] = self.scale
         return sum(t.numel() * t.element_size() for t in stored.values())
 
     def live_read_bytes(self) -> int:
@@ -207,7 +198,6 @@ class TensorStore:
             ring.clear()
         self.n_body = 0
         self.center = None
-        self.scale = None
         self.params = None
 
     def live_bytes(self) -> dict[str, int]:

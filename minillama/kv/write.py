@@ -5,9 +5,8 @@ backend runs the kernels (native/backend.py), a C++ kernel (``native/encode.cpp`
 identical bytes (a test holds them equal) with one call for every layer of a step instead of
 a dozen PyTorch calls:
 
-* ``storage_form``: scale key channels (``kscale=1``, by ``key_scales``), rotate (Hadamard
-  codecs), subtract the key center (``center=1``) and round to the exact dtype the residual
-  keeps (float16 for quantized codecs);
+* ``storage_form``: rotate (Hadamard codecs), subtract the key center (``center=1``) and
+  round to the exact dtype the residual keeps (float16 for quantized codecs);
 * ``encode``: a block of storage-form vectors into the codec's parts; the kernels cover the
   affine codecs (per-token ``int*``/``int*h`` and KIVI per-channel ``int*c``) and the scalar
   Lloyd-Max codebooks (``lm*``), every other codec encodes with its own ``Codec.encode``.
@@ -30,50 +29,15 @@ def kernels(device):
     return backend.library(device)
 
 
-SCALE_RANGE = 64.0  # key scales are kept within [1/64, 64] x their RMS: a dead channel never divides by 0
-
-
-def key_scales(keys: torch.Tensor, query_energy: torch.Tensor, centered: bool) -> torch.Tensor:
-    """Per-channel key scales s (..., 1, D) from a sequence's first keys (..., n, D) and the mean
-    square of its queries per channel (..., D) over the query heads that share each KV head.
-
-    A key stored as k*s and read by the query q/s gives the same score q.k; the codec's error e
-    (about equal on every channel after the Hadamard rotation, in proportion to the size of k*s)
-    lands on the score as sum_c q_c e_c / s_c. Minimising E[(q.e)^2] ~ sum_c Q_c/s_c^2 * sum_c
-    K_c s_c^2 (Q, K the channels' mean squares) gives s_c^2 ~ sqrt(Q_c / K_c): channels the
-    queries weigh heavily are stored larger, so their error shrinks against the rest. K is the
-    variance with centered keys (the mean is subtracted anyway), else the mean square. The
-    scales are normalised to mean square 1 and rounded to float16, the dtype they are stored in."""
-    k = keys.float()  # (..., n, D)
-    k2 = k.var(dim=-2, unbiased=False) if centered else k.pow(2).mean(dim=-2)  # (..., D)
-    q2 = query_energy.float()  # (..., D)
-    tiny = 1e-12
-    k2 = k2 + tiny + 1e-6 * k2.mean(dim=-1, keepdim=True)
-    q2 = q2 + tiny + 1e-6 * q2.mean(dim=-1, keepdim=True)
-    s = (q2 / k2).pow(0.25)  # (..., D)
-    s = s / s.pow(2).mean(dim=-1, keepdim=True).sqrt()
-    s = s.clamp(1 / SCALE_RANGE, SCALE_RANGE)
-    return s.unsqueeze(-2).to(torch.float16)  # (..., 1, D)
-
-
-def storage_form(
-    codec: Codec,
-    x: torch.Tensor,
-    center: torch.Tensor | None,
-    dtype: torch.dtype,
-    scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """x (L, B, H, n, D) in the model's dtype -> storage form in `dtype`: x times `scale` (L, B, H,
-    1, D) float16 when keys are scaled (rounded to the model's dtype), then x H (rotated codecs),
+def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x (L, B, H, n, D) in the model's dtype -> storage form in `dtype`: x H (rotated codecs),
     minus `center` (L, B, H, 1, D) when keys are centered."""
     lib = kernels(x.device)
     if lib is not None and dtype == torch.float16:
         try:
-            return ops.prepare_rows(lib, x, codec.rotate, center, scale)
+            return ops.prepare_rows(lib, x, codec.rotate, center)
         except NotSupported as e:  # non-finite input or an unsupported dtype: the reference below names it
             backend.fallback(f"cache write of {codec.name} (rotation/centering): {e}")
-    if scale is not None:
-        x = (x.float() * scale.float()).to(x.dtype)  # (L, B, H, n, D)
     y = codec.to_space(x)  # (L, B, H, n, D), rotated in the model's dtype
     if center is not None:
         y = y.float() - center.float()

@@ -42,14 +42,6 @@ def plain_keys(stored: torch.Tensor, codec: Codec, center: torch.Tensor | None) 
     return k + center.float() if center is not None else k
 
 
-def query_energy(q: torch.Tensor, hkv: int) -> torch.Tensor:
-    """q (B, Hq, T, D) -> (B, Hkv, D) float32: the mean square of every channel over the new
-    tokens and the query heads that share each KV head; what a kscale=1 cache's first write sets
-    its key scales from (kv/write.py: key_scales)."""
-    b, hq, t, d = q.shape
-    return q.float().reshape(b, hkv, hq // hkv, t, d).pow(2).mean(dim=(2, 3))  # (B, Hkv, D)
-
-
 def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
     """(T_new, T_past + T_new) bool, True where a query may look: all the past, and itself and earlier."""
     i = torch.arange(t_new, device=device)[:, None]
@@ -66,14 +58,11 @@ def attend(
     v_codec: Codec | None,
     k_center: torch.Tensor | None = None,
     fast: bool = False,
-    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, T, D) and new k, v (B, Hkv, T, D) -> output (B, Hq, T, D).
 
     ``past`` is the cache's (keys, values), each (B, Hkv, P, D) in the codecs' storage space;
-    ``k_center`` (B, Hkv, 1, D) is subtracted from the new keys when the stored ones are centered;
-    the stored keys were multiplied by ``k_scale`` (B, Hkv, 1, D) before their rotation (kscale=1):
-    the new keys are too, and the queries divided by it, so q.k is unchanged.
+    ``k_center`` (B, Hkv, 1, D) is subtracted from the new keys when the stored ones are centered.
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
@@ -85,11 +74,6 @@ def attend(
         past = None if past is None else (past[0].float(), past[1].float())
     rotated = past is not None and past[0].shape[2] > 0  # with no past, stay in plain space
     if rotated:
-        if k_scale is not None:
-            s = k_scale.float()  # (B, Hkv, 1, D)
-            n_rep = hq // hkv
-            q = (q.reshape(b, hkv, n_rep, t, d) / s[:, :, None]).reshape(b, hq, t, d).to(q.dtype)  # (B, Hq, T, D)
-            k = (k * s).to(k.dtype)  # (B, Hkv, T, D)
         q = k_codec.to_space(q)
         k = k_codec.to_space(k)
         if k_center is not None:
@@ -140,4 +124,4 @@ def attend_cache(
         cos_k, sin_k = rotary.at(view.positions(q.device))  # (held, D) each
         past_k = apply_rope(plain_keys(past_k, k_codec, center), cos_k, sin_k).to(q.dtype)
         k_codec, center = PLAIN, None
-    return attend(q, k, v, (past_k, past_v), k_codec, v_codec, center, fast=fast, k_scale=view.key_scale)
+    return attend(q, k, v, (past_k, past_v), k_codec, v_codec, center, fast=fast)

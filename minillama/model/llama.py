@@ -14,7 +14,7 @@ from torch import nn
 
 from minillama.kv.interface import Cache
 from minillama.model import step
-from minillama.model.attention import attend, attend_cache, query_energy
+from minillama.model.attention import attend, attend_cache
 from minillama.model.config import LlamaConfig
 from minillama.model.linear import Linear, concat_rows, project
 from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
@@ -46,10 +46,9 @@ class Attention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
     def forward(self, x, cos, sin, cache: Cache | None, layer: int, rotary: RotaryTable | None = None, fast=False):
-        """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output, the
-        (k, v) to store (k after RoPE, or before it when the cache keeps pre-RoPE keys) and, while
-        the cache asks for it (kscale=1), the queries' energy per channel (B, Hkv, D), else None.
-        ``fast``: PyTorch's fused attention for the new tokens where it applies (model/attention.py)."""
+        """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output and the
+        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``fast``:
+        PyTorch's fused attention for the new tokens where it applies (model/attention.py)."""
         b, t, _ = x.shape
         if self.qkv is not None:  # one matrix product for q, k and v (their weights are views of it)
             qkv = project(x, *self.qkv)  # (B, T, (Hq + 2 Hkv) D)
@@ -67,8 +66,7 @@ class Attention(nn.Module):
         else:
             out = attend_cache(q, k_rope, v, cache.layer(layer), rotary if pre else None, fast)
         out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
-        energy = query_energy(q, self.hkv) if cache is not None and cache.needs_queries else None
-        return self.o_proj(out), (stored, v), energy
+        return self.o_proj(out), (stored, v)
 
 
 class MLP(nn.Module):
@@ -96,10 +94,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache, layer, rotary=None, fast=False):
-        """x (B, T, hidden) -> (the layer's output, the (k, v) to store, the queries' energy or None)."""
-        h, kv, energy = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fast)
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fast)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv, energy
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 class Backbone(nn.Module):
@@ -206,13 +203,12 @@ class Llama(nn.Module):
         positions = torch.arange(first, first + t, device=tokens.device)  # (T,)
         cos, sin = rope_tables(self.inv_freq, positions, self.dtype)  # (T, D) each
         fast = step.fast_paths()
-        new_kv, energies = [], []
+        new_kv = []
         for i, layer in enumerate(self.model.layers):
-            x, kv, energy = layer(x, cos, sin, cache, i, rotary, fast)
+            x, kv = layer(x, cos, sin, cache, i, rotary, fast)
             new_kv.append(kv)
-            energies.append(energy)
         if cache is not None:
-            cache.append(new_kv, energies if cache.needs_queries else None)  # the one place the cache grows
+            cache.append(new_kv)  # the one place the cache grows
         if last_only:
             x = x[:, -1:]
         x = self.model.norm(x)  # (B, T, hidden)

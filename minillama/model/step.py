@@ -217,12 +217,10 @@ def decode(
     on the kernels backend the whole step -- the embedding rows, every layer, the final norm and
     with `logits` the LM head, in one native call -> (B, 1, vocab), else the final hidden state
     (B, 1, hidden); the cache grown. None when the PyTorch layers run instead: not a decode step,
-    the first token of a kscale=1 cache, the reference backend, a dtype or layout the step does not take, or a cache part no kernel
+    the reference backend, a dtype or layout the step does not take, or a cache part no kernel
     reads (recorded as a fallback; nothing ran)."""
     if tokens.shape[1] != 1:  # a prefill chunk: the PyTorch layers, fused attention (fast_paths)
         return None
-    if cache is not None and cache.needs_queries:  # kscale=1's first write takes the queries' energy
-        return None  # from the PyTorch layers: a cache's first token only, not a fallback
     lib = kernels(tokens.device)
     if lib is None:  # the reference backend, or no kernels on this machine (describe() says why)
         return None

@@ -124,11 +124,10 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int bits, in
 
 extern "C" {
 
-// x: rows x D in dtype; center and scale: (rows / rows_per_center) x D fp16 or null; out: rows x D
-// fp16: x times scale (rounded to dtype), rotated, minus center.
+// x: rows x D in dtype; center: (rows / rows_per_center) x D fp16 or null; out: rows x D fp16.
 // Returns how many outputs are not finite (the caller then takes the PyTorch path, which refuses them).
 int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, const uint16_t* center,
-                     const uint16_t* scale, int64_t rows_per_center, uint16_t* out) {
+                     int64_t rows_per_center, uint16_t* out) {
     if (dtype < 0 || dtype > 2) return -MINILLAMA_E_DTYPE;
     if (rotate && (D & (D - 1))) return -MINILLAMA_E_HEAD_DIM;
     int64_t bad = 0;
@@ -137,10 +136,6 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
     for (int64_t r = 0; r < rows; r++) {
         std::vector<float> v(D);
         for (int d = 0; d < D; d++) v[d] = load_value(x, r * D + d, dtype);
-        if (scale) {
-            const uint16_t* s = scale + (r / rows_per_center) * D;
-            for (int d = 0; d < D; d++) v[d] = round_to_dtype(v[d] * half_to_float(s[d]), dtype);
-        }
         if (rotate) {
             for (int h = 1; h < D; h *= 2)
                 for (int i = 0; i < D; i += 2 * h)
@@ -246,7 +241,7 @@ static int check_write(const TokenWrite& w) {
 }
 
 static int fresh_rows(const TokenWrite& w, uint16_t* fresh) {  // fresh: (L * BH, D) fp16
-    const int64_t bad = prepare_rows(w.x, w.dtype, w.L * w.BH, w.D, w.rotate, w.center, w.scale_k, 1, fresh);
+    const int64_t bad = prepare_rows(w.x, w.dtype, w.L * w.BH, w.D, w.rotate, w.center, 1, fresh);
     if (bad < 0) return (int)-bad;
     return bad > 0 ? MINILLAMA_E_NONFINITE : MINILLAMA_OK;
 }

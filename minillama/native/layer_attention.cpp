@@ -17,9 +17,9 @@
 // and value merge: o = sum_t exp(m_t - M) o_t / sum_t exp(m_t - M) l_t. One parallel region
 // per layer; the only buffers are a grow-only workspace of the calling thread and the tiles
 // on each thread's stack.
-// The queries (and the new key) are first moved into the key codec's space (divided, the key
-// multiplied, by the key scales of kscale=1; Hadamard-rotated for *h key codecs: a fast
-// Walsh-Hadamard transform, normalized, the same H as kv/quantize.py); the output is rotated back once per query for *h value codecs.
+// The queries (and the new key) are first moved into the key codec's space (Hadamard-rotated
+// for *h key codecs: a fast Walsh-Hadamard transform, normalized, the same H as
+// kv/quantize.py); the output is rotated back once per query for *h value codecs.
 // model/attention.py is the specification; tests hold every route to it.
 
 #include "rows.h"
@@ -304,15 +304,11 @@ extern "C" int attend_layer(const LayerPlan* plan) {
             for (int r = 0; r < R; r++) {
                 float* qr = &q[((size_t)bh * R + r) * D];
                 load_vec(P.q, ((int64_t)bh * R + r) * D, P.dtype, D, qr);
-                if (P.k_scale)  // scaled keys are read by the query divided alike: q.k unchanged
-                    for (int d = 0; d < D; d++) qr[d] /= P.k_scale[(size_t)bh * D + d];
                 if (P.rotate_k) hadamard(qr, D);
                 for (int d = 0; d < D; d++) qr[d] *= scale;  // every score comes out scaled by 1/sqrt(D)
             }
             float* k = &kown[(size_t)bh * D];
             load_vec(P.k, (int64_t)bh * D, P.dtype, D, k);
-            if (P.k_scale)
-                for (int d = 0; d < D; d++) k[d] *= P.k_scale[(size_t)bh * D + d];
             if (P.rotate_k) hadamard(k, D);
             if (P.k_center)
                 for (int d = 0; d < D; d++) k[d] -= P.k_center[(size_t)bh * D + d];

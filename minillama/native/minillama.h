@@ -77,8 +77,7 @@ struct RingRef {
 };
 
 // One decode token into one group's rings (encode.cpp: write_tokens, one per group). The new vectors x
-// (L * BH, D) in `dtype` are put in storage form (times the fp16 key scales, rotated, minus the fp16
-// center (L * BH, D));
+// (L * BH, D) in `dtype` are put in storage form (rotated, minus the fp16 center (L * BH, D));
 // when flush > 0, `from_res` rows of the residual from slot res_first, then (flush > from_res)
 // the new row, are encoded into the body from codes_slot (and scale_slot): affine codes of
 // `bits` (2, 3, 4, 8) in groups of `group` channels (axis 0) or tokens (axis 1), or bits = 0:
@@ -89,7 +88,6 @@ struct TokenWrite {
     const void* x;
     int dtype, rotate;
     const uint16_t* center;
-    const uint16_t* scale_k;  // (L * BH, D) fp16 key scales (kscale=1) multiplied in before the rotation, or null
     RingRef to;
     int to_slot;
     int flush, from_res, res_first;
@@ -113,7 +111,6 @@ struct LayerPlan {
     int rotate_k;              // keys stored Hadamard-rotated: rotate q and the new key
     int rotate_v;              // values stored rotated: rotate the new value and, once, the output
     const float* k_center;     // (B*H, D) float32, subtracted from the new key (centered keys), or null
-    const float* k_scale;      // (B*H, D) float32 key scales (kscale=1): q divided, the new key multiplied, or null
     int nk, nv;                // parts of K and of V (at most 3 each: sinks, body, residual)
     Part kparts[3], vparts[3];
     void* out;
@@ -190,7 +187,7 @@ int silu_mul(const void* gate_up, int dtype, int M, int I, void* out);
 
 // Cache writes (encode.cpp). prepare_rows returns how many outputs are not finite, or -status.
 int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, const uint16_t* center,
-                     const uint16_t* scale, int64_t rows_per_center, uint16_t* out);
+                     int64_t rows_per_center, uint16_t* out);
 int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
                   uint16_t* scale, uint16_t* zero);
 int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, const float* levels, int refine,
@@ -227,7 +224,7 @@ static_assert(sizeof(RowSource) == 136, "RowSource layout changed: update native
 static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56 && offsetof(RowSource, vdim) == 92,
               "RowSource layout");
 static_assert(sizeof(Part) == 144, "Part layout changed: update native/abi.py");
-static_assert(sizeof(LayerPlan) == 80 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
+static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8, "StepEnds layout changed: update native/abi.py");
-static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 184, "TokenWrite layout changed: update native/abi.py");
+static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 176, "TokenWrite layout changed: update native/abi.py");

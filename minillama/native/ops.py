@@ -80,19 +80,14 @@ def add_rms_norm(
     return s, out
 
 
-def prepare_rows(
-    lib, x: torch.Tensor, rotate: bool, center: torch.Tensor | None, scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x (..., n, D) -> float16 (..., n, D): x times scale (..., 1, D), then H (rotate), minus center
-    (..., 1, D), both broadcast over n. Raises NotSupported for non-finite results too: the
-    reference refuses them with a clear error."""
+def prepare_rows(lib, x: torch.Tensor, rotate: bool, center: torch.Tensor | None) -> torch.Tensor:
+    """x (..., n, D) -> float16 (..., n, D): x H (rotate), minus center (..., 1, D) broadcast over n.
+    Raises NotSupported for non-finite results too: the reference refuses them with a clear error."""
     code = _code(x, "prepare_rows", tuple(DTYPE_CODE))
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float16)
     c = center.to(torch.float16).contiguous() if center is not None else None
-    sc = scale.to(torch.float16).contiguous() if scale is not None else None
-    rows, d = x.numel() // x.shape[-1], x.shape[-1]
-    bad = lib.prepare_rows(_p(x), code, rows, d, int(rotate), _p(c), _p(sc), x.shape[-2], _p(out))
+    bad = lib.prepare_rows(_p(x), code, x.numel() // x.shape[-1], x.shape[-1], int(rotate), _p(c), x.shape[-2], _p(out))
     check(min(int(bad), 0), "prepare_rows")
     if bad:
         raise NotSupported("prepare_rows: non-finite values")

@@ -23,10 +23,9 @@ def describe_codecs() -> str:
         lines.append(f"  {c.name:<7} {c.bits_formula():<58} {c.about}")
     lines += [
         "",
-        "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0; center 0; kscale 0; rope post;",
+        "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0; center 0; rope post;",
         "positions absolute; start 0.",
         "center=1 stores keys minus a per-sequence channel mean (softmax ignores the shift; codes get finer).",
-        "kscale=1 scales key channels by the prefill's (query / key energy)^(1/4), queries divided alike (scores unchanged).",
         "rope=pre stores keys before RoPE and rotates them when read; positions=cache numbers held tokens by slot.",
         "start=N keeps every token exact until N are held.",
         "Residual and sink tokens are stored in fp16 (unquantized codecs: in their own dtype).",
