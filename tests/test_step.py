@@ -66,7 +66,7 @@ def layer_by_layer(monkeypatch):
 
 @needs_kernels
 def test_the_step_silu_rounds_as_torch_silu_does():
-    """The step's SiLU (16 lanes at a time where the CPU has AVX-512, with its own exp) against
+    """The step's SiLU (16 lanes at a time with AVX-512, 8 with AVX2, with its own exp) against
     torch's silu(gate) * up: bit for bit in bfloat16 -- every finite gate, from -100 to 100 and
     past exp's range, and a row length that leaves a tail --, within 3 ulp in float32."""
     g = torch.Generator().manual_seed(0)

@@ -3,7 +3,8 @@
 //
 //   add_rms_norm  s = x + h (optional), y = weight * round(s * rsqrt(mean(s^2) + eps))
 //   rope_rows     x <- x cos + rotate_half(x) sin, HF's rotate-half layout, one position
-//   silu_mul      y = silu(gate) * up, from the fused gate|up projection (16 at a time with AVX-512)
+//   silu_mul      y = silu(gate) * up, from the fused gate|up projection (16 at a time with AVX-512,
+//                 8 with AVX2)
 //
 // Each rounds to the tensor's dtype wherever the PyTorch reference (model/llama.py) does, so
 // bfloat16 results match it closely and float32 ones up to summation order. dtype: 0 float32,
@@ -66,6 +67,56 @@ static inline void store16(void* p, int64_t i, __m512 x, int dtype, __mmask16 k)
     if (dtype == 0) return _mm512_mask_storeu_ps((float*)p + i, k, x);
     const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16));
     _mm256_mask_storeu_epi16((uint16_t*)p + i, k, h);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// exp16's twin for 8 floats on AVX2, without vscalefps: 2^n is applied as two powers of two
+// (each within the exponent's range for the clamped n), one after the other, so e^x still
+// overflows to inf and underflows to 0 where std::exp does; min/max keep a NaN (it is their
+// second operand).
+static inline __m256 exp8(__m256 x) {
+    const __m256 c = _mm256_max_ps(_mm256_set1_ps(-150.f), _mm256_min_ps(_mm256_set1_ps(150.f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    for (const float k : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(k));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));  // 1 + r + r^2 P(r)
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);  // n1 + n2 = n, each in [-75, 75]
+    auto pow2 = [](__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); };
+    __m256 half = _mm256_mul_ps(p, pow2(n1));
+    // The build allows reassociation (build.py): without this barrier GCC multiplies the two
+    // powers first, and 2^n1 2^n2 = 2^128 overflows where p 2^128 (n = 128, p < 1) does not.
+    __asm__("" : "+x"(half));
+    return _mm256_mul_ps(half, pow2(n2));
+}
+
+// p[i..i + 8) as floats (0 float32, 2 bfloat16).
+static inline __m256 load8(const void* p, int64_t i, int dtype) {
+    if (dtype == 0) return _mm256_loadu_ps((const float*)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// round_to_dtype for 8 lanes: bfloat16 to nearest even (the same integer steps), float32 as is.
+static inline __m256 round8(__m256 x, int dtype) {
+    if (dtype == 0) return x;
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+// x (already rounded to dtype) into p[i..i + 8).
+static inline void store8(void* p, int64_t i, __m256 x, int dtype) {
+    if (dtype == 0) return _mm256_storeu_ps((float*)p + i, x);
+    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128((__m128i*)((uint16_t*)p + i), packed);
 }
 #endif
 
@@ -131,6 +182,13 @@ int silu_mul(const void* gate_up, int dtype, int M, int I, void* out) {
             const __m512 g = load16(gate_up, row + i, dtype, k), u = load16(gate_up, row + I + i, dtype, k);
             const __m512 silu = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))), dtype);
             store16(out, (int64_t)m * I + i, round16(_mm512_mul_ps(silu, u), dtype), dtype, k);
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= I; i += 8) {  // the scalar loop below takes the last I % 8
+            const __m256 g = load8(gate_up, row + i, dtype), u = load8(gate_up, row + I + i, dtype);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const __m256 silu = round8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), dtype);
+            store8(out, (int64_t)m * I + i, round8(_mm256_mul_ps(silu, u), dtype), dtype);
         }
 #endif
         for (; i < I; i++) {
