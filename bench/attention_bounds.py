@@ -3,16 +3,19 @@
     python bench/attention_bounds.py 8192 "fp16;hadv2;kivi4;k4v3hc;k3v2lm" 10
     python bench/attention_bounds.py 8192 "hadv2" 10 no-scores,no-values      # only these variants
 
-Each variant is the tree's ``native/vnni_attention.cpp`` with one piece of the integer kernels'
-work removed or made free, built as its own library; every spec's 30-layer cache
+Each variant is the tree's ``native/vnni_attention.cpp`` (on a build with AVX-512 VNNI) or its
+AVX2 twins ``avx2_attention.cpp`` and ``avx2_int_values.cpp`` (on an AVX2 build: the first three
+variants only) with one piece of the kernels' work removed or made free, built as its own library; every spec's 30-layer cache
 (``bench/attention_rounds.py: Layers``) is timed through the tree's build and every variant in
 turn (each round starting one build later), round after round, and each variant's median per-round ratio to the tree is printed. **A
 variant computes wrong attention**: it exists to measure what a piece of the work costs, or
 the most a change could buy, never to be used. The variants:
 
-* ``no-scores`` / ``no-values`` / ``neither``: the VNNI score kernel writes zeros / the value
-  kernel adds nothing / both; what is left is the driver (softmax, merge, sinks and residual
-  parts, thread start and join) and the kernels' absence measures their share of the layer.
+* ``no-scores`` / ``no-values`` / ``neither``: the score kernels write zeros / the value
+  kernels add nothing / both; what is left is the driver (softmax, merge, sinks and residual
+  parts, thread start and join) and the kernels' absence measures their share of the layer. On
+  AVX2 both the integer kernels (``score_int4``, ``value_bytes``) and the float ones that read
+  the other codecs (``score_fast``, ``value_fast``) are emptied.
 * ``keys-in-l1`` / ``values-in-l1``: every block of key (value) rows is read from the head's
   first slots, which stay in L1, instead of its own: the share of the time spent waiting for
   rows to arrive from memory.
@@ -43,6 +46,7 @@ from kernel_ab import library_with
 from minillama.native import abi, backend, build
 
 FILE = "vnni_attention.cpp"
+AVX2_SCORES, AVX2_VALUES = "avx2_attention.cpp", "avx2_int_values.cpp"
 
 ZERO_SCORES = (
     "    if (R > 16 || !vnni_keys(s, D)) return false;\n",
@@ -92,6 +96,34 @@ FAR_PREFETCH = (
     "        prefetch_rows(s, bh, at.slot, 32, 16, row_bytes, channel ? 0 : 1);  // two chunks ahead\n",
     "        prefetch_rows(s, bh, at.slot, 512, 16, row_bytes, channel ? 0 : 1);\n",
 )
+AVX2_ZERO_SCORES = [
+    (
+        f"    if (R > 16 || !{test}) return false;\n",
+        f"    if (R > 16 || !{test}) return false;\n"
+        "    for (int r = 0; r < R; r++) std::memset(out + (int64_t)r * ls, 0, sizeof(float) * n);\n"
+        "    return true;\n",
+    )
+    for test in ("int4_keys(s, D)", "fast_kind(s, D, false)")
+]
+AVX2_NO_VALUES = {
+    AVX2_VALUES: [
+        (
+            "    if (R > 16 || !byte_values(s, D)) return false;\n",
+            "    if (R > 16 || !byte_values(s, D)) return false;\n    return true;\n",
+        )
+    ],
+    AVX2_SCORES: [
+        (
+            "    if (R > 16 || !fast_kind(s, D, true)) return false;\n",
+            "    if (R > 16 || !fast_kind(s, D, true)) return false;\n    return true;\n",
+        )
+    ],
+}
+AVX2_VARIANTS = {  # file -> its edits, per variant
+    "no-scores": {AVX2_SCORES: AVX2_ZERO_SCORES},
+    "no-values": AVX2_NO_VALUES,
+    "neither": {AVX2_SCORES: AVX2_ZERO_SCORES + AVX2_NO_VALUES[AVX2_SCORES], AVX2_VALUES: AVX2_NO_VALUES[AVX2_VALUES]},
+}
 VARIANTS = {
     "no-scores": [ZERO_SCORES],
     "no-values": [NO_VALUES],
@@ -105,11 +137,12 @@ VARIANTS = {
 }
 
 
-def edited(text: str, edits: list[tuple[str, str]]) -> str:
-    """`text` with each (old, new) replaced once; an old that is not there exactly once stops the run."""
+def edited(text: str, edits: list[tuple[str, str]], name: str = FILE) -> str:
+    """`text` (of the file `name`) with each (old, new) replaced once; an old that is not there
+    exactly once stops the run."""
     for old, new in edits:
         if text.count(old) != 1:
-            sys.exit(f"{FILE} no longer has this line once (update bench/attention_bounds.py): {old.strip()[:80]}")
+            sys.exit(f"{name} no longer has this line once (update bench/attention_bounds.py): {old.strip()[:80]}")
         text = text.replace(old, new)
     return text
 
@@ -120,25 +153,43 @@ def vnni_build(lib: ctypes.CDLL) -> bool:
     return {"avx512", "avx512_vnni"} <= set(abi.features(lib))
 
 
+def avx2_build(lib: ctypes.CDLL) -> bool:
+    """Whether `lib` runs the AVX2 kernels (avx2_attention.cpp, avx2_int_values.cpp): an AVX2
+    build without AVX-512 (with it, the VNNI or float AVX-512 kernels take the rows)."""
+    features = set(abi.features(lib))
+    return "avx2" in features and "avx512" not in features
+
+
+def variant_sources(lib: ctypes.CDLL) -> dict[str, dict[str, list[tuple[str, str]]]] | None:
+    """Per variant the edits of each source file, for the kernels `lib` runs; None when it runs
+    neither the VNNI nor the AVX2 kernels."""
+    if vnni_build(lib):
+        return {name: {FILE: edits} for name, edits in VARIANTS.items()}
+    return AVX2_VARIANTS if avx2_build(lib) else None
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     specs = spec_list(sys.argv[2] if len(sys.argv) > 2 else "fp16;hadv2")
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 10
-    names = sys.argv[4].split(",") if len(sys.argv) > 4 else list(VARIANTS)
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        sys.exit(f"unknown variant {unknown[0]!r}: use some of {', '.join(VARIANTS)}")
     tree = backend.library()
     if tree is None:
         sys.exit(f"the kernels are not in use: {backend.describe()}")
-    if not vnni_build(tree):
-        sys.exit(f"the variants edit the AVX-512 VNNI kernels, which this build does not hold: {backend.describe()}")
-    source = (build.HERE / FILE).read_text()
+    variants = variant_sources(tree)
+    if variants is None:
+        sys.exit(
+            f"the variants edit the AVX-512 VNNI or the AVX2 kernels, which this build does not hold: {backend.describe()}"
+        )
+    names = sys.argv[4].split(",") if len(sys.argv) > 4 else list(variants)
+    unknown = [v for v in names if v not in variants]
+    if unknown:
+        sys.exit(f"unknown variant {unknown[0]!r} for these kernels: use some of {', '.join(variants)}")
     layers = Layers("smollm2", n)
     with tempfile.TemporaryDirectory() as tmp:
         libs: dict[str, ctypes.CDLL] = {"tree": tree}
         for name in names:
-            libs[name] = library_with({FILE: edited(source, VARIANTS[name])}, Path(tmp) / name, f"variant {name}")
+            texts = {f: edited((build.HERE / f).read_text(), edits, f) for f, edits in variants[name].items()}
+            libs[name] = library_with(texts, Path(tmp) / name, f"variant {name}")
         print(f"{backend.describe()}; {n} tokens; {rounds} rounds; median us per layer, and variant/tree per round")
         print(f"{'kv':10s} {'tree':>7s}  " + "  ".join(f"{v:>16s}" for v in names))
         for kv in specs:

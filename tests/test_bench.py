@@ -224,16 +224,22 @@ def attention_bounds():
 
 
 def test_attention_bounds_variants_still_apply_to_the_kernel_source():
-    """bench/attention_bounds.py edits native/vnni_attention.cpp by exact lines: each variant's
-    lines are there once, so a change to the kernel cannot leave the script measuring nothing."""
+    """bench/attention_bounds.py edits native/vnni_attention.cpp (and, for AVX2 builds,
+    avx2_attention.cpp and avx2_int_values.cpp) by exact lines: each variant's lines are there
+    once, so a change to a kernel cannot leave the script measuring nothing."""
     bounds = attention_bounds()
-    source = (Path(__file__).parent.parent / "minillama" / "native" / "vnni_attention.cpp").read_text()
-    for name, edits in bounds.VARIANTS.items():
-        assert edits, name
-        for old, _ in edits:
-            assert source.count(old) == 1, (name, old)
-        made = bounds.edited(source, edits)
-        assert all(new in made for _, new in edits), name
+    native = Path(__file__).parent.parent / "minillama" / "native"
+    every = [(name, {bounds.FILE: edits}) for name, edits in bounds.VARIANTS.items()]
+    every += list(bounds.AVX2_VARIANTS.items())
+    for name, files in every:
+        assert files, name
+        for file, edits in files.items():
+            source = (native / file).read_text()
+            assert edits, (name, file)
+            for old, _ in edits:
+                assert source.count(old) == 1, (name, file, old)
+            made = bounds.edited(source, edits, file)
+            assert all(new in made for _, new in edits), (name, file)
 
 
 def test_attention_bounds_times_a_variant_against_the_tree():
@@ -244,9 +250,9 @@ def test_attention_bounds_times_a_variant_against_the_tree():
     done = subprocess.run(
         [sys.executable, str(script), "40", "hadv2", "2", "no-values"], capture_output=True, text=True, timeout=600
     )
-    if not attention_bounds().vnni_build(backend.library()):
+    if attention_bounds().variant_sources(backend.library()) is None:
         assert done.returncode != 0 and "does not hold" in done.stderr  # it refuses rather than print 1.00s
-        pytest.skip("the variants edit the AVX-512 VNNI kernels, which this CPU does not run")
+        pytest.skip("the variants edit the AVX-512 VNNI or AVX2 kernels, which this build does not run")
     assert done.returncode == 0, done.stderr
     rows = done.stdout.strip().splitlines()[2:]
     assert len(rows) == 1 and rows[0].startswith("hadv2") and rows[0].endswith(")")
