@@ -69,8 +69,9 @@ class SharedRing:
         return n * self.lead.row_bytes * len(self.members)
 
     def drop_oldest(self, n: int) -> None:
-        for ring in self.members:
-            ring.drop_oldest(n)
+        if n:  # most decode tokens drop nothing: no pass over every layer's ring for it
+            for ring in self.members:
+                ring.drop_oldest(n)
 
 
 class LayeredStore:
