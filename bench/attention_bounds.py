@@ -5,7 +5,8 @@
 
 Each variant is the tree's ``native/vnni_attention.cpp`` (on a build with AVX-512 VNNI) or its
 AVX2 twins ``avx2_attention.cpp`` and ``avx2_int_values.cpp`` (on an AVX2 build: the first three
-variants only) with one piece of the kernels' work removed or made free, built as its own library; every spec's 30-layer cache
+variants only) with one piece of the kernels' work removed or made free, built as its own
+library; every spec's 30-layer cache
 (``bench/attention_rounds.py: Layers``) is timed through the tree's build and every variant in
 turn (each round starting one build later), round after round, and each variant's median per-round ratio to the tree is printed. **A
 variant computes wrong attention**: it exists to measure what a piece of the work costs, or
@@ -28,8 +29,10 @@ the most a change could buy, never to be used. The variants:
 * ``no-prefetch`` / ``far-prefetch``: the score kernel's software prefetch of the key rows
   two 16-row chunks ahead left out, or made 32 chunks ahead: what prefetching buys.
 
-fp16 rows do not go through these kernels: an fp16 spec reads ~1.00 on every variant and
-gives the scale (the ratio a quantized spec must reach, 0.40x fp16's layer in issue 26).
+On a VNNI build fp16 rows do not go through these kernels: an fp16 spec reads ~1.00 on every
+variant and gives the scale (the ratio a quantized spec must reach, 0.40x fp16's layer in issue
+26). On AVX2 fp16 rows take the float kernels ``score_fast`` and ``value_fast``, so the three
+variants take fp16's layer apart too; its tree column is still the scale.
 """
 
 from __future__ import annotations
