@@ -113,6 +113,24 @@ def test_the_reference_backend_runs_without_any_kernel(tiny, monkeypatch):
         assert torch.isfinite(tiny.model(torch.tensor([[4]]), cache)).all()
 
 
+def test_a_cpu_without_the_kernels_says_so_in_one_line_and_runs_the_reference(tiny_dir, monkeypatch):
+    """No C++ compiler (or a failed build): the command still works, on the PyTorch reference, and
+    says once on stderr why it is slower; --backend reference asked for that and says nothing."""
+    from click.testing import CliRunner
+
+    from minillama.app.cli import cli
+
+    monkeypatch.setattr(backend, "_load", lambda target: (None, "no C++ compiler found (install g++)"))
+    args = ["generate", "hello", "--model", str(tiny_dir), "--max-tokens", "3"]
+    with backend.using("kernels"):  # restores the backend --backend sets for the rest of the session
+        result = CliRunner().invoke(cli, args)
+        quiet = CliRunner().invoke(cli, [*args, "--backend", "reference"])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: the compiled kernels")]
+    assert len(notes) == 1 and "install g++" in notes[0] and "PyTorch reference" in notes[0]
+    assert quiet.exit_code == 0 and "compiled kernels" not in quiet.stderr
+
+
 @pytest.mark.parametrize("head_dim,q_per_kv", [(32, 3), (64, 1), (64, 2), (128, 1), (128, 4), (128, 2)])
 @pytest.mark.parametrize("spec", ["fp16", "kivi4", "hadv2", "k=lm3h,v=lm2h,group=32,residual=4,sinks=2"])
 def test_fused_equals_reference_for_other_head_shapes(lib, head_dim, q_per_kv, spec):

@@ -47,7 +47,22 @@ def load(model_name: str | None, dtype: str, device: str, backend: str | None = 
 
     if backend:
         set_backend(backend)
+    note_missing_kernels(device)
     return load_model(resolve_model(model_name), dtype, device)
+
+
+def note_missing_kernels(device: str) -> None:
+    """One line on stderr when the kernels are asked for on a CPU but did not build (no C++
+    compiler, a failed build): the run goes on with the PyTorch reference, several times slower,
+    and the user should know why rather than guess."""
+    from minillama.native import backend
+
+    if device == "cpu" and backend.name() != "reference" and backend.library(device) is None:
+        click.echo(
+            f"note: the compiled kernels are unavailable ({backend.describe()}): decoding runs the PyTorch "
+            "reference, several times slower (--backend reference silences this)",
+            err=True,
+        )
 
 
 def read_text_file(path: str) -> str:
