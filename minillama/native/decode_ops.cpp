@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 
 #include "dtypes.h"
 #include "minillama.h"
@@ -28,6 +27,12 @@ static inline void put(void* p, int64_t i, float x, int dtype) {
     }
 }
 
+// e^x = 2^n e^r with n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts, LN2_HI exact in
+// float), e^r = 1 + r + r^2 P(r) by Cephes' expf polynomial: the constants of both SIMD twins.
+constexpr float LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float EXP_P[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -35,13 +40,12 @@ static inline void put(void* p, int64_t i, float x, int dtype) {
 // polynomial (within about an ulp of e^x, as torch's Sleef exp is), times 2^n by vscalefps,
 // which gives inf and 0 where e^x overflows and underflows, as std::exp does.
 static inline __m512 exp16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[i]));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));  // 1 + r + r^2 P(r)
     return _mm512_scalef_ps(p, n);
 }
@@ -77,13 +81,11 @@ static inline void store16(void* p, int64_t i, __m512 x, int dtype, __mmask16 k)
 // second operand).
 static inline __m256 exp8(__m256 x) {
     const __m256 c = _mm256_max_ps(_mm256_set1_ps(-150.f), _mm256_min_ps(_mm256_set1_ps(150.f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    for (const float k : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(k));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), c);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));  // 1 + r + r^2 P(r)
     const __m256i ni = _mm256_cvtps_epi32(n);
     const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);  // n1 + n2 = n, each in [-75, 75]

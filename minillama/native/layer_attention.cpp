@@ -28,7 +28,8 @@
 #include <omp.h>
 
 // Whether a SIMD integer kernel reads these rows on this build: VNNI (AVX-512) keys and values,
-// or on AVX2 score_int4 (4-bit keys, affine or codebook) and value_bytes (2-, 3- and 4-bit values).
+// or on AVX2 score_int4 (4-bit keys, affine or codebook; 3-bit affine keys) and value_bytes
+// (2-, 3- and 4-bit values).
 static bool simd_integer_reads(int values, const RowSource& s, int D) {
     return values ? vnni_values(s, D) || byte_values(s, D) : vnni_keys(s, D) || int4_keys(s, D);
 }
@@ -74,7 +75,7 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
 }
 
 // Whether the exact SIMD kernels read these rows faster than the integer route would: where no
-// SIMD integer kernel reads them (VNNI on AVX-512; on AVX2 score_int4 for 4-bit keys and
+// SIMD integer kernel reads them (VNNI on AVX-512; on AVX2 score_int4 for 4- and 3-bit keys and
 // value_bytes for 2-, 3- and 4-bit values) but score_fast / value_fast do. Measured on a Zen 3
 // (AVX2, docs/speed-history.md): the generic AVX2 integer kernels' byte unpacking through memory and
 // scalar weights cost more than widening the codes to floats.
