@@ -15,8 +15,8 @@ the most a change could buy, never to be used. The variants:
 * ``no-scores`` / ``no-values`` / ``neither``: the score kernels write zeros / the value
   kernels add nothing / both; what is left is the driver (softmax, merge, sinks and residual
   parts, thread start and join) and the kernels' absence measures their share of the layer. On
-  AVX2 both the integer kernels (``score_int4``, ``value_bytes``) and the float ones that read
-  the other codecs (``score_fast``, ``value_fast``) are emptied.
+  AVX2 both the integer kernels (``score_int4``, ``score_int2``, ``value_bytes``) and the float
+  ones that read the other codecs (``score_fast``, ``value_fast``) are emptied.
 * ``keys-in-l1`` / ``values-in-l1``: every block of key (value) rows is read from the head's
   first slots, which stay in L1, instead of its own: the share of the time spent waiting for
   rows to arrive from memory.
@@ -106,7 +106,7 @@ AVX2_ZERO_SCORES = [
         "    for (int r = 0; r < R; r++) std::memset(out + (int64_t)r * ls, 0, sizeof(float) * n);\n"
         "    return true;\n",
     )
-    for test in ("int4_keys(s, D)", "fast_kind(s, D, false)")
+    for test in ("int4_keys(s, D)", "int2_keys(s, D)", "fast_kind(s, D, false)")
 ]
 AVX2_NO_VALUES = {
     AVX2_VALUES: [

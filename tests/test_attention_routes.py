@@ -101,7 +101,14 @@ def test_the_integer_route_stays_within_its_bound_on_every_shape(target, r, d):
     a/2 * sum |code| (test_integer_attention.py); here the whole output, loosely (see there)."""
     with backend.using("kernels", target):
         lib = backend.library()
-        for spec in ("kivi4", "hadv2s", "k4v3hc", "k4v3lmc", "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4"):
+        for spec in (
+            "kivi4",
+            "hadv2s",
+            "k4v3hc",
+            "k4v3lmc",
+            "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4",
+            "k=lm2h,v=lm2h,kgroup=64,vgroup=64,residual=8,sinks=4,center=1",  # integer 2-bit book keys at head_dim 64
+        ):
             for tokens, capacity, batch in CONTEXTS:
                 cache, q, k, v, rotary = case(spec, tokens, capacity, batch, r, d, seed=tokens + r)
                 fused = kernel(lib, cache, q, k, v, rotary)

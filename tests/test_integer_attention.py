@@ -152,7 +152,8 @@ def int8_levels(book: torch.Tensor, ks: range = range(127, 95, -1)) -> tuple[flo
 
 
 def byte_value_levels(book: torch.Tensor) -> torch.Tensor:
-    """The AVX2 byte values' copy of a book (avx2_int_values.cpp: K in 16..4), as floats."""
+    """The AVX2 byte copy of a book (avx2_int_values.cpp's values, avx2_attention.cpp's 2-bit keys:
+    K in 16..4), as floats."""
     _, _, t = int8_levels(book, range(16, 3, -1))
     return (book / t).round() * t
 
@@ -164,15 +165,24 @@ def key_level_error(book: torch.Tensor) -> torch.Tensor:
     return err if worst <= 0.005 else torch.full_like(book, book.abs().max().item() / 4094)
 
 
+def byte_key_levels(lib, bits: int) -> bool:
+    """Whether this build scores `bits`-bit codebook keys with byte levels (AVX2: score_int2, 2-bit
+    books only): levels K in 16..4, the query's int8 step per block of 16 channels."""
+    return bits == 2 and "avx512" not in abi.features(lib)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, d, bits):
     """Lloyd-Max 2-, 3- and 4-bit keys (one scale a row) on the integer route: the query becomes int8
-    per chunk of 8 channels (a_c = max |q| / 127 over the chunk) and the levels int8 where that
-    keeps every level within 0.5% (2- and 3-bit books), else 16-bit (key_level_error), so a score
-    is off by at most s_t sum_d (a_c / 2 (|L| + e_L) + |q_d| e_L). 2- and 3-bit rows are widened to
-    the 4-bit layout first (where vpermb exists)."""
+    per chunk of 8 channels (a_c = max |q| / 127 over the chunk; 16 channels for AVX2's 2-bit keys)
+    and the levels int8 where that keeps every level within 0.5% (2- and 3-bit books; K in 16..4 on
+    AVX2), else 16-bit (key_level_error), so a score is off by at most
+    s_t sum_d (a_c / 2 (|L| + e_L) + |q_d| e_L). With VNNI 2- and 3-bit rows are widened to the 4-bit
+    layout first (where vpermb exists); AVX2 splits 2-bit rows by shifts (score_int2)."""
     spec = f"k=lm{bits}h,v=int4,kgroup={d},residual=0"
+    byte = byte_key_levels(lib, bits)
+    chunk = 16 if byte else 8
     cache = filled(spec, 301, 1, head_dim=d)
     store = cache.layers[0][0]
     codes, parts = body(store)  # (B, H, m, D)
@@ -184,8 +194,9 @@ def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, d, 
     exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)  # (B, H, R, m)
     book = gaussian_codebook(bits)
     levels = book[codes.long()].abs()  # (B, H, m, D)
-    level_error = key_level_error(book)[codes.long()]  # (B, H, m, D)
-    a = q.abs().reshape(1, 2, 3, d // 8, 8).amax(-1).repeat_interleave(8, -1) / 127  # (B, H, R, D)
+    copy_error = (byte_value_levels(book) - book).abs() if byte else key_level_error(book)  # (levels,)
+    level_error = copy_error[codes.long()]  # (B, H, m, D)
+    a = q.abs().reshape(1, 2, 3, d // chunk, chunk).amax(-1).repeat_interleave(chunk, -1) / 127  # (B, H, R, D)
     query_error = (a / 2).unsqueeze(3) * (levels + level_error).unsqueeze(2)  # (B, H, R, m, D)
     per_token = query_error + q.abs().unsqueeze(3) * level_error.unsqueeze(2)  # (B, H, R, m, D): plus the levels' error
     bound = parts["scale"].float().transpose(-1, -2) * per_token.sum(-1)  # (B, H, R, m)
@@ -193,7 +204,7 @@ def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, d, 
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
     # A query the int8 rounding keeps exactly (integers, each chunk's max 127): only the levels' error is left.
     q = torch.randint(-127, 128, (1, 2, 3, d)).float()
-    q[..., ::8] = 127
+    q[..., ::chunk] = 127
     integer_call(lib, cache, False, q, got)
     exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)
     bound = parts["scale"].float().transpose(-1, -2) * (q.abs().unsqueeze(3) * level_error.unsqueeze(2)).sum(
@@ -428,14 +439,19 @@ def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n
 
 
 def test_the_integer_route_is_taken_only_where_no_exact_kernel_is_faster(lib):
-    """KIVI 4-bit keys, 2-, 3- or 4-bit affine values and 2-bit Lloyd-Max values go the integer way
-    on every CPU with AVX2 (VNNI, or vpmaddubsw: score_int4, value_bytes); 3- and 4-bit Lloyd-Max
-    values only with VNNI: their levels do not hold as integers up to 16 (what byte products
-    allow), and int16 products are no faster than the exact kernels' FMAs without vpdpwssd, so
-    attend_layer routes them to the exact kernels there."""
+    """KIVI 4-bit keys, 2-bit Lloyd-Max keys, 2-, 3- or 4-bit affine values and 2-bit Lloyd-Max
+    values go the integer way on every CPU with AVX2 (VNNI -- 2-bit keys with VBMI --, or
+    vpmaddubsw: score_int4, score_int2, value_bytes); 3- and 4-bit Lloyd-Max values only with
+    VNNI: their levels do not hold as integers up to 16 (what byte products allow), and int16
+    products are no faster than the exact kernels' FMAs without vpdpwssd, so attend_layer routes
+    them to the exact kernels there."""
     hadv2, k4v3hc, k3v2lm, k4v3lmc = (filled(s, 100, 1) for s in ("hadv2", "k4v3hc", "k3v2lm", "k4v3lmc"))
-    vnni = "avx512_vnni" in abi.features(lib)
+    lm2 = filled("k=lm2h,v=lm2h,group=64,residual=8,sinks=4,center=1", 100, 1)  # k2v2mix's most common layer
+    features = abi.features(lib)
+    vnni = "avx512_vnni" in features
+    two_bit_keys = "avx512_vbmi" in features or "avx512" not in features
     for values, part, expected in (
+        (False, body_part(lm2, False), Route.INTEGER if two_bit_keys else Route.TOKEN),
         (False, body_part(hadv2, False), Route.INTEGER),
         (True, body_part(hadv2, True), Route.INTEGER),
         (True, body_part(k3v2lm, True), Route.INTEGER),

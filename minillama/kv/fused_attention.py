@@ -14,8 +14,9 @@ kernel that reads it:
 * ``INTEGER``: 2-4-bit affine codes scored against an int8 query and weighted by byte weights
   (``native/int_attention.cpp``; AVX-512 VNNI in ``vnni_attention.cpp``, which also reads
   codebooks as 16-bit levels, vector-coded values (by qword gathers, or in registers for a
-  sign-structured book), and 8-bit values with int16 weights; AVX2 4-bit and 3-bit affine keys
-  in ``avx2_attention.cpp``, AVX2 2-4-bit affine and 2-bit codebook values in
+  sign-structured book), and 8-bit values with int16 weights; AVX2 4-bit keys (affine or
+  codebook), 3-bit affine and 2-bit codebook keys in ``avx2_attention.cpp``, AVX2 2-4-bit affine
+  and 2-bit codebook values in
   ``avx2_int_values.cpp``; approximate, with a stated bound; the ``kernels-exact`` backend keeps
   the exact kernels). Taken only where it is the faster route: on a CPU without VNNI the exact
   SIMD kernels read the other rows (3- and 4-bit codebook values, 3-bit codebook keys, narrow

@@ -602,6 +602,129 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     return true;
 }
 
+// Integer scores of 2-bit codebook keys (Lloyd-Max, one scale a row): the codes become byte
+// levels and meet an int8 query in vpmaddubsw, as score_int4's nibbles do. A row's 16 bytes per
+// 64 channels are split by shifts into four registers, register k holding channel 4j + k in byte
+// j (the packing's own order: nothing is interleaved back), two tokens a register (one per
+// 128-bit half). One vpshufb per register turns codes into the book's levels as small integers
+// (rows.h: levels8, K in 4..16; the Gaussian book's 0.4528 and 1.5104 are 3 and 10 steps of
+// 0.15104 within 0.1%) plus an offset that makes them unsigned (0, 7, 13, 20); the query, laid
+// out in the same order, is rounded to int8 per block of 16 channels (an int32 lane after
+// vpmaddwd sums the four registers' bytes 4m .. 4m + 3: channels 16m .. 16m + 15). The offset's
+// share, offset * sum_d a q8_d, is taken off once per head. Per pair of tokens and head: four
+// vpmaddubsw (at most 2 * 32 * 127 an int16, four of them 32512: no saturation), three 16-bit
+// adds, one vpmaddwd, one conversion and one FMA; eight tokens' four registers reduce by three
+// vhaddps. Error: |q_d - a q8_d| <= a/2 with a the step of d's block of 16, plus the levels'
+// copy's error (tests/test_integer_attention.py holds the kernel to both).
+template <int NB>  // 64-channel chunks a row (D = 64 NB)
+struct Int2Query {
+    alignas(32) int8_t qk[16][NB][4][32];  // [head][chunk][register k][byte]: q8 of channel 64b + 4 (j % 16) + k
+    alignas(32) float qa[16][NB][8];       // [head][chunk][lane]: the step of channels 64b + 16 (l % 4) .. + 15, times the level step
+    float off[16];                         // offset * level step * sum_d a q8_d: the offset's share of a score
+    alignas(32) uint8_t table[32];         // code -> level + offset, in both 128-bit halves
+};
+
+inline bool int2_levels(const RowSource& s, int& offset) {
+    if (!s.codebook) return false;
+    const SmallLevels& bl = small_levels(s.codebook, 4, 4, 16);
+    int lo = 0, hi = 0;
+    for (int c = 0; c < 4; c++) lo = std::min(lo, (int)bl.l8[c]), hi = std::max(hi, (int)bl.l8[c]);
+    offset = -lo;
+    return bl.worst <= 0.005f && hi - lo <= 32;  // four vpmaddubsw pairs of (level + offset) x 127 fit int16
+}
+
+template <int NB>
+bool score_int2(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
+    constexpr int D = 64 * NB, W = D / 4;  // W: row bytes
+    static_assert(sizeof(Int2Query<NB>) <= sizeof(Prep::bytes), "Prep is too small");
+    Int2Query<NB>& st = *reinterpret_cast<Int2Query<NB>*>(prep.bytes);
+    if (!prep.ready) {
+        int offset = 0;
+        int2_levels(s, offset);
+        const SmallLevels& bl = small_levels(s.codebook, 4, 4, 16);
+        for (int c = 0; c < 32; c++) st.table[c] = (uint8_t)(c % 16 < 4 ? bl.l8[c % 16] + offset : 0);
+        for (int r = 0; r < R; r++) {
+            const float* x = q + r * D;
+            float share = 0.f;
+            for (int blk = 0; blk < D / 16; blk++) {  // 16 channels, one int8 step
+                float m = 0.f;
+                for (int d = 16 * blk; d < 16 * blk + 16; d++) m = std::max(m, std::fabs(x[d]));
+                const float a = m > 0.f ? m / 127.f : 1.f, inv = m > 0.f ? 127.f / m : 1.f;
+                int sum = 0;
+                for (int d = 16 * blk; d < 16 * blk + 16; d++) {
+                    const int q8 = (int)std::nearbyint(x[d] * inv);  // round to nearest even, |q8| <= 127
+                    const int b = d / 64, c = d % 64;
+                    st.qk[r][b][c % 4][c / 4] = st.qk[r][b][c % 4][16 + c / 4] = (int8_t)q8;
+                    sum += q8;
+                }
+                const int b = blk / 4, lane = blk % 4;
+                st.qa[r][b][lane] = st.qa[r][b][lane + 4] = a * bl.t;
+                share += a * (float)sum;
+            }
+            st.off[r] = (float)offset * bl.t * share;
+        }
+        prep.ready = true;
+    }
+    const __m256i three = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    const __m256i table = _mm256_load_si256((const __m256i*)st.table);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the hadd tree's [t0 t2 t4 t6 | t1 t3 t5 t7] -> t0 .. t7
+    alignas(32) __m256 acc[16][4];  // [head][pair of tokens]: lanes 0-3 the first token's, 4-7 the second's
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        const int len = std::min(8, i0 + n - i);
+        prefetch_chunk(s, bh, at.slot, W);
+        alignas(32) float tscale[8] = {0.f};
+        for (int pair = 0; pair < 4; pair++) {
+            for (int r = 0; r < R; r++) acc[r][pair] = _mm256_setzero_ps();
+            if (2 * pair >= len) continue;
+            const uint8_t* rows[2];
+            for (int h = 0; h < 2; h++) {
+                const int t = 2 * pair + h;
+                if (t < len) {
+                    const int64_t slot = bh * s.slots + at.slot;
+                    at.next();
+                    rows[h] = (const uint8_t*)s.data + slot * W;
+                    tscale[t] = scale_of(s, slot);
+                } else {
+                    rows[h] = rows[0];  // the chunk's last token again: this score is not stored
+                }
+            }
+            for (int b = 0; b < NB; b++) {
+                const __m256i x = _mm256_loadu2_m128i((const __m128i*)(rows[1] + 16 * b), (const __m128i*)(rows[0] + 16 * b));
+                const __m256i l0 = _mm256_shuffle_epi8(table, _mm256_and_si256(x, three));
+                const __m256i l1 = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(x, 2), three));
+                const __m256i l2 = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(x, 4), three));
+                const __m256i l3 = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(x, 6), three));
+                for (int r = 0; r < R; r++) {
+                    const __m256i* w = (const __m256i*)st.qk[r][b];
+                    const __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, _mm256_load_si256(w)),
+                                                         _mm256_maddubs_epi16(l1, _mm256_load_si256(w + 1)));
+                    const __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(l2, _mm256_load_si256(w + 2)),
+                                                         _mm256_maddubs_epi16(l3, _mm256_load_si256(w + 3)));
+                    const __m256i lanes = _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones);  // lane m: channels 64b + 16 (m % 4) ..
+                    acc[r][pair] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_load_ps(st.qa[r][b]), acc[r][pair]);
+                }
+            }
+        }
+        const __m256 ts = _mm256_load_ps(tscale);
+        for (int r = 0; r < R; r++) {
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+            const __m256 dots = _mm256_permutevar8x32_ps(h, order);  // lane t: token t's q . (levels + offset)
+            const __m256 sc = _mm256_mul_ps(ts, _mm256_sub_ps(dots, _mm256_set1_ps(st.off[r])));
+            float* o = out + (int64_t)r * ls + (i - i0);
+            if (len == 8) {
+                _mm256_storeu_ps(o, sc);
+            } else {
+                alignas(32) float x[8];
+                _mm256_store_ps(x, sc);
+                std::memcpy(o, x, sizeof(float) * len);
+            }
+        }
+        i += len;
+    }
+    return true;
+}
+
 }  // namespace
 
 bool score_fast(SCORE_ARGS, Prep& prep) {
@@ -632,6 +755,17 @@ bool score_int4(SCORE_ARGS, Prep& prep) {
 #undef BY_D
 }
 
+bool int2_keys(const RowSource& s, int D) {
+    int offset;
+    return (D == 64 || D == 128) && s.bits == 2 && s.kind == ROW_TOKEN && s.group == D && !s.zero && !s.cos &&
+           !s.center && int2_levels(s, offset);
+}
+
+bool score_int2(SCORE_ARGS, Prep& prep) {
+    if (R > 16 || !int2_keys(s, D)) return false;
+    return D == 64 ? score_int2<1>(s, bh, R, q, i0, n, out, ls, prep) : score_int2<2>(s, bh, R, q, i0, n, out, ls, prep);
+}
+
 bool value_fast(VALUE_ARGS) {
     if (R > 16 || !fast_kind(s, D, true)) return false;
     BY_FORMAT(value_fast, s, bh, R, p, lp, i0, n, acc);
@@ -641,5 +775,7 @@ bool value_fast(VALUE_ARGS) {
 
 bool int4_keys(const RowSource&, int) { return false; }
 bool score_int4(SCORE_ARGS, Prep&) { return false; }
+bool int2_keys(const RowSource&, int) { return false; }
+bool score_int2(SCORE_ARGS, Prep&) { return false; }
 
 #endif

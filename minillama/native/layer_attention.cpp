@@ -28,10 +28,10 @@
 #include <omp.h>
 
 // Whether a SIMD integer kernel reads these rows on this build: VNNI (AVX-512) keys and values,
-// or on AVX2 score_int4 (4-bit keys, affine or codebook; 3-bit affine keys) and value_bytes
-// (2-, 3- and 4-bit values).
+// or on AVX2 score_int4 (4-bit keys, affine or codebook; 3-bit affine keys), score_int2 (2-bit
+// codebook keys) and value_bytes (2-, 3- and 4-bit values).
 static bool simd_integer_reads(int values, const RowSource& s, int D) {
-    return values ? vnni_values(s, D) || byte_values(s, D) : vnni_keys(s, D) || int4_keys(s, D);
+    return values ? vnni_values(s, D) || byte_values(s, D) : vnni_keys(s, D) || int4_keys(s, D) || int2_keys(s, D);
 }
 
 // Whether `route` can read rows described by `src` (values = 1: as values, 0: as keys) for R
@@ -75,8 +75,9 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
 }
 
 // Whether the exact SIMD kernels read these rows faster than the integer route would: where no
-// SIMD integer kernel reads them (VNNI on AVX-512; on AVX2 score_int4 for 4- and 3-bit keys and
-// value_bytes for 2-, 3- and 4-bit values) but score_fast / value_fast do. Measured on a Zen 3
+// SIMD integer kernel reads them (VNNI on AVX-512; on AVX2 score_int4 for 4- and 3-bit keys,
+// score_int2 for 2-bit codebook keys and value_bytes for 2-, 3- and 4-bit values) but
+// score_fast / value_fast do. Measured on a Zen 3
 // (AVX2, docs/speed-history.md): the generic AVX2 integer kernels' byte unpacking through memory and
 // scalar weights cost more than widening the codes to floats.
 extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
@@ -90,7 +91,8 @@ extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
 // vnni_attention.cpp),
 // else the generic one.
 static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
-    if (route == ROUTE_INTEGER ? score_vnni(s, bh, R, D, q, i0, n, out, ls, prep) || score_int4(s, bh, R, D, q, i0, n, out, ls, prep)
+    if (route == ROUTE_INTEGER ? score_vnni(s, bh, R, D, q, i0, n, out, ls, prep) || score_int4(s, bh, R, D, q, i0, n, out, ls, prep) ||
+                                     score_int2(s, bh, R, D, q, i0, n, out, ls, prep)
                                : route != ROUTE_ROWS && score_fast(s, bh, R, D, q, i0, n, out, ls, prep))
         return;
     switch (route) {

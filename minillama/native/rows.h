@@ -44,7 +44,7 @@ static inline float levels16(const float* book, int n, int16_t* out) {
 // kmin..kmax chosen for the smallest worst relative error of a level (the first, largest K on a
 // tie); returns t and that error. The VNNI key scores take K in 96..127 (Gaussian Lloyd-Max
 // books: 2-bit 0.08% at K 120, 3-bit 0.27% at 114, 4-bit 1.3% at 107; at K = 127 a 3-bit book's
-// smallest level moved by 3.2%, a bias perplexity showed); the AVX2 byte values K in 4..16,
+// smallest level moved by 3.2%, a bias perplexity showed); the AVX2 byte values and 2-bit keys K in 4..16,
 // where the 2-bit book's levels 0.4528 and 1.5104 are 3 and 10 within 0.1%.
 static inline float levels8(const float* book, int n, int kmin, int kmax, int8_t* out, float* worst) {
     float big = 0.f;
@@ -385,6 +385,10 @@ bool fast_reads(const RowSource& s, int D, bool values);
 // score_int4 reads them.
 bool int4_keys(const RowSource& s, int D);
 bool score_int4(SCORE_ARGS, Prep& prep);
+// Integer scores of 2-bit codebook keys (one scale a row) on AVX2 CPUs (avx2_attention.cpp, byte levels);
+// int2_keys: whether score_int2 reads them.
+bool int2_keys(const RowSource& s, int D);
+bool score_int2(SCORE_ARGS, Prep& prep);
 // Integer (VNNI) scores of 2-, 3- and 4-bit keys (vnni_attention.cpp); vnni_keys: whether score_vnni reads these rows.
 bool vnni_keys(const RowSource& s, int D);
 bool score_vnni(SCORE_ARGS, Prep& prep);
