@@ -737,7 +737,7 @@ bool fast_reads(const RowSource& s, int D, bool values) { return fast_kind(s, D,
 bool int4_keys(const RowSource& s, int D) {
     if ((D != 64 && D != 128) || (s.bits != 4 && s.bits != 3) || s.cos || s.center) return false;
     // 16 levels, one scale a row. 3-bit books stay on the float kernels: split3's four vpmullw a row
-    // on top of the lookups' vpmaddwd measured no faster there (docs/speed.md).
+    // on top of the lookups' vpmaddwd measured no faster there (docs/speed-history.md).
     if (s.codebook) return s.bits == 4 && s.kind == ROW_TOKEN && s.group == D;
     if (!s.zero) return false;
     if (s.kind == ROW_CHANNEL) return s.group > 0;
