@@ -171,15 +171,16 @@ def byte_key_levels(lib, bits: int) -> bool:
     return bits == 2 and "avx512" not in abi.features(lib)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("r, d", [(1, 64), (3, 64), (3, 128), (8, 128), (16, 64), (16, 128)])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, d, bits):
+def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, r, d, bits):
     """Lloyd-Max 2-, 3- and 4-bit keys (one scale a row) on the integer route: the query becomes int8
     per chunk of 8 channels (a_c = max |q| / 127 over the chunk; 16 channels for AVX2's 2-bit keys)
     and the levels int8 where that keeps every level within 0.5% (2- and 3-bit books; K in 16..4 on
     AVX2), else 16-bit (key_level_error), so a score is off by at most
     s_t sum_d (a_c / 2 (|L| + e_L) + |q_d| e_L). With VNNI 2- and 3-bit rows are widened to the 4-bit
-    layout first (where vpermb exists); AVX2 splits 2-bit rows by shifts (score_int2)."""
+    layout first (where vpermb exists); AVX2 splits 2-bit rows by shifts (score_int2). For 1 to 16
+    query heads per KV head and head_dim 64 and 128 (one or two 64-channel chunks a row)."""
     spec = f"k=lm{bits}h,v=int4,kgroup={d},residual=0"
     byte = byte_key_levels(lib, bits)
     chunk = 16 if byte else 8
@@ -187,8 +188,8 @@ def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, d, 
     store = cache.layers[0][0]
     codes, parts = body(store)  # (B, H, m, D)
     m = store.n_body
-    q = torch.randn(1, 2, 3, d)  # (B, H, R, D), in the key codec's space
-    got = torch.empty(1, 2, 3, m)
+    q = torch.randn(1, 2, r, d)  # (B, H, R, D), in the key codec's space
+    got = torch.empty(1, 2, r, m)
     with skipped_where_unread(f"{bits}-bit codebook keys"):
         integer_call(lib, cache, False, q, got)
     exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)  # (B, H, R, m)
@@ -196,14 +197,14 @@ def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, d, 
     levels = book[codes.long()].abs()  # (B, H, m, D)
     copy_error = (byte_value_levels(book) - book).abs() if byte else key_level_error(book)  # (levels,)
     level_error = copy_error[codes.long()]  # (B, H, m, D)
-    a = q.abs().reshape(1, 2, 3, d // chunk, chunk).amax(-1).repeat_interleave(chunk, -1) / 127  # (B, H, R, D)
+    a = q.abs().reshape(1, 2, r, d // chunk, chunk).amax(-1).repeat_interleave(chunk, -1) / 127  # (B, H, R, D)
     query_error = (a / 2).unsqueeze(3) * (levels + level_error).unsqueeze(2)  # (B, H, R, m, D)
     per_token = query_error + q.abs().unsqueeze(3) * level_error.unsqueeze(2)  # (B, H, R, m, D): plus the levels' error
     bound = parts["scale"].float().transpose(-1, -2) * per_token.sum(-1)  # (B, H, R, m)
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
     # A query the int8 rounding keeps exactly (integers, each chunk's max 127): only the levels' error is left.
-    q = torch.randint(-127, 128, (1, 2, 3, d)).float()
+    q = torch.randint(-127, 128, (1, 2, r, d)).float()
     q[..., ::chunk] = 127
     integer_call(lib, cache, False, q, got)
     exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)
