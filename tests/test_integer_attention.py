@@ -405,6 +405,38 @@ def test_integer_values_keep_the_mass_of_a_long_tail(lib):
 
 
 @pytest.mark.parametrize(
+    "spec, row",
+    [
+        ("k=int4c,v=int4,group=32,residual=0", "ones"),  # codes 15 in 31 channels of each 32
+        ("k=int4c,v=lm2h,vgroup=64,residual=0", "spike"),  # rotated: every channel the same outer level
+    ],
+)
+def test_integer_values_widen_in_time_when_a_block_has_flat_weights(lib, spec, row):
+    """The byte kernels add pairs of byte products in 16 bits and widen to 32 before a sum can
+    overflow: after a block (32 tokens) when its weights are peaked enough that no sum can reach
+    2^15, else every few pairs (4 for 4-bit codes, 6 for the 2-bit book's levels of 10). Equal
+    weights over identical rows of the largest codes are the worst case (each 16-bit sum 32 x 255
+    x the code): an overflow would put the result off by far more than the rounding bound."""
+    if row == "ones":
+        values = torch.ones(64)
+        values[::32] = -1.0  # one low channel a group, so the rest take the top code
+    else:
+        values = torch.zeros(64)
+        values[0] = 8.0  # the Hadamard rotation spreads it evenly over every channel
+    cache = KVCache(parse_kv(spec), n_layers=1, n_kv_heads=1, head_dim=64, capacity=256, batch=1)
+    cache.append([(torch.randn(1, 1, 96, 64), values.expand(1, 1, 96, 64).contiguous())])  # (B, H, T, D) each
+    store = cache.layers[0][1]
+    codes, parts = body(store)
+    m = store.n_body
+    assert (codes == codes[..., :1, :]).all() and codes.float().mean() > 0  # identical rows, far from code 0
+    p = torch.full((1, 1, 3, m), 1 / m)  # (B, H, R, m): flat weights, every byte weight 255
+    got = torch.zeros(1, 1, 3, 64)
+    integer_call(lib, cache, True, p, got)
+    exact = p @ store.codec.decode(parts, store.group, 64)  # (B, H, R, D)
+    assert torch.allclose(got, exact, atol=1e-3 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize(
     "spec",
     [
         "kivi4",

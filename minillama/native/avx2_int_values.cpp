@@ -15,8 +15,10 @@
 //            to bytes first, unpack3, 9 pairs a widening): every 16-bit lane holds
 //            (c_t,d, c_t+1,d) for one channel. `vpmaddubsw` of (w8_t, w8_t+1) against it adds
 //            the pair's products; 16-bit sums are widened to 32 bits before they can overflow
-//            (2 * 255 * 15 per pair: every 4 pairs for 4-bit codes, 21 for 2-bit), and to float
-//            times b once per block.
+//            (2 * 255 * 15 per pair: every 4 pairs for 4-bit codes, 21 for 2-bit), or once a
+//            block where its byte weights' sum bounds every 16-bit sum below 2^15 (a peaked
+//            softmax: the weights of a block are normalized to its largest), and to float times
+//            b once per block.
 //   lanes    a register of 16 lanes covers channels in two halves of 32 (its 128-bit lanes), so
 //            groups of 32 or more channels give each half one weight; the sums come out in a
 //            permuted channel order that is undone once per call (store_channels).
@@ -213,6 +215,7 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
         for (int l = 0; l < 1 << BITS; l++) big8 = std::max(big8, std::abs((int)l8[l]));
     }
     const int WIDEN = 32767 / (2 * 255 * big8);
+    const bool adaptive = WIDEN < SB / 2;  // a block can need more than one widening: check each block's weights
     alignas(32) int8_t table[32];  // code -> level, in both 128-bit lanes (vpshufb)
     for (int c = 0; c < 32; c++) table[c] = BOOK ? l8[c % 16] : 0;
     const __m256i levels = _mm256_load_si256((const __m256i*)table);
@@ -227,6 +230,7 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
     __m256 accf[16][NC][8];                          // the same in float, times b, over the call
     __m256 zacc[64];                                 // [chain]: sum_t p_t z_tg, eight lanes
     float b[64][NB];                                 // [chain][block]: the byte step
+    float wsum[64][NB];                              // [chain][block]: sum_t w / b, within 1/2 of the block's sum of w8
     // A pair's weights for a chunk: the 32 bits at its first chain hold (group of half 0, the
     // next chain); vpshufb spreads them over the halves (G 32: two groups) or both from the first.
     const __m256i spread = G == 32 ? _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3)
@@ -263,20 +267,27 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
                 for (int k = 0; k < NB; k++) {
                     if (k * SB >= len) {  // past the last token: no weights (its scales were never read)
                         std::memset(wq[c] + k * SB, 0, sizeof(float) * SB);
+                        wsum[c][k] = 0.f;
                         continue;
                     }
-                    __m256 w[SB / 8], m = _mm256_setzero_ps();
+                    __m256 w[SB / 8], m = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
                     for (int e = 0; e < SB / 8; e++) {
                         const int t = k * SB + 8 * e;
                         const __m256 pk = _mm256_loadu_ps(pr + t);
                         w[e] = _mm256_mul_ps(pk, _mm256_load_ps(sc[g] + t));
                         m = _mm256_max_ps(m, w[e]);
+                        sum = _mm256_add_ps(sum, w[e]);
                         zacc[c] = _mm256_fmadd_ps(pk, _mm256_load_ps(zc[g] + t), zacc[c]);
                     }
                     const float big = hmax(m);
                     b[c][k] = big > 0.f ? big / 255.f : 1.f;
                     const __m256 inv = _mm256_set1_ps(big > 0.f ? 255.f / big : 1.f);
                     for (int e = 0; e < SB / 8; e++) _mm256_store_ps(wq[c] + k * SB + 8 * e, _mm256_mul_ps(w[e], inv));
+                    if (adaptive) {
+                        __m128 x = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+                        x = _mm_hadd_ps(x, x);
+                        wsum[c][k] = _mm_cvtss_f32(_mm_hadd_ps(x, x)) * (big > 0.f ? 255.f / big : 1.f);
+                    }
                 }
             }
         }
@@ -290,12 +301,18 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
             for (int c = 0; c < NC; c++)
                 for (int r0 = 0; r0 < R; r0 += RT) {  // RT heads' 16-bit sums stay in registers
                     const uint16_t* first[RT];  // each head's chain for half 0 of this chunk, pair 0
+                    float most = 0.f;           // the largest sum of byte weights among the tile's chains
                     for (int r = 0; r < RT; r++) {
                         const int ch = (r0 + r) * NG + 64 * c / G;
                         first[r] = &pairs[ch / 8][k][0][ch % 8];
+                        if (adaptive) most = std::max(most, G == 32 ? std::max(wsum[ch][k], wsum[ch + 1][k]) : wsum[ch][k]);
                     }
-                    for (int j0 = 0; 2 * j0 < blen; j0 += WIDEN) {  // WIDEN pairs in 16 bits, then widen
-                        const int j1 = std::min(j0 + WIDEN, (blen + 1) / 2);
+                    // A 16-bit sum is at most big8 times its chain's sum of byte weights (error
+                    // diffusion keeps that within 1/2 of sum w / b): where that fits, the whole block
+                    // stays in 16 bits and is widened once -- a peaked softmax's usual case.
+                    const int widen = adaptive && (most + 1.f) * (float)big8 <= 32767.f ? SB / 2 : WIDEN;
+                    for (int j0 = 0; 2 * j0 < blen; j0 += widen) {  // `widen` pairs in 16 bits, then widen
+                        const int j1 = std::min(j0 + widen, (blen + 1) / 2);
                         __m256i acc16[RT][4];  // [head of the tile][field]
                         for (int r = 0; r < RT; r++)
                             for (int e = 0; e < 4; e++) acc16[r][e] = _mm256_setzero_si256();
