@@ -169,6 +169,17 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
+// A chunk's scores (lane t: token t) into o, the first len of them.
+inline void store_scores(__m256 dots, float* o, int len) {
+    if (len == 8) {
+        _mm256_storeu_ps(o, dots);
+    } else {
+        alignas(32) float x[8];
+        _mm256_store_ps(x, dots);
+        std::memcpy(o, x, sizeof(float) * len);
+    }
+}
+
 // One head's scores of a chunk: the eight tokens' partial-sum registers reduced, then per-token
 // scales and zeros applied (tscale non-null: q.k_t = s_t (q . c_t) + z_t sum(q)) or the
 // per-channel zeros' constant added (qz non-null: q . z_g), and the chunk's `len` scores stored.
@@ -179,13 +190,7 @@ inline void finish_scores(const __m256* part, const float* tscale, const float* 
         dots = _mm256_fmadd_ps(_mm256_load_ps(tscale), dots, _mm256_mul_ps(_mm256_load_ps(tzero), _mm256_set1_ps(qsum)));
     else if (qz)
         dots = _mm256_add_ps(dots, _mm256_set1_ps(*qz));
-    if (len == 8) {
-        _mm256_storeu_ps(o, dots);
-    } else {
-        alignas(32) float x[8];
-        _mm256_store_ps(x, dots);
-        std::memcpy(o, x, sizeof(float) * len);
-    }
+    store_scores(dots, o, len);
 }
 
 // Per-token groups narrower than the row: the group of each decode register (its lanes share one).
@@ -710,15 +715,7 @@ bool score_int2(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         for (int r = 0; r < R; r++) {
             const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
             const __m256 dots = _mm256_permutevar8x32_ps(h, order);  // lane t: token t's q . (levels + offset)
-            const __m256 sc = _mm256_mul_ps(ts, _mm256_sub_ps(dots, _mm256_set1_ps(st.off[r])));
-            float* o = out + (int64_t)r * ls + (i - i0);
-            if (len == 8) {
-                _mm256_storeu_ps(o, sc);
-            } else {
-                alignas(32) float x[8];
-                _mm256_store_ps(x, sc);
-                std::memcpy(o, x, sizeof(float) * len);
-            }
+            store_scores(_mm256_mul_ps(ts, _mm256_sub_ps(dots, _mm256_set1_ps(st.off[r]))), out + (int64_t)r * ls + (i - i0), len);
         }
         i += len;
     }
