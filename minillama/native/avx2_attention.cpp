@@ -629,13 +629,15 @@ struct Int2Query {
     alignas(32) uint8_t table[32];         // code -> level + offset, in both 128-bit halves
 };
 
-inline bool int2_levels(const RowSource& s, int& offset) {
-    if (!s.codebook) return false;
+// A 2-bit book's byte levels and the offset that makes them unsigned; null where they do not hold.
+inline const SmallLevels* int2_levels(const RowSource& s, int& offset) {
+    if (!s.codebook) return nullptr;
     const SmallLevels& bl = small_levels(s.codebook, 4, 4, 16);
     int lo = 0, hi = 0;
     for (int c = 0; c < 4; c++) lo = std::min(lo, (int)bl.l8[c]), hi = std::max(hi, (int)bl.l8[c]);
     offset = -lo;
-    return bl.worst <= 0.005f && hi - lo <= 32;  // four vpmaddubsw pairs of (level + offset) x 127 fit int16
+    // within 0.5% a level, and four vpmaddubsw pairs of (level + offset) x 127 fit int16
+    return bl.worst <= 0.005f && hi - lo <= 32 ? &bl : nullptr;
 }
 
 template <int NB>
@@ -645,8 +647,7 @@ bool score_int2(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     Int2Query<NB>& st = *reinterpret_cast<Int2Query<NB>*>(prep.bytes);
     if (!prep.ready) {
         int offset = 0;
-        int2_levels(s, offset);
-        const SmallLevels& bl = small_levels(s.codebook, 4, 4, 16);
+        const SmallLevels& bl = *int2_levels(s, offset);  // score_int2 below has checked it holds
         for (int c = 0; c < 32; c++) st.table[c] = (uint8_t)(c % 16 < 4 ? bl.l8[c % 16] + offset : 0);
         for (int r = 0; r < R; r++) {
             const float* x = q + r * D;
@@ -755,7 +756,7 @@ bool score_int4(SCORE_ARGS, Prep& prep) {
 bool int2_keys(const RowSource& s, int D) {
     int offset;
     return (D == 64 || D == 128) && s.bits == 2 && s.kind == ROW_TOKEN && s.group == D && !s.zero && !s.cos &&
-           !s.center && int2_levels(s, offset);
+           !s.center && int2_levels(s, offset) != nullptr;
 }
 
 bool score_int2(SCORE_ARGS, Prep& prep) {

@@ -279,14 +279,14 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
                         sum = _mm256_add_ps(sum, w[e]);
                         zacc[c] = _mm256_fmadd_ps(pk, _mm256_load_ps(zc[g] + t), zacc[c]);
                     }
-                    const float big = hmax(m);
+                    const float big = hmax(m), up = big > 0.f ? 255.f / big : 1.f;
                     b[c][k] = big > 0.f ? big / 255.f : 1.f;
-                    const __m256 inv = _mm256_set1_ps(big > 0.f ? 255.f / big : 1.f);
+                    const __m256 inv = _mm256_set1_ps(up);
                     for (int e = 0; e < SB / 8; e++) _mm256_store_ps(wq[c] + k * SB + 8 * e, _mm256_mul_ps(w[e], inv));
                     if (adaptive) {
                         __m128 x = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
                         x = _mm_hadd_ps(x, x);
-                        wsum[c][k] = _mm_cvtss_f32(_mm_hadd_ps(x, x)) * (big > 0.f ? 255.f / big : 1.f);
+                        wsum[c][k] = _mm_cvtss_f32(_mm_hadd_ps(x, x)) * up;
                     }
                 }
             }
