@@ -313,3 +313,37 @@ def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread
     assert calls == ["a", "b"] * 3
     assert row["a_tokens_per_s"] == 20.0 and row["b_tokens_per_s"] == 10.0
     assert (row["ratio_median"], row["ratio_min"], row["ratio_max"], row["rounds"]) == (2.0, 1.0, 3.0, 3)
+
+
+def test_freq_blocks_stand_in_codes_each_rope_block_at_its_own_bits():
+    """bench/freq_blocks_ppl.py: a block keeps RoPE's pairs (f, f + 32) whole; the bits go to the
+    block whose queries and keys carry the energy, summing to nb x the budget; a block at 0 bits
+    decodes to zeros in the model's space, one at 5 bits close to the row."""
+    path = Path(__file__).parent.parent / "bench" / "freq_blocks_ppl.py"
+    spec = importlib.util.spec_from_file_location("fbppl", path)
+    fb = importlib.util.module_from_spec(spec)
+    sys.modules["fbppl"] = fb  # its dataclass looks its module up there
+    try:
+        spec.loader.exec_module(fb)
+    finally:
+        del sys.modules["fbppl"]
+    order = fb.block_order(4)
+    assert sorted(order) == list(range(64))
+    assert [c + 32 for c in order[:8]] == order[8:16]  # block 0: frequencies 0-7, both halves of each pair
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(6, 300, 64, generator=g)  # (Hq, T, D): 2 KV heads, R = 3
+    k = torch.randn(2, 300, 64, generator=g)  # (Hkv, T, D)
+    loud = fb.block_order(4)[48:64]  # block 3: the lowest frequencies
+    q[..., loud] *= 8
+    k[..., loud] *= 8
+    (table,) = fb.choose_bits([(q, k)], 4, 3)
+    for bits in table:  # per KV head
+        assert sum(bits) == 12 and bits[3] == max(bits) and bits[3] > 3
+    x = torch.randn(1, 2, 10, 64, generator=g)  # model space
+    stored = CODECS["lm3h"].to_space(x)  # what the cache hands encode
+    dropped = fb.FrequencyBlocks("t0", 3, "", rotate=True, alloc=((0, 4, 4, 4), (0, 4, 4, 4)), nb=4)
+    back = CODECS["lm3h"].to_space(dropped.decode(dropped.encode(stored, 64), 64, 64))  # model space again
+    assert back[..., order[:16]].abs().max() < 1e-5
+    fine = fb.FrequencyBlocks("t5", 5, "", rotate=True, alloc=((5,) * 4, (5,) * 4), nb=4)
+    err = (fine.decode(fine.encode(stored, 64), 64, 64) - stored).norm() / stored.norm()
+    assert err < 0.1

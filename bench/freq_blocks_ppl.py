@@ -1,0 +1,234 @@
+"""Key bits spent by RoPE frequency block, emulated on the cached path before anyone builds it.
+
+    python bench/freq_blocks_ppl.py hamlet 4                 # evaluate on Hamlet, W 4 (N 896, P 128)
+    python bench/freq_blocks_ppl.py --text FILE 4            # any UTF-8 text, W 4
+    python bench/freq_blocks_ppl.py --choose FILE hamlet 1   # the bits chosen on another text
+    python bench/freq_blocks_ppl.py --bits 2 --text FILE 4   # keys at 2 bits (2, 3 or 4; default 3)
+    python bench/freq_blocks_ppl.py --mix --text FILE 4      # on top of the per-layer mix k3v2mixb
+
+Issue 28, item 2 ("each KV head's or frequency block's" bits; KVTuner, Block-GTQ). A Hadamard
+rotation over the whole head spreads a key's quantization error evenly over its 64 channels,
+but a score's error is sum_c q_c e_c: where queries and keys put their energy decides where the
+error costs. RoPE pairs channel f with f + 32 at one frequency; a *block* here is the channels
+of 32 / nb consecutive frequencies (both halves of each pair), so a block keeps RoPE's pairs
+whole. With Q_b and K_b a block's summed mean squares (queries over the R heads that share the
+KV head, keys centered on their first 128 tokens) and n its channels, the expected squared
+score error of a block rotated and quantized on its own at b bits is Q_b K_b / n * eps(b)
+(eps: the Gaussian Lloyd-Max error per unit variance), against (sum Q)(sum K) / 64 * eps for the
+whole-head rotation. Each KV head of each layer gets the bits per block that minimize the sum
+under the budget (nb * b bits: a row keeps b bits an element on average), taken greedily one bit
+at a time (optimal: eps is convex). The bits are chosen once from a text (``--choose``, default
+Hamlet's first 896 tokens, fp32, no cache) and then fixed: a per-model table, as the mixes' layer
+codecs are, never fitted to the evaluated text unless it is the choice text.
+
+The stand-in codec ``fb{nb}x{b}L{layer}`` decodes what such a codec would: each block Hadamard-
+rotated on its own (size 64 / nb), Lloyd-Max codes of its bits, one one-byte log scale per block
+(refined as lm*hb refines its scale; a block of 0 bits is dropped), rows kept decoded as float32
+(no kernel reads it, so every row of the run takes the PyTorch path); the bits a real codec would
+spend are computed: b + 8 nb / 64 an element (codes and the blocks' scales; the table is per
+model). Rows printed, keys only (values fp16; centered keys, group 64, residual 8, 4 sinks):
+fp16, lm{b}h, lm{b}hb, the 2- and 4-block stand-ins at b bits (``--bits``, default 3), and
+lm{b+1}hb for the price of a bit.
+
+With ``--mix``: fp16, ``k3v2mixb`` (2.81 body bits an element), its layers' codecs with every
+key codec lm{b}hb replaced by the 2-block stand-in at b bits (the blocks' scales on top), and
+for 2 and 4 blocks ``kv allocate`` over the four Hamlet maps the preset was made from (byte
+scales) at a budget lowered by what the blocks' extra scales cost, (nb - 1) / 16 bits an element
+of K and V, every key codec then replaced the same way: the preset's body bits, spent on blocks
+instead of on layers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+import minillama.model.llama as llama_module
+from minillama.app.default_model import resolve_model
+from minillama.eval.allocation import allocate_from_maps
+from minillama.eval.datasets import load as load_text
+from minillama.eval.perplexity import evaluate
+from minillama.kv.codecs import CODECS, Codebook, PartSpec
+from minillama.kv.quantize import dequantize_codebook, gaussian_codebook, hadamard_rotate, quantize_codebook
+from minillama.kv.spec import parse_kv
+from minillama.model.loader import load_model
+
+HEAD_DIM = 64
+KEYS_ONLY = "v=fp16,group=64,residual=8,sinks=4,center=1"
+MAPS = [  # the maps k3v2mixb was allocated from, in its order (docs/quality.md, Frontier III and VI)
+    f"bench/results/sensitivity_{name}_hamlet_w1.json" for name in ("k4v4lmc", "k4v3lmc", "k3v2lm", "k2v2lmc")
+]
+MIX_BODY_BITS = 2.81  # k3v2mixb's budget
+
+
+def lloyd_max_error(bits: int) -> float:
+    """Squared error per unit variance of the Gaussian Lloyd-Max book (1.0 at 0 bits: the block dropped)."""
+    if bits == 0:
+        return 1.0
+    x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(0))
+    levels = gaussian_codebook(bits)
+    nearest = levels[torch.bucketize(x, (levels[1:] + levels[:-1]) / 2)]
+    return (nearest - x).pow(2).mean().item()
+
+
+def block_order(nb: int) -> list[int]:
+    """The head's channels block by block: block i holds frequencies i*F .. (i+1)*F - 1 (F = 32 / nb),
+    each as its pair (f, f + 32) of rotate-half RoPE."""
+    f = HEAD_DIM // 2 // nb
+    return [c for i in range(nb) for half in (0, HEAD_DIM // 2) for c in range(half + i * f, half + (i + 1) * f)]
+
+
+@dataclass(frozen=True)
+class FrequencyBlocks(Codebook):
+    """A stand-in: keys whose frequency blocks are rotated and coded on their own, rows stored decoded."""
+
+    alloc: tuple = ()  # per KV head: bits of each block
+    nb: int = 4
+    row_kind: ClassVar = None  # no kernel reads it: the step takes the PyTorch path
+
+    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
+        return [PartSpec("values", torch.float32, head_dim, 1)]
+
+    def encode(self, x, group, params=None):
+        nb, n = self.nb, HEAD_DIM // self.nb
+        order = torch.tensor(block_order(nb))
+        # (B, H, T, D): model space (H is its own inverse), each block's channels together
+        plain = hadamard_rotate(x.float())[..., order]
+        b, h, t, _ = plain.shape
+        y = hadamard_rotate(plain.reshape(b, h, t, nb, n))  # (B, H, T, nb, n): each block rotated on its own
+        bits = torch.tensor(self.alloc)  # (H, nb)
+        decoded = torch.zeros_like(y)
+        for width in bits.unique().tolist():
+            if width == 0:
+                continue
+            codes, scale = quantize_codebook(y, width, n, log_scale=True)  # one byte scale per block
+            mine = (bits == width)[None, :, None, :, None]  # (1, H, 1, nb, 1): the blocks of this width
+            decoded = torch.where(mine, dequantize_codebook(codes, scale, width, n), decoded)
+        back = hadamard_rotate(decoded).reshape(b, h, t, HEAD_DIM)  # (B, H, T, D) blocks contiguous
+        out = torch.empty_like(back)
+        out[..., order] = back
+        return {"values": hadamard_rotate(out)}  # back in the storage space lm*h keys live in
+
+    def decode(self, parts, group, head_dim, params=None):
+        return parts["values"].float()
+
+
+def queries_and_keys(lm, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (q (Hq, T, D), k (Hkv, T, D)) after RoPE over one no-cache forward of ids: the model's
+    attention call is wrapped for the length of this forward (a bench script's spy, not a hook
+    the library has)."""
+    seen = []
+    attend = llama_module.attend
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q[0].float(), k[0].float()))
+        return attend(q, k, v, *args, **kwargs)
+
+    llama_module.attend = spy
+    try:
+        with torch.inference_mode():
+            lm.model(torch.tensor([ids]))
+    finally:
+        llama_module.attend = attend
+    return seen
+
+
+def choose_bits(seen, nb: int, bits: int, most: int = 5) -> list[tuple[tuple[int, ...], ...]]:
+    """Per layer, per KV head: the bits of each of nb blocks (summing to nb * bits) that minimize
+    sum_b Q_b K_b / n * eps(bits_b), one bit at a time to the block it helps most."""
+    eps = [lloyd_max_error(b) for b in range(most + 1)]
+    n = HEAD_DIM // nb
+    order = block_order(nb)
+    blocks = [order[i * n : (i + 1) * n] for i in range(nb)]
+    table = []
+    for q, k in seen:
+        hkv = k.shape[0]
+        r = q.shape[0] // hkv
+        heads = []
+        for h in range(hkv):
+            kc = k[h] - k[h, :128].mean(0)  # (T, D): centered as the cache centers, on the first tokens
+            k2, q2 = kc.pow(2).mean(0), q[h * r : (h + 1) * r].reshape(-1, HEAD_DIM).pow(2).mean(0)  # (D,) each
+            weight = [(q2[c].sum() * k2[c].sum() / n).item() for c in blocks]
+            chosen = [0] * nb
+            for _ in range(nb * bits):
+                gain = [weight[i] * (eps[c] - eps[c + 1]) if c < most else -1.0 for i, c in enumerate(chosen)]
+                chosen[gain.index(max(gain))] += 1
+            heads.append(tuple(chosen))
+        table.append(tuple(heads))
+    return table
+
+
+def stand_ins(seen, nb: int, bits: int) -> list[str]:
+    """Register one block stand-in per layer at `bits` on average; their names, layer by layer."""
+    names = []
+    for layer, alloc in enumerate(choose_bits(seen, nb, bits)):
+        name = f"fb{nb}x{bits}L{layer}"
+        CODECS[name] = FrequencyBlocks(name, bits, "stand-in", rotate=True, alloc=alloc, nb=nb)
+        names.append(name)
+    return names
+
+
+def keys_only_specs(seen, bits: int) -> dict[str, tuple[str, float]]:
+    """Spec -> (label, the keys' bits an element: codes and scales)."""
+    specs = {
+        "fp16": ("fp16", 16.0),
+        f"k=lm{bits}h,{KEYS_ONLY}": (f"keys lm{bits}h", bits + 16 / 64),
+        f"k=lm{bits}hb,{KEYS_ONLY}": (f"keys lm{bits}hb", bits + 8 / 64),
+    }
+    for nb in (2, 4):
+        layers = ";".join(f"{name}/fp16" for name in stand_ins(seen, nb, bits))
+        label = f"keys {nb} frequency blocks, {bits} bits"
+        specs[f"k=lm{bits}h,{KEYS_ONLY},layers={layers}"] = (label, bits + 8 * nb / HEAD_DIM)
+    if bits < 4:
+        specs[f"k=lm{bits + 1}hb,{KEYS_ONLY}"] = (f"keys lm{bits + 1}hb", bits + 1 + 8 / 64)
+    return specs
+
+
+def mix_specs(seen, n_layers: int) -> dict[str, tuple[str, float]]:
+    """Spec -> (label, body bits an element of K and V): fp16, k3v2mixb, and its budget spent on blocks."""
+    maps = [(path, json.loads(Path(path).read_text())) for path in MAPS]
+    specs = {"fp16": ("fp16", 16.0), "k3v2mixb": ("k3v2mixb", MIX_BODY_BITS)}
+    for nb, lowered in ((2, False), (2, True), (4, True)):
+        extra = (nb - 1) / 16  # the blocks' byte scales beyond lm*hb's one a row, per element of K and V
+        budget = MIX_BODY_BITS - extra if lowered else MIX_BODY_BITS
+        mix = allocate_from_maps(maps, budget, n_layers, HEAD_DIM, byte_scales=True)
+        keys = {k.bits: stand_ins(seen, nb, k.bits) for k, _ in mix.spec.layer_codecs}  # bits -> per-layer names
+        pairs = ";".join(f"{keys[k.bits][layer]}/{v.name}" for layer, (k, v) in enumerate(mix.spec.layer_codecs))
+        spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
+        label = f"its budget, keys in {nb} blocks" if lowered else f"its layers, keys in {nb} blocks"
+        specs[spec] = (label, mix.bits + extra)
+    return specs
+
+
+def main() -> None:
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    args = sys.argv[1:]
+    mix = args[0] == "--mix"
+    args = args[1:] if mix else args
+    bits = 3
+    if args[0] == "--bits":
+        bits, args = int(args[1]), args[2:]
+    choice_text = load_text("hamlet")
+    if args[0] == "--choose":
+        choice_text = open(args[1], encoding="utf-8").read()
+        args = args[2:]
+    windows = int(args[-1])
+    text = open(args[1], encoding="utf-8").read() if args[0] == "--text" else load_text(args[0])
+    lm = load_model(resolve_model(None), "float32")
+    seen = queries_and_keys(lm, lm.tokenizer.encode(choice_text)[:896])
+    specs = mix_specs(seen, lm.config.num_hidden_layers) if mix else keys_only_specs(seen, bits)
+    with torch.inference_mode():
+        rows = evaluate(lm, lm.tokenizer.encode(text), [parse_kv(s) for s in specs], windows=windows, blind=False)
+    for r, (label, bits) in zip(rows, specs.values()):
+        what = "body" if mix else "keys"
+        print(f"  {label:36s} {what} {bits:6.3f} bits  ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}")
+
+
+if __name__ == "__main__":
+    main()
