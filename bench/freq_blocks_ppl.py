@@ -1,8 +1,8 @@
 """Key bits spent by RoPE frequency block, emulated on the cached path before anyone builds it.
 
-    python bench/freq_blocks_ppl.py hamlet 4                 # evaluate on Hamlet, W 4 (N 896, P 128)
+    python bench/freq_blocks_ppl.py 4                        # evaluate on Hamlet, W 4 (N 896, P 128)
     python bench/freq_blocks_ppl.py --text FILE 4            # any UTF-8 text, W 4
-    python bench/freq_blocks_ppl.py --choose FILE hamlet 1   # the bits chosen on another text
+    python bench/freq_blocks_ppl.py --choose FILE 1          # the bits chosen on another text
     python bench/freq_blocks_ppl.py --bits 2 --text FILE 4   # keys at 2 bits (2, 3 or 4; default 3)
     python bench/freq_blocks_ppl.py --mix --text FILE 4      # on top of the per-layer mix k3v2mixb
 
@@ -40,8 +40,8 @@ instead of on layers.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -206,27 +206,23 @@ def mix_specs(seen, n_layers: int) -> dict[str, tuple[str, float]]:
 
 
 def main() -> None:
-    if len(sys.argv) < 3:
-        sys.exit(__doc__)
-    args = sys.argv[1:]
-    mix = args[0] == "--mix"
-    args = args[1:] if mix else args
-    bits = 3
-    if args[0] == "--bits":
-        bits, args = int(args[1]), args[2:]
-    choice_text = load_text("hamlet")
-    if args[0] == "--choose":
-        choice_text = open(args[1], encoding="utf-8").read()
-        args = args[2:]
-    windows = int(args[-1])
-    text = open(args[1], encoding="utf-8").read() if args[0] == "--text" else load_text(args[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("windows", type=int, help="W windows of N 896 (P 128) from token 0")
+    ap.add_argument("--dataset", default="hamlet", help="the evaluated text (eval/datasets.py)")
+    ap.add_argument("--text", help="a UTF-8 text file to evaluate instead of --dataset")
+    ap.add_argument("--choose", help="a UTF-8 text file to choose the bits on (default: Hamlet)")
+    ap.add_argument("--bits", type=int, default=3, choices=(2, 3, 4), help="keys' bits an element, keys only")
+    ap.add_argument("--mix", action="store_true", help="k3v2mixb's budget spent on blocks")
+    args = ap.parse_args()
+    choice_text = Path(args.choose).read_text(encoding="utf-8") if args.choose else load_text("hamlet")
+    text = Path(args.text).read_text(encoding="utf-8") if args.text else load_text(args.dataset)
     lm = load_model(resolve_model(None), "float32")
     seen = queries_and_keys(lm, lm.tokenizer.encode(choice_text)[:896])
-    specs = mix_specs(seen, lm.config.num_hidden_layers) if mix else keys_only_specs(seen, bits)
+    specs = mix_specs(seen, lm.config.num_hidden_layers) if args.mix else keys_only_specs(seen, args.bits)
     with torch.inference_mode():
-        rows = evaluate(lm, lm.tokenizer.encode(text), [parse_kv(s) for s in specs], windows=windows, blind=False)
+        rows = evaluate(lm, lm.tokenizer.encode(text), [parse_kv(s) for s in specs], windows=args.windows, blind=False)
     for r, (label, bits) in zip(rows, specs.values()):
-        what = "body" if mix else "keys"
+        what = "body" if args.mix else "keys"
         print(f"  {label:36s} {what} {bits:6.3f} bits  ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}")
 
 
