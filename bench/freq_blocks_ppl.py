@@ -197,7 +197,8 @@ def mix_specs(seen, n_layers: int) -> dict[str, tuple[str, float]]:
         extra = (nb - 1) / 16  # the blocks' byte scales beyond lm*hb's one a row, per element of K and V
         budget = MIX_BODY_BITS - extra if lowered else MIX_BODY_BITS
         mix = allocate_from_maps(maps, budget, n_layers, HEAD_DIM, byte_scales=True)
-        keys = {k.bits: stand_ins(seen, nb, k.bits) for k, _ in mix.spec.layer_codecs}  # bits -> per-layer names
+        widths = {k.bits for k, _ in mix.spec.layer_codecs}  # the key widths the mix uses
+        keys = {b: stand_ins(seen, nb, b) for b in widths}  # bits -> per-layer names, each table chosen once
         pairs = ";".join(f"{keys[k.bits][layer]}/{v.name}" for layer, (k, v) in enumerate(mix.spec.layer_codecs))
         spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
         label = f"its budget, keys in {nb} blocks" if lowered else f"its layers, keys in {nb} blocks"
