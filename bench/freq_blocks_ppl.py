@@ -5,6 +5,7 @@
     python bench/freq_blocks_ppl.py --choose FILE 1          # the bits chosen on another text
     python bench/freq_blocks_ppl.py --bits 2 --text FILE 4   # keys at 2 bits (2, 3 or 4; default 3)
     python bench/freq_blocks_ppl.py --mix --text FILE 4      # on top of the per-layer mix k3v2mixb
+    python bench/freq_blocks_ppl.py --frontier 3.0 --text FILE 4  # block keys, values by the maps: 3.0 bits
 
 Issue 28, item 2 ("each KV head's or frequency block's" bits; KVTuner, Block-GTQ). A Hadamard
 rotation over the whole head spreads a key's quantization error evenly over its 64 channels,
@@ -36,6 +37,13 @@ for 2 and 4 blocks ``kv allocate`` over the four Hamlet maps the preset was made
 scales) at a budget lowered by what the blocks' extra scales cost, (nb - 1) / 16 bits an element
 of K and V, every key codec then replaced the same way: the preset's body bits, spent on blocks
 instead of on layers.
+
+With ``--frontier BITS``: fp16, ``kv allocate`` over the same maps at BITS (byte scales: the
+per-layer answer at that budget), and for 2 and 4 blocks every layer's keys the 3-bit block
+stand-in (3 + 8 nb / 64 bits) with the values' codecs chosen from the maps' V rows alone
+(lm2hb, lm3hb or lm4hb a layer) so that the average of K's and V's body bits is BITS: the bits
+the per-layer allocation would give keys go to the frequency blocks instead, the rest to values
+where the maps say values cost.
 """
 
 from __future__ import annotations
@@ -50,9 +58,10 @@ import torch
 
 import minillama.model.llama as llama_module
 from minillama.app.default_model import resolve_model
-from minillama.eval.allocation import allocate_from_maps
+from minillama.eval.allocation import allocate_from_maps, choices_from_maps
 from minillama.eval.datasets import load as load_text
 from minillama.eval.perplexity import evaluate
+from minillama.kv.allocate import allocate
 from minillama.kv.codecs import CODECS, Codebook, PartSpec
 from minillama.kv.quantize import dequantize_codebook, gaussian_codebook, hadamard_rotate, quantize_codebook
 from minillama.kv.spec import parse_kv
@@ -206,6 +215,27 @@ def mix_specs(seen, n_layers: int) -> dict[str, tuple[str, float]]:
     return specs
 
 
+def frontier_specs(seen, n_layers: int, bits: float) -> dict[str, tuple[str, float]]:
+    """Spec -> (label, body bits an element of K and V): fp16, the maps' allocation at `bits`, and
+    3-bit block keys in every layer with values allocated from the maps so that K and V average `bits`."""
+    maps = [(path, json.loads(Path(path).read_text())) for path in MAPS]
+    mix = allocate_from_maps(maps, bits, n_layers, HEAD_DIM, byte_scales=True)
+    specs = {"fp16": ("fp16", 16.0), str(mix.spec): (f"kv allocate at {bits:g}", mix.bits)}
+    _, choices, _ = choices_from_maps(maps, n_layers, HEAD_DIM, byte_scales=True)
+    values = choices[1::2]  # per layer, its V's priced codecs
+    for nb in (2, 4):
+        key_bits = 3 + 8 * nb / HEAD_DIM
+        pick = allocate(values, 2 * bits - key_bits)
+        chosen = [options[i] for options, i in zip(values, pick)]
+        value_bits = sum(c.bits for c in chosen) / n_layers
+        names = stand_ins(seen, nb, 3)
+        pairs = ";".join(f"{k}/{c.codec.name}" for k, c in zip(names, chosen))
+        spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
+        label = f"keys {nb} blocks, values {value_bits:.3f}"
+        specs[spec] = (label, (key_bits + value_bits) / 2)
+    return specs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("windows", type=int, help="W windows of N 896 (P 128) from token 0")
@@ -214,16 +244,21 @@ def main() -> None:
     ap.add_argument("--choose", help="a UTF-8 text file to choose the bits on (default: Hamlet)")
     ap.add_argument("--bits", type=int, default=3, choices=(2, 3, 4), help="keys' bits an element, keys only")
     ap.add_argument("--mix", action="store_true", help="k3v2mixb's budget spent on blocks")
+    ap.add_argument("--frontier", type=float, metavar="BITS", help="block keys, values by the maps, K and V at BITS")
     args = ap.parse_args()
     choice_text = Path(args.choose).read_text(encoding="utf-8") if args.choose else load_text("hamlet")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else load_text(args.dataset)
     lm = load_model(resolve_model(None), "float32")
     seen = queries_and_keys(lm, lm.tokenizer.encode(choice_text)[:896])
-    specs = mix_specs(seen, lm.config.num_hidden_layers) if args.mix else keys_only_specs(seen, args.bits)
+    n_layers = lm.config.num_hidden_layers
+    if args.frontier:
+        specs = frontier_specs(seen, n_layers, args.frontier)
+    else:
+        specs = mix_specs(seen, n_layers) if args.mix else keys_only_specs(seen, args.bits)
     with torch.inference_mode():
         rows = evaluate(lm, lm.tokenizer.encode(text), [parse_kv(s) for s in specs], windows=args.windows, blind=False)
     for r, (label, bits) in zip(rows, specs.values()):
-        what = "body" if args.mix else "keys"
+        what = "body" if args.mix or args.frontier else "keys"
         print(f"  {label:36s} {what} {bits:6.3f} bits  ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}")
 
 

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from minillama.app.cli import cli
 from minillama.eval.bench import weight_bytes_per_token
 from minillama.kv.codecs import CODECS
+from minillama.kv.spec import parse_kv
 from minillama.native import backend
 
 KEYS = {
@@ -347,3 +348,36 @@ def test_freq_blocks_stand_in_codes_each_rope_block_at_its_own_bits():
     fine = fb.FrequencyBlocks("t5", 5, "", rotate=True, alloc=((5,) * 4, (5,) * 4), nb=4)
     err = (fine.decode(fine.encode(stored, 64), 64, 64) - stored).norm() / stored.norm()
     assert err < 0.1
+
+
+def test_freq_blocks_frontier_spends_an_average_of_k_and_v_bits():
+    """bench/freq_blocks_ppl.py --frontier: the per-layer allocation at the budget, and block keys
+    in every layer with values chosen from the maps' V rows, each row's K and V averaging at most
+    the budget (the label's bits are the stored ones: 3 + 8 nb / 64 for keys, the codecs' for values)."""
+    path = Path(__file__).parent.parent / "bench" / "freq_blocks_ppl.py"
+    spec = importlib.util.spec_from_file_location("fbppl", path)
+    fb = importlib.util.module_from_spec(spec)
+    sys.modules["fbppl"] = fb
+    try:
+        spec.loader.exec_module(fb)
+    finally:
+        del sys.modules["fbppl"]
+    g = torch.Generator().manual_seed(3)
+    seen = [(torch.randn(9, 160, 64, generator=g), torch.randn(3, 160, 64, generator=g)) for _ in range(30)]
+    before = set(CODECS)
+    try:
+        specs = fb.frontier_specs(seen, 30, 3.0)
+        assert list(specs)[0] == "fp16" and len(specs) == 4
+        for text, (label, bits) in list(specs.items())[1:]:
+            kv = parse_kv(text)
+            keys = [
+                k.body_bits(64, 64) if k.name in before else 3 + 8 * CODECS[k.name].nb / 64 for k, _ in kv.layer_codecs
+            ]
+            values = [v.body_bits(64, 64) for _, v in kv.layer_codecs]
+            assert bits == pytest.approx((sum(keys) + sum(values)) / 60) and bits <= 3.0 + 1e-9
+            assert {v.name for _, v in kv.layer_codecs} <= {"lm2hb", "lm3hb", "lm4hb"}
+            if "blocks" in label:
+                assert len({k.name for k, _ in kv.layer_codecs}) == 30  # a stand-in a layer
+    finally:
+        for name in set(CODECS) - before:
+            del CODECS[name]
