@@ -5,7 +5,8 @@
     python bench/freq_blocks_ppl.py --choose FILE 1          # the bits chosen on another text
     python bench/freq_blocks_ppl.py --bits 2 --text FILE 4   # keys at 2 bits (2, 3 or 4; default 3)
     python bench/freq_blocks_ppl.py --mix --text FILE 4      # on top of the per-layer mix k3v2mixb
-    python bench/freq_blocks_ppl.py --frontier 3.0 --text FILE 4  # block keys, values by the maps: 3.0 bits
+    python bench/freq_blocks_ppl.py --frontier 3.0 --text FILE 4  # block keys and values at 3.0 bits
+    python bench/freq_blocks_ppl.py --equal --text FILE 4    # blocks at equal bits: rotation and scales alone
 
 Issue 28, item 2 ("each KV head's or frequency block's" bits; KVTuner, Block-GTQ). A Hadamard
 rotation over the whole head spreads a key's quantization error evenly over its 64 channels,
@@ -39,11 +40,12 @@ of K and V, every key codec then replaced the same way: the preset's body bits, 
 instead of on layers.
 
 With ``--frontier BITS``: fp16, ``kv allocate`` over the same maps at BITS (byte scales: the
-per-layer answer at that budget), and for 2 and 4 blocks every layer's keys the 3-bit block
-stand-in (3 + 8 nb / 64 bits) with the values' codecs chosen from the maps' V rows alone
-(lm2hb, lm3hb or lm4hb a layer) so that the average of K's and V's body bits is BITS: the bits
-the per-layer allocation would give keys go to the frequency blocks instead, the rest to values
-where the maps say values cost.
+per-layer answer at that budget); every layer's keys the 3-bit 2-block stand-in (3.25 bits)
+with the values' codecs chosen from the maps' V rows alone (lm2hb, lm3hb or lm4hb a layer) so
+that K and V average BITS; and for 2 and 4 blocks the joint answer: ``kv allocate`` at BITS
+with every key choice of the maps offered also as the block stand-in of its code bits, priced
+at the map's KLD times the score error the blocks promise on the choice text (``promised``:
+an estimate, as Frontier VI priced byte scales). ``--vq`` adds the vq2hs values' map.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from minillama.app.default_model import resolve_model
 from minillama.eval.allocation import allocate_from_maps, choices_from_maps
 from minillama.eval.datasets import load as load_text
 from minillama.eval.perplexity import evaluate
-from minillama.kv.allocate import allocate
+from minillama.kv.allocate import Choice, allocate
 from minillama.kv.codecs import CODECS, Codebook, PartSpec
 from minillama.kv.quantize import dequantize_codebook, gaussian_codebook, hadamard_rotate, quantize_codebook
 from minillama.kv.spec import parse_kv
@@ -72,6 +74,7 @@ KEYS_ONLY = "v=fp16,group=64,residual=8,sinks=4,center=1"
 MAPS = [  # the maps k3v2mixb was allocated from, in its order (docs/quality.md, Frontier III and VI)
     f"bench/results/sensitivity_{name}_hamlet_w1.json" for name in ("k4v4lmc", "k4v3lmc", "k3v2lm", "k2v2lmc")
 ]
+VQ_MAP = "bench/results/sensitivity_k2vq2hsc_hamlet_w1.json"  # vq2hs values (Frontier IV)
 MIX_BODY_BITS = 2.81  # k3v2mixb's budget
 
 
@@ -147,22 +150,30 @@ def queries_and_keys(lm, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tenso
     return seen
 
 
+def block_weights(q: torch.Tensor, k: torch.Tensor, nb: int) -> list[list[float]]:
+    """Per KV head, per block: Q_b K_b / n, what a unit of Lloyd-Max error in that block costs a
+    score (q (Hq, T, D), k (Hkv, T, D); keys centered on their first 128 tokens as the cache centers)."""
+    n = HEAD_DIM // nb
+    order = block_order(nb)
+    blocks = [order[i * n : (i + 1) * n] for i in range(nb)]
+    hkv = k.shape[0]
+    r = q.shape[0] // hkv
+    heads = []
+    for h in range(hkv):
+        kc = k[h] - k[h, :128].mean(0)  # (T, D)
+        k2, q2 = kc.pow(2).mean(0), q[h * r : (h + 1) * r].reshape(-1, HEAD_DIM).pow(2).mean(0)  # (D,) each
+        heads.append([(q2[c].sum() * k2[c].sum() / n).item() for c in blocks])
+    return heads
+
+
 def choose_bits(seen, nb: int, bits: int, most: int = 5) -> list[tuple[tuple[int, ...], ...]]:
     """Per layer, per KV head: the bits of each of nb blocks (summing to nb * bits) that minimize
     sum_b Q_b K_b / n * eps(bits_b), one bit at a time to the block it helps most."""
     eps = [lloyd_max_error(b) for b in range(most + 1)]
-    n = HEAD_DIM // nb
-    order = block_order(nb)
-    blocks = [order[i * n : (i + 1) * n] for i in range(nb)]
     table = []
     for q, k in seen:
-        hkv = k.shape[0]
-        r = q.shape[0] // hkv
         heads = []
-        for h in range(hkv):
-            kc = k[h] - k[h, :128].mean(0)  # (T, D): centered as the cache centers, on the first tokens
-            k2, q2 = kc.pow(2).mean(0), q[h * r : (h + 1) * r].reshape(-1, HEAD_DIM).pow(2).mean(0)  # (D,) each
-            weight = [(q2[c].sum() * k2[c].sum() / n).item() for c in blocks]
+        for weight in block_weights(q, k, nb):
             chosen = [0] * nb
             for _ in range(nb * bits):
                 gain = [weight[i] * (eps[c] - eps[c + 1]) if c < most else -1.0 for i, c in enumerate(chosen)]
@@ -172,11 +183,26 @@ def choose_bits(seen, nb: int, bits: int, most: int = 5) -> list[tuple[tuple[int
     return table
 
 
-def stand_ins(seen, nb: int, bits: int) -> list[str]:
-    """Register one block stand-in per layer at `bits` on average; their names, layer by layer."""
+def promised(seen, nb: int, bits: int) -> list[float]:
+    """Per layer, the score error of its chosen blocks over the whole-head rotation's at the same
+    code bits: sum_b Q_b K_b / n eps(b_b) against (sum Q)(sum K) / 64 eps(bits), summed over heads."""
+    eps = [lloyd_max_error(b) for b in range(6)]
+    ratios = []
+    for (q, k), alloc in zip(seen, choose_bits(seen, nb, bits)):
+        whole = block_weights(q, k, 1)
+        got = sum(w * eps[b] for weight, bs in zip(block_weights(q, k, nb), alloc) for w, b in zip(weight, bs))
+        ratios.append(got / sum(w[0] * eps[bits] for w in whole))
+    return ratios
+
+
+def stand_ins(seen, nb: int, bits: int, equal: bool = False) -> list[str]:
+    """Register one block stand-in per layer at `bits` on average (with `equal`, every block at
+    `bits`: the blocks' own rotations and scales without a choice); their names, layer by layer."""
     names = []
     for layer, alloc in enumerate(choose_bits(seen, nb, bits)):
-        name = f"fb{nb}x{bits}L{layer}"
+        if equal:
+            alloc = tuple((bits,) * nb for _ in alloc)
+        name = f"fb{nb}x{bits}{'e' if equal else ''}L{layer}"
         CODECS[name] = FrequencyBlocks(name, bits, "stand-in", rotate=True, alloc=alloc, nb=nb)
         names.append(name)
     return names
@@ -198,6 +224,19 @@ def keys_only_specs(seen, bits: int) -> dict[str, tuple[str, float]]:
     return specs
 
 
+def equal_specs(seen, bits: int) -> dict[str, tuple[str, float]]:
+    """Spec -> (label, the keys' bits an element): where the blocks' gain comes from. Keys only:
+    lm{b}hb with a byte scale per 32 rotated channels (the whole-head rotation; the bits of 2
+    blocks), 2 blocks with chosen bits, and 2 and 4 blocks with every block at b bits."""
+    keys_only = KEYS_ONLY.replace("group=64", "vgroup=64")
+    specs = {"fp16": ("fp16", 16.0), f"k=lm{bits}hb,kgroup=32,{keys_only}": (f"keys lm{bits}hb, group 32", bits + 0.25)}
+    for nb, equal in ((2, False), (2, True), (4, True)):
+        layers = ";".join(f"{name}/fp16" for name in stand_ins(seen, nb, bits, equal))
+        label = f"keys {nb} frequency blocks, {bits} bits{' each' if equal else ''}"
+        specs[f"k=lm{bits}h,{KEYS_ONLY},layers={layers}"] = (label, bits + 8 * nb / HEAD_DIM)
+    return specs
+
+
 def mix_specs(seen, n_layers: int) -> dict[str, tuple[str, float]]:
     """Spec -> (label, body bits an element of K and V): fp16, k3v2mixb, and its budget spent on blocks."""
     maps = [(path, json.loads(Path(path).read_text())) for path in MAPS]
@@ -215,24 +254,47 @@ def mix_specs(seen, n_layers: int) -> dict[str, tuple[str, float]]:
     return specs
 
 
-def frontier_specs(seen, n_layers: int, bits: float) -> dict[str, tuple[str, float]]:
-    """Spec -> (label, body bits an element of K and V): fp16, the maps' allocation at `bits`, and
-    3-bit block keys in every layer with values allocated from the maps so that K and V average `bits`."""
-    maps = [(path, json.loads(Path(path).read_text())) for path in MAPS]
+def joint(seen, maps, n_layers: int, bits: float, nb: int) -> tuple[str, float]:
+    """``kv allocate`` at `bits` with every key choice of the maps offered twice: as priced, and as
+    the nb-block stand-in of its code bits (3 + 8 nb / 64 bits for 3, ...) at the map's KLD times
+    the layer's `promised` ratio (an estimate from the choice text, as Frontier VI priced byte
+    scales). Returns (spec, body bits an element of K and V)."""
+    _, choices, _ = choices_from_maps(maps, n_layers, HEAD_DIM, byte_scales=True)
+    names, ratios = {}, {}
+    for layer in range(n_layers):
+        offered = []
+        for c in choices[2 * layer]:
+            b = c.codec.bits
+            if b not in names:
+                names[b], ratios[b] = stand_ins(seen, nb, b), promised(seen, nb, b)
+            offered.append(Choice(CODECS[names[b][layer]], b + 8 * nb / HEAD_DIM, c.cost * ratios[b][layer]))
+        choices[2 * layer] = choices[2 * layer] + offered
+    chosen = [options[i] for options, i in zip(choices, allocate(choices, bits))]
+    pairs = ";".join(f"{chosen[2 * i].codec.name}/{chosen[2 * i + 1].codec.name}" for i in range(n_layers))
+    return f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}", sum(c.bits for c in chosen) / len(
+        chosen
+    )
+
+
+def frontier_specs(seen, n_layers: int, bits: float, vq: bool = False) -> dict[str, tuple[str, float]]:
+    """Spec -> (label, body bits an element of K and V): fp16, the maps' allocation at `bits`,
+    3-bit 2-block keys in every layer with values allocated from the maps so that K and V
+    average `bits`, and the joint allocation of block keys and values (``joint``) for 2 and 4
+    blocks. With `vq` the maps include the vq2hs values' map."""
+    maps = [(path, json.loads(Path(path).read_text())) for path in MAPS + ([VQ_MAP] if vq else [])]
     mix = allocate_from_maps(maps, bits, n_layers, HEAD_DIM, byte_scales=True)
     specs = {"fp16": ("fp16", 16.0), str(mix.spec): (f"kv allocate at {bits:g}", mix.bits)}
     _, choices, _ = choices_from_maps(maps, n_layers, HEAD_DIM, byte_scales=True)
     values = choices[1::2]  # per layer, its V's priced codecs
+    key_bits = 3 + 8 * 2 / HEAD_DIM
+    chosen = [options[i] for options, i in zip(values, allocate(values, 2 * bits - key_bits))]
+    value_bits = sum(c.bits for c in chosen) / n_layers
+    pairs = ";".join(f"{k}/{c.codec.name}" for k, c in zip(stand_ins(seen, 2, 3), chosen))
+    spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
+    specs[spec] = (f"keys 2 blocks, values {value_bits:.3f}", (key_bits + value_bits) / 2)
     for nb in (2, 4):
-        key_bits = 3 + 8 * nb / HEAD_DIM
-        pick = allocate(values, 2 * bits - key_bits)
-        chosen = [options[i] for options, i in zip(values, pick)]
-        value_bits = sum(c.bits for c in chosen) / n_layers
-        names = stand_ins(seen, nb, 3)
-        pairs = ";".join(f"{k}/{c.codec.name}" for k, c in zip(names, chosen))
-        spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
-        label = f"keys {nb} blocks, values {value_bits:.3f}"
-        specs[spec] = (label, (key_bits + value_bits) / 2)
+        spec, got = joint(seen, maps, n_layers, bits, nb)
+        specs[spec] = (f"joint, {nb} blocks", got)
     return specs
 
 
@@ -245,6 +307,8 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=3, choices=(2, 3, 4), help="keys' bits an element, keys only")
     ap.add_argument("--mix", action="store_true", help="k3v2mixb's budget spent on blocks")
     ap.add_argument("--frontier", type=float, metavar="BITS", help="block keys, values by the maps, K and V at BITS")
+    ap.add_argument("--vq", action="store_true", help="with --frontier: the vq2hs values' map as well")
+    ap.add_argument("--equal", action="store_true", help="keys only: blocks at equal bits, lm*hb at group 32")
     args = ap.parse_args()
     choice_text = Path(args.choose).read_text(encoding="utf-8") if args.choose else load_text("hamlet")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else load_text(args.dataset)
@@ -252,7 +316,9 @@ def main() -> None:
     seen = queries_and_keys(lm, lm.tokenizer.encode(choice_text)[:896])
     n_layers = lm.config.num_hidden_layers
     if args.frontier:
-        specs = frontier_specs(seen, n_layers, args.frontier)
+        specs = frontier_specs(seen, n_layers, args.frontier, args.vq)
+    elif args.equal:
+        specs = equal_specs(seen, args.bits)
     else:
         specs = mix_specs(seen, n_layers) if args.mix else keys_only_specs(seen, args.bits)
     with torch.inference_mode():

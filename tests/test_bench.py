@@ -351,9 +351,10 @@ def test_freq_blocks_stand_in_codes_each_rope_block_at_its_own_bits():
 
 
 def test_freq_blocks_frontier_spends_an_average_of_k_and_v_bits():
-    """bench/freq_blocks_ppl.py --frontier: the per-layer allocation at the budget, and block keys
-    in every layer with values chosen from the maps' V rows, each row's K and V averaging at most
-    the budget (the label's bits are the stored ones: 3 + 8 nb / 64 for keys, the codecs' for values)."""
+    """bench/freq_blocks_ppl.py --frontier: the per-layer allocation at the budget, block keys in
+    every layer with values chosen from the maps' V rows, and block keys offered to the allocation
+    beside the maps' own; each row's K and V average at most the budget (the label's bits are the
+    stored ones: b + 8 nb / 64 for b-bit block keys, the codecs' own for the rest)."""
     path = Path(__file__).parent.parent / "bench" / "freq_blocks_ppl.py"
     spec = importlib.util.spec_from_file_location("fbppl", path)
     fb = importlib.util.module_from_spec(spec)
@@ -364,20 +365,23 @@ def test_freq_blocks_frontier_spends_an_average_of_k_and_v_bits():
         del sys.modules["fbppl"]
     g = torch.Generator().manual_seed(3)
     seen = [(torch.randn(9, 160, 64, generator=g), torch.randn(3, 160, 64, generator=g)) for _ in range(30)]
+    seen[7][0][:, :, fb.block_order(2)[32:]] *= 6  # layer 7's queries on its low frequencies: blocks promise most there
     before = set(CODECS)
     try:
+        assert min(fb.promised(seen, 2, 3)) == fb.promised(seen, 2, 3)[7] < 0.9
         specs = fb.frontier_specs(seen, 30, 3.0)
-        assert list(specs)[0] == "fp16" and len(specs) == 4
+        assert list(specs)[0] == "fp16" and len(specs) == 5
         for text, (label, bits) in list(specs.items())[1:]:
             kv = parse_kv(text)
-            keys = [
-                k.body_bits(64, 64) if k.name in before else 3 + 8 * CODECS[k.name].nb / 64 for k, _ in kv.layer_codecs
-            ]
+            keys = [k.body_bits(64, 64) if k.name in before else k.bits + 8 * k.nb / 64 for k, _ in kv.layer_codecs]
             values = [v.body_bits(64, 64) for _, v in kv.layer_codecs]
             assert bits == pytest.approx((sum(keys) + sum(values)) / 60) and bits <= 3.0 + 1e-9
             assert {v.name for _, v in kv.layer_codecs} <= {"lm2hb", "lm3hb", "lm4hb"}
-            if "blocks" in label:
-                assert len({k.name for k, _ in kv.layer_codecs}) == 30  # a stand-in a layer
+            blocks = [k.name for k, _ in kv.layer_codecs if k.name not in before]
+            if label.startswith("keys"):
+                assert len(set(blocks)) == 30  # a 3-bit stand-in a layer
+            if label.startswith("joint"):
+                assert kv.layer_codecs[7][0].name not in before  # where the blocks promise most
     finally:
         for name in set(CODECS) - before:
             del CODECS[name]
