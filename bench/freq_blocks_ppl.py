@@ -7,6 +7,7 @@
     python bench/freq_blocks_ppl.py --mix --text FILE 4      # on top of the per-layer mix k3v2mixb
     python bench/freq_blocks_ppl.py --frontier 3.0 --text FILE 4  # block keys and values at 3.0 bits
     python bench/freq_blocks_ppl.py --equal --text FILE 4    # blocks at equal bits: rotation and scales alone
+    python bench/freq_blocks_ppl.py --by-keys --text FILE 4  # bits chosen without the queries
 
 Issue 28, item 2 ("each KV head's or frequency block's" bits; KVTuner, Block-GTQ). A Hadamard
 rotation over the whole head spreads a key's quantization error evenly over its 64 channels,
@@ -150,9 +151,10 @@ def queries_and_keys(lm, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tenso
     return seen
 
 
-def block_weights(q: torch.Tensor, k: torch.Tensor, nb: int) -> list[list[float]]:
+def block_weights(q: torch.Tensor, k: torch.Tensor, nb: int, keys_only: bool = False) -> list[list[float]]:
     """Per KV head, per block: Q_b K_b / n, what a unit of Lloyd-Max error in that block costs a
-    score (q (Hq, T, D), k (Hkv, T, D); keys centered on their first 128 tokens as the cache centers)."""
+    score (q (Hq, T, D), k (Hkv, T, D); keys centered on their first 128 tokens as the cache centers).
+    With `keys_only` every channel's Q is 1: what a cache that never sees the queries could weigh."""
     n = HEAD_DIM // nb
     order = block_order(nb)
     blocks = [order[i * n : (i + 1) * n] for i in range(nb)]
@@ -162,18 +164,20 @@ def block_weights(q: torch.Tensor, k: torch.Tensor, nb: int) -> list[list[float]
     for h in range(hkv):
         kc = k[h] - k[h, :128].mean(0)  # (T, D)
         k2, q2 = kc.pow(2).mean(0), q[h * r : (h + 1) * r].reshape(-1, HEAD_DIM).pow(2).mean(0)  # (D,) each
+        if keys_only:
+            q2 = torch.ones_like(q2)
         heads.append([(q2[c].sum() * k2[c].sum() / n).item() for c in blocks])
     return heads
 
 
-def choose_bits(seen, nb: int, bits: int, most: int = 5) -> list[tuple[tuple[int, ...], ...]]:
+def choose_bits(seen, nb: int, bits: int, most: int = 5, keys_only: bool = False) -> list[tuple[tuple[int, ...], ...]]:
     """Per layer, per KV head: the bits of each of nb blocks (summing to nb * bits) that minimize
     sum_b Q_b K_b / n * eps(bits_b), one bit at a time to the block it helps most."""
     eps = [lloyd_max_error(b) for b in range(most + 1)]
     table = []
     for q, k in seen:
         heads = []
-        for weight in block_weights(q, k, nb):
+        for weight in block_weights(q, k, nb, keys_only):
             chosen = [0] * nb
             for _ in range(nb * bits):
                 gain = [weight[i] * (eps[c] - eps[c + 1]) if c < most else -1.0 for i, c in enumerate(chosen)]
@@ -195,14 +199,15 @@ def promised(seen, nb: int, bits: int) -> list[float]:
     return ratios
 
 
-def stand_ins(seen, nb: int, bits: int, equal: bool = False) -> list[str]:
+def stand_ins(seen, nb: int, bits: int, equal: bool = False, keys_only: bool = False) -> list[str]:
     """Register one block stand-in per layer at `bits` on average (with `equal`, every block at
-    `bits`: the blocks' own rotations and scales without a choice); their names, layer by layer."""
+    `bits`: the blocks' own rotations and scales without a choice; with `keys_only`, the bits
+    chosen from the keys' energy alone); their names, layer by layer."""
     names = []
-    for layer, alloc in enumerate(choose_bits(seen, nb, bits)):
+    for layer, alloc in enumerate(choose_bits(seen, nb, bits, keys_only=keys_only)):
         if equal:
             alloc = tuple((bits,) * nb for _ in alloc)
-        name = f"fb{nb}x{bits}{'e' if equal else ''}L{layer}"
+        name = f"fb{nb}x{bits}{'e' if equal else ''}{'k' if keys_only else ''}L{layer}"
         CODECS[name] = FrequencyBlocks(name, bits, "stand-in", rotate=True, alloc=alloc, nb=nb)
         names.append(name)
     return names
@@ -233,6 +238,17 @@ def equal_specs(seen, bits: int) -> dict[str, tuple[str, float]]:
     for nb, equal in ((2, False), (2, True), (4, True)):
         layers = ";".join(f"{name}/fp16" for name in stand_ins(seen, nb, bits, equal))
         label = f"keys {nb} frequency blocks, {bits} bits{' each' if equal else ''}"
+        specs[f"k=lm{bits}h,{KEYS_ONLY},layers={layers}"] = (label, bits + 8 * nb / HEAD_DIM)
+    return specs
+
+
+def keys_choice_specs(seen, bits: int) -> dict[str, tuple[str, float]]:
+    """Spec -> (label, the keys' bits an element): keys only, lm{b}h, 2 blocks chosen by Q_b K_b,
+    and 2 and 4 blocks chosen by the keys' energy alone (what a per-sequence choice could use)."""
+    specs = {"fp16": ("fp16", 16.0), f"k=lm{bits}h,{KEYS_ONLY}": (f"keys lm{bits}h", bits + 16 / 64)}
+    for nb, keys_only in ((2, False), (2, True), (4, True)):
+        layers = ";".join(f"{name}/fp16" for name in stand_ins(seen, nb, bits, keys_only=keys_only))
+        label = f"keys {nb} frequency blocks, {bits} bits{', by K' if keys_only else ''}"
         specs[f"k=lm{bits}h,{KEYS_ONLY},layers={layers}"] = (label, bits + 8 * nb / HEAD_DIM)
     return specs
 
@@ -309,6 +325,7 @@ def main() -> None:
     ap.add_argument("--frontier", type=float, metavar="BITS", help="block keys, values by the maps, K and V at BITS")
     ap.add_argument("--vq", action="store_true", help="with --frontier: the vq2hs values' map as well")
     ap.add_argument("--equal", action="store_true", help="keys only: blocks at equal bits, lm*hb at group 32")
+    ap.add_argument("--by-keys", action="store_true", help="keys only: bits chosen from the keys' energy alone")
     args = ap.parse_args()
     choice_text = Path(args.choose).read_text(encoding="utf-8") if args.choose else load_text("hamlet")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else load_text(args.dataset)
@@ -319,6 +336,8 @@ def main() -> None:
         specs = frontier_specs(seen, n_layers, args.frontier, args.vq)
     elif args.equal:
         specs = equal_specs(seen, args.bits)
+    elif args.by_keys:
+        specs = keys_choice_specs(seen, args.bits)
     else:
         specs = mix_specs(seen, n_layers) if args.mix else keys_only_specs(seen, args.bits)
     with torch.inference_mode():
