@@ -1,4 +1,4 @@
-"""Key bits spent by RoPE frequency block, emulated on the cached path before anyone builds it.
+"""Key bits spent by RoPE frequency block (the ``lm{b}f{nb}`` codecs), measured on the cached path.
 
     python bench/freq_blocks_ppl.py 4                        # evaluate on Hamlet, W 4 (N 896, P 128)
     python bench/freq_blocks_ppl.py --text FILE 4            # any UTF-8 text, W 4
@@ -8,6 +8,7 @@
     python bench/freq_blocks_ppl.py --frontier 3.0 --text FILE 4  # block keys and values at 3.0 bits
     python bench/freq_blocks_ppl.py --equal --text FILE 4    # blocks at equal bits: rotation and scales alone
     python bench/freq_blocks_ppl.py --by-keys --text FILE 4  # bits chosen without the queries
+    python bench/freq_blocks_ppl.py --table 2 0              # print the 2-block keys' spec for minillama ppl
 
 Issue 28, item 2 ("each KV head's or frequency block's" bits; KVTuner, Block-GTQ). A Hadamard
 rotation over the whole head spreads a key's quantization error evenly over its 64 channels,
@@ -24,27 +25,27 @@ at a time (optimal: eps is convex). The bits are chosen once from a text (``--ch
 Hamlet's first 896 tokens, fp32, no cache) and then fixed: a per-model table, as the mixes' layer
 codecs are, never fitted to the evaluated text unless it is the choice text.
 
-The stand-in codec ``fb{nb}x{b}L{layer}`` decodes what such a codec would: each block Hadamard-
-rotated on its own (size 64 / nb), Lloyd-Max codes of its bits, one one-byte log scale per block
-(refined as lm*hb refines its scale; a block of 0 bits is dropped), rows kept decoded as float32
-(no kernel reads it, so every row of the run takes the PyTorch path); the bits a real codec would
-spend are computed: b + 8 nb / 64 an element (codes and the blocks' scales; the table is per
-model). Rows printed, keys only (values fp16; centered keys, group 64, residual 8, 4 sinks):
-fp16, lm{b}h, lm{b}hb, the 2- and 4-block stand-ins at b bits (``--bits``, default 3), and
-lm{b+1}hb for the price of a bit.
+Each layer's table becomes the codec ``lm{b}f{nb}:{widths}`` (kv/codecs.py, FrequencyBlocks):
+each block Hadamard-rotated on its own (size 64 / nb), Lloyd-Max codes of its bits, one one-byte
+log scale per block (a block of 0 bits is dropped); b + 8 nb / 64 bits an element. No kernel
+reads it yet, so every row of these runs takes the PyTorch path. (Runs before the codec existed
+used a stand-in that kept the same decoded rows as float32; bench/results names which.) Rows
+printed, keys only (values fp16; centered keys, group 64, residual 8, 4 sinks): fp16, lm{b}h,
+lm{b}hb, the 2- and 4-block codecs at b bits (``--bits``, default 3), and lm{b+1}hb for the
+price of a bit. ``--table NB`` prints the keys-only spec with the chosen tables instead.
 
 With ``--mix``: fp16, ``k3v2mixb`` (2.81 body bits an element), its layers' codecs with every
-key codec lm{b}hb replaced by the 2-block stand-in at b bits (the blocks' scales on top), and
+key codec lm{b}hb replaced by the 2-block codec at b bits (the blocks' scales on top), and
 for 2 and 4 blocks ``kv allocate`` over the four Hamlet maps the preset was made from (byte
 scales) at a budget lowered by what the blocks' extra scales cost, (nb - 1) / 16 bits an element
 of K and V, every key codec then replaced the same way: the preset's body bits, spent on blocks
 instead of on layers.
 
 With ``--frontier BITS``: fp16, ``kv allocate`` over the same maps at BITS (byte scales: the
-per-layer answer at that budget); every layer's keys the 3-bit 2-block stand-in (3.25 bits)
+per-layer answer at that budget); every layer's keys the 3-bit 2-block codec (3.25 bits)
 with the values' codecs chosen from the maps' V rows alone (lm2hb, lm3hb or lm4hb a layer) so
 that K and V average BITS; and for 2 and 4 blocks the joint answer: ``kv allocate`` at BITS
-with every key choice of the maps offered also as the block stand-in of its code bits, priced
+with every key choice of the maps offered also as the block codec of its code bits, priced
 at the map's KLD times the score error the blocks promise on the choice text (``promised``:
 an estimate, as Frontier VI priced byte scales). ``--vq`` adds the vq2hs values' map.
 """
@@ -53,9 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
@@ -65,8 +64,8 @@ from minillama.eval.allocation import allocate_from_maps, choices_from_maps
 from minillama.eval.datasets import load as load_text
 from minillama.eval.perplexity import evaluate
 from minillama.kv.allocate import Choice, allocate
-from minillama.kv.codecs import CODECS, Codebook, PartSpec
-from minillama.kv.quantize import dequantize_codebook, gaussian_codebook, hadamard_rotate, quantize_codebook
+from minillama.kv.codecs import codec_named
+from minillama.kv.quantize import frequency_block_order, gaussian_codebook
 from minillama.kv.spec import parse_kv
 from minillama.model.loader import load_model
 
@@ -87,48 +86,6 @@ def lloyd_max_error(bits: int) -> float:
     levels = gaussian_codebook(bits)
     nearest = levels[torch.bucketize(x, (levels[1:] + levels[:-1]) / 2)]
     return (nearest - x).pow(2).mean().item()
-
-
-def block_order(nb: int) -> list[int]:
-    """The head's channels block by block: block i holds frequencies i*F .. (i+1)*F - 1 (F = 32 / nb),
-    each as its pair (f, f + 32) of rotate-half RoPE."""
-    f = HEAD_DIM // 2 // nb
-    return [c for i in range(nb) for half in (0, HEAD_DIM // 2) for c in range(half + i * f, half + (i + 1) * f)]
-
-
-@dataclass(frozen=True)
-class FrequencyBlocks(Codebook):
-    """A stand-in: keys whose frequency blocks are rotated and coded on their own, rows stored decoded."""
-
-    alloc: tuple = ()  # per KV head: bits of each block
-    nb: int = 4
-    row_kind: ClassVar = None  # no kernel reads it: the step takes the PyTorch path
-
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [PartSpec("values", torch.float32, head_dim, 1)]
-
-    def encode(self, x, group, params=None):
-        nb, n = self.nb, HEAD_DIM // self.nb
-        order = torch.tensor(block_order(nb))
-        # (B, H, T, D): model space (H is its own inverse), each block's channels together
-        plain = hadamard_rotate(x.float())[..., order]
-        b, h, t, _ = plain.shape
-        y = hadamard_rotate(plain.reshape(b, h, t, nb, n))  # (B, H, T, nb, n): each block rotated on its own
-        bits = torch.tensor(self.alloc)  # (H, nb)
-        decoded = torch.zeros_like(y)
-        for width in bits.unique().tolist():
-            if width == 0:
-                continue
-            codes, scale = quantize_codebook(y, width, n, log_scale=True)  # one byte scale per block
-            mine = (bits == width)[None, :, None, :, None]  # (1, H, 1, nb, 1): the blocks of this width
-            decoded = torch.where(mine, dequantize_codebook(codes, scale, width, n), decoded)
-        back = hadamard_rotate(decoded).reshape(b, h, t, HEAD_DIM)  # (B, H, T, D) blocks contiguous
-        out = torch.empty_like(back)
-        out[..., order] = back
-        return {"values": hadamard_rotate(out)}  # back in the storage space lm*h keys live in
-
-    def decode(self, parts, group, head_dim, params=None):
-        return parts["values"].float()
 
 
 def queries_and_keys(lm, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -156,7 +113,7 @@ def block_weights(q: torch.Tensor, k: torch.Tensor, nb: int, keys_only: bool = F
     score (q (Hq, T, D), k (Hkv, T, D); keys centered on their first 128 tokens as the cache centers).
     With `keys_only` every channel's Q is 1: what a cache that never sees the queries could weigh."""
     n = HEAD_DIM // nb
-    order = block_order(nb)
+    order = frequency_block_order(HEAD_DIM, nb)
     blocks = [order[i * n : (i + 1) * n] for i in range(nb)]
     hkv = k.shape[0]
     r = q.shape[0] // hkv
@@ -199,17 +156,15 @@ def promised(seen, nb: int, bits: int) -> list[float]:
     return ratios
 
 
-def stand_ins(seen, nb: int, bits: int, equal: bool = False, keys_only: bool = False) -> list[str]:
-    """Register one block stand-in per layer at `bits` on average (with `equal`, every block at
-    `bits`: the blocks' own rotations and scales without a choice; with `keys_only`, the bits
-    chosen from the keys' energy alone); their names, layer by layer."""
+def block_codecs(seen, nb: int, bits: int, equal: bool = False, keys_only: bool = False) -> list[str]:
+    """Per layer, the name of its ``lm{bits}f{nb}`` codec (with `equal`, every block at `bits`:
+    the blocks' own rotations and scales without a choice; with `keys_only`, the bits chosen from
+    the keys' energy alone)."""
     names = []
-    for layer, alloc in enumerate(choose_bits(seen, nb, bits, keys_only=keys_only)):
+    for alloc in choose_bits(seen, nb, bits, keys_only=keys_only):
         if equal:
             alloc = tuple((bits,) * nb for _ in alloc)
-        name = f"fb{nb}x{bits}{'e' if equal else ''}{'k' if keys_only else ''}L{layer}"
-        CODECS[name] = FrequencyBlocks(name, bits, "stand-in", rotate=True, alloc=alloc, nb=nb)
-        names.append(name)
+        names.append(f"lm{bits}f{nb}:" + ".".join("".join(str(w) for w in head) for head in alloc))
     return names
 
 
@@ -221,7 +176,7 @@ def keys_only_specs(seen, bits: int) -> dict[str, tuple[str, float]]:
         f"k=lm{bits}hb,{KEYS_ONLY}": (f"keys lm{bits}hb", bits + 8 / 64),
     }
     for nb in (2, 4):
-        layers = ";".join(f"{name}/fp16" for name in stand_ins(seen, nb, bits))
+        layers = ";".join(f"{name}/fp16" for name in block_codecs(seen, nb, bits))
         label = f"keys {nb} frequency blocks, {bits} bits"
         specs[f"k=lm{bits}h,{KEYS_ONLY},layers={layers}"] = (label, bits + 8 * nb / HEAD_DIM)
     if bits < 4:
@@ -236,7 +191,7 @@ def equal_specs(seen, bits: int) -> dict[str, tuple[str, float]]:
     keys_only = KEYS_ONLY.replace("group=64", "vgroup=64")
     specs = {"fp16": ("fp16", 16.0), f"k=lm{bits}hb,kgroup=32,{keys_only}": (f"keys lm{bits}hb, group 32", bits + 0.25)}
     for nb, equal in ((2, False), (2, True), (4, True)):
-        layers = ";".join(f"{name}/fp16" for name in stand_ins(seen, nb, bits, equal))
+        layers = ";".join(f"{name}/fp16" for name in block_codecs(seen, nb, bits, equal))
         label = f"keys {nb} frequency blocks, {bits} bits{' each' if equal else ''}"
         specs[f"k=lm{bits}h,{KEYS_ONLY},layers={layers}"] = (label, bits + 8 * nb / HEAD_DIM)
     return specs
@@ -247,7 +202,7 @@ def keys_choice_specs(seen, bits: int) -> dict[str, tuple[str, float]]:
     and 2 and 4 blocks chosen by the keys' energy alone (what a per-sequence choice could use)."""
     specs = {"fp16": ("fp16", 16.0), f"k=lm{bits}h,{KEYS_ONLY}": (f"keys lm{bits}h", bits + 16 / 64)}
     for nb, keys_only in ((2, False), (2, True), (4, True)):
-        layers = ";".join(f"{name}/fp16" for name in stand_ins(seen, nb, bits, keys_only=keys_only))
+        layers = ";".join(f"{name}/fp16" for name in block_codecs(seen, nb, bits, keys_only=keys_only))
         label = f"keys {nb} frequency blocks, {bits} bits{', by K' if keys_only else ''}"
         specs[f"k=lm{bits}h,{KEYS_ONLY},layers={layers}"] = (label, bits + 8 * nb / HEAD_DIM)
     return specs
@@ -262,7 +217,7 @@ def mix_specs(seen, n_layers: int) -> dict[str, tuple[str, float]]:
         budget = MIX_BODY_BITS - extra if lowered else MIX_BODY_BITS
         mix = allocate_from_maps(maps, budget, n_layers, HEAD_DIM, byte_scales=True)
         widths = {k.bits for k, _ in mix.spec.layer_codecs}  # the key widths the mix uses
-        keys = {b: stand_ins(seen, nb, b) for b in widths}  # bits -> per-layer names, each table chosen once
+        keys = {b: block_codecs(seen, nb, b) for b in widths}  # bits -> per-layer names, each table chosen once
         pairs = ";".join(f"{keys[k.bits][layer]}/{v.name}" for layer, (k, v) in enumerate(mix.spec.layer_codecs))
         spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
         label = f"its budget, keys in {nb} blocks" if lowered else f"its layers, keys in {nb} blocks"
@@ -272,7 +227,7 @@ def mix_specs(seen, n_layers: int) -> dict[str, tuple[str, float]]:
 
 def joint(seen, maps, n_layers: int, bits: float, nb: int) -> tuple[str, float]:
     """``kv allocate`` at `bits` with every key choice of the maps offered twice: as priced, and as
-    the nb-block stand-in of its code bits (3 + 8 nb / 64 bits for 3, ...) at the map's KLD times
+    the nb-block codec of its code bits (3 + 8 nb / 64 bits for 3, ...) at the map's KLD times
     the layer's `promised` ratio (an estimate from the choice text, as Frontier VI priced byte
     scales). Returns (spec, body bits an element of K and V)."""
     _, choices, _ = choices_from_maps(maps, n_layers, HEAD_DIM, byte_scales=True)
@@ -282,8 +237,8 @@ def joint(seen, maps, n_layers: int, bits: float, nb: int) -> tuple[str, float]:
         for c in choices[2 * layer]:
             b = c.codec.bits
             if b not in names:
-                names[b], ratios[b] = stand_ins(seen, nb, b), promised(seen, nb, b)
-            offered.append(Choice(CODECS[names[b][layer]], b + 8 * nb / HEAD_DIM, c.cost * ratios[b][layer]))
+                names[b], ratios[b] = block_codecs(seen, nb, b), promised(seen, nb, b)
+            offered.append(Choice(codec_named(names[b][layer]), b + 8 * nb / HEAD_DIM, c.cost * ratios[b][layer]))
         choices[2 * layer] = choices[2 * layer] + offered
     chosen = [options[i] for options, i in zip(choices, allocate(choices, bits))]
     pairs = ";".join(f"{chosen[2 * i].codec.name}/{chosen[2 * i + 1].codec.name}" for i in range(n_layers))
@@ -305,7 +260,7 @@ def frontier_specs(seen, n_layers: int, bits: float, vq: bool = False) -> dict[s
     key_bits = 3 + 8 * 2 / HEAD_DIM
     chosen = [options[i] for options, i in zip(values, allocate(values, 2 * bits - key_bits))]
     value_bits = sum(c.bits for c in chosen) / n_layers
-    pairs = ";".join(f"{k}/{c.codec.name}" for k, c in zip(stand_ins(seen, 2, 3), chosen))
+    pairs = ";".join(f"{k}/{c.codec.name}" for k, c in zip(block_codecs(seen, 2, 3), chosen))
     spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
     specs[spec] = (f"keys 2 blocks, values {value_bits:.3f}", (key_bits + value_bits) / 2)
     for nb in (2, 4):
@@ -326,12 +281,19 @@ def main() -> None:
     ap.add_argument("--vq", action="store_true", help="with --frontier: the vq2hs values' map as well")
     ap.add_argument("--equal", action="store_true", help="keys only: blocks at equal bits, lm*hb at group 32")
     ap.add_argument("--by-keys", action="store_true", help="keys only: bits chosen from the keys' energy alone")
+    ap.add_argument("--table", type=int, choices=(2, 4), metavar="NB", help="print the keys-only spec of NB blocks")
     args = ap.parse_args()
     choice_text = Path(args.choose).read_text(encoding="utf-8") if args.choose else load_text("hamlet")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else load_text(args.dataset)
     lm = load_model(resolve_model(None), "float32")
     seen = queries_and_keys(lm, lm.tokenizer.encode(choice_text)[:896])
     n_layers = lm.config.num_hidden_layers
+    if args.table:
+        print(
+            f"k=lm{args.bits}hb,{KEYS_ONLY},layers="
+            + ";".join(f"{k}/fp16" for k in block_codecs(seen, args.table, args.bits))
+        )
+        return
     if args.frontier:
         specs = frontier_specs(seen, n_layers, args.frontier, args.vq)
     elif args.equal:

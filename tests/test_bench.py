@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from minillama.app.cli import cli
 from minillama.eval.bench import weight_bytes_per_token
-from minillama.kv.codecs import CODECS
+from minillama.kv.codecs import CODECS, FrequencyBlocks, codec_named
+from minillama.kv.quantize import frequency_block_order
 from minillama.kv.spec import parse_kv
 from minillama.native import backend
 
@@ -316,72 +317,49 @@ def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread
     assert (row["ratio_median"], row["ratio_min"], row["ratio_max"], row["rounds"]) == (2.0, 1.0, 3.0, 3)
 
 
-def test_freq_blocks_stand_in_codes_each_rope_block_at_its_own_bits():
-    """bench/freq_blocks_ppl.py: a block keeps RoPE's pairs (f, f + 32) whole; the bits go to the
-    block whose queries and keys carry the energy, summing to nb x the budget; a block at 0 bits
-    decodes to zeros in the model's space, one at 5 bits close to the row."""
+def load_freq_blocks():
     path = Path(__file__).parent.parent / "bench" / "freq_blocks_ppl.py"
     spec = importlib.util.spec_from_file_location("fbppl", path)
     fb = importlib.util.module_from_spec(spec)
-    sys.modules["fbppl"] = fb  # its dataclass looks its module up there
-    try:
-        spec.loader.exec_module(fb)
-    finally:
-        del sys.modules["fbppl"]
-    order = fb.block_order(4)
-    assert sorted(order) == list(range(64))
-    assert [c + 32 for c in order[:8]] == order[8:16]  # block 0: frequencies 0-7, both halves of each pair
+    spec.loader.exec_module(fb)
+    return fb
+
+
+def test_freq_blocks_bits_go_to_the_block_whose_queries_and_keys_carry_the_energy():
+    """bench/freq_blocks_ppl.py: per KV head the block widths sum to nb x the budget, the most to
+    the block where queries and keys are loud; each layer's table is a codec name the specs take."""
+    fb = load_freq_blocks()
     g = torch.Generator().manual_seed(2)
     q = torch.randn(6, 300, 64, generator=g)  # (Hq, T, D): 2 KV heads, R = 3
     k = torch.randn(2, 300, 64, generator=g)  # (Hkv, T, D)
-    loud = fb.block_order(4)[48:64]  # block 3: the lowest frequencies
+    loud = frequency_block_order(64, 4)[48:64]  # block 3: the lowest frequencies
     q[..., loud] *= 8
     k[..., loud] *= 8
     (table,) = fb.choose_bits([(q, k)], 4, 3)
     for bits in table:  # per KV head
         assert sum(bits) == 12 and bits[3] == max(bits) and bits[3] > 3
-    x = torch.randn(1, 2, 10, 64, generator=g)  # model space
-    stored = CODECS["lm3h"].to_space(x)  # what the cache hands encode
-    dropped = fb.FrequencyBlocks("t0", 3, "", rotate=True, alloc=((0, 4, 4, 4), (0, 4, 4, 4)), nb=4)
-    back = CODECS["lm3h"].to_space(dropped.decode(dropped.encode(stored, 64), 64, 64))  # model space again
-    assert back[..., order[:16]].abs().max() < 1e-5
-    fine = fb.FrequencyBlocks("t5", 5, "", rotate=True, alloc=((5,) * 4, (5,) * 4), nb=4)
-    err = (fine.decode(fine.encode(stored, 64), 64, 64) - stored).norm() / stored.norm()
-    assert err < 0.1
+    (name,) = fb.block_codecs([(q, k)], 4, 3)
+    assert codec_named(name).widths == table
 
 
 def test_freq_blocks_frontier_spends_an_average_of_k_and_v_bits():
     """bench/freq_blocks_ppl.py --frontier: the per-layer allocation at the budget, block keys in
     every layer with values chosen from the maps' V rows, and block keys offered to the allocation
-    beside the maps' own; each row's K and V average at most the budget (the label's bits are the
-    stored ones: b + 8 nb / 64 for b-bit block keys, the codecs' own for the rest)."""
-    path = Path(__file__).parent.parent / "bench" / "freq_blocks_ppl.py"
-    spec = importlib.util.spec_from_file_location("fbppl", path)
-    fb = importlib.util.module_from_spec(spec)
-    sys.modules["fbppl"] = fb
-    try:
-        spec.loader.exec_module(fb)
-    finally:
-        del sys.modules["fbppl"]
+    beside the maps' own; each row's K and V average at most the budget in stored bits."""
+    fb = load_freq_blocks()
     g = torch.Generator().manual_seed(3)
     seen = [(torch.randn(9, 160, 64, generator=g), torch.randn(3, 160, 64, generator=g)) for _ in range(30)]
-    seen[7][0][:, :, fb.block_order(2)[32:]] *= 6  # layer 7's queries on its low frequencies: blocks promise most there
-    before = set(CODECS)
-    try:
-        assert min(fb.promised(seen, 2, 3)) == fb.promised(seen, 2, 3)[7] < 0.9
-        specs = fb.frontier_specs(seen, 30, 3.0)
-        assert list(specs)[0] == "fp16" and len(specs) == 5
-        for text, (label, bits) in list(specs.items())[1:]:
-            kv = parse_kv(text)
-            keys = [k.body_bits(64, 64) if k.name in before else k.bits + 8 * k.nb / 64 for k, _ in kv.layer_codecs]
-            values = [v.body_bits(64, 64) for _, v in kv.layer_codecs]
-            assert bits == pytest.approx((sum(keys) + sum(values)) / 60) and bits <= 3.0 + 1e-9
-            assert {v.name for _, v in kv.layer_codecs} <= {"lm2hb", "lm3hb", "lm4hb"}
-            blocks = [k.name for k, _ in kv.layer_codecs if k.name not in before]
-            if label.startswith("keys"):
-                assert len(set(blocks)) == 30  # a 3-bit stand-in a layer
-            if label.startswith("joint"):
-                assert kv.layer_codecs[7][0].name not in before  # where the blocks promise most
-    finally:
-        for name in set(CODECS) - before:
-            del CODECS[name]
+    seen[7][0][:, :, frequency_block_order(64, 2)[32:]] *= 6  # layer 7's queries on its low frequencies
+    assert min(fb.promised(seen, 2, 3)) == fb.promised(seen, 2, 3)[7] < 0.9  # where blocks promise most
+    specs = fb.frontier_specs(seen, 30, 3.0)
+    assert list(specs)[0] == "fp16" and len(specs) == 5
+    for text, (label, bits) in list(specs.items())[1:]:
+        kv = parse_kv(text)
+        stored = [c.body_bits(64, 64) for pair in kv.layer_codecs for c in pair]
+        assert bits == pytest.approx(sum(stored) / 60) and bits <= 3.0 + 1e-9
+        assert {v.name for _, v in kv.layer_codecs} <= {"lm2hb", "lm3hb", "lm4hb"}
+        blocks = [k for k, _ in kv.layer_codecs if isinstance(k, FrequencyBlocks)]
+        if label.startswith("keys"):
+            assert len(blocks) == 30 and {k.bits for k in blocks} == {3}  # a 3-bit table a layer
+        if label.startswith("joint"):
+            assert isinstance(kv.layer_codecs[7][0], FrequencyBlocks)

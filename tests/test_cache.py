@@ -221,6 +221,7 @@ def test_capacity_too_small_is_a_clear_error():
         "k=int2c,v=int2h,kgroup=16,vgroup=64,residual=4,center=1,rope=pre",
         "k=int3cs,v=int2h,residual=8,sinks=4,rope=pre,kfirst=int4c,first=1",
         "k=lm3h,v=vq2h,group=16,residual=8,sinks=4",
+        "k=lm3f2:24.15,v=lm2hb,kgroup=32,vgroup=64,residual=8,sinks=4,center=1",  # frequency-block keys
     ],
 )
 @pytest.mark.parametrize("batch", [1, 3])

@@ -23,7 +23,7 @@ from minillama.kv.quantize import (
 )
 from minillama.kv.spec import parse_kv
 
-PACKINGS = {8: 256, 4: 16, 3: 8, 2: 4, "trit": 3}
+PACKINGS = {8: 256, 7: 128, 6: 64, 5: 32, 4: 16, 3: 8, 2: 4, 1: 2, "trit": 3}
 
 
 @pytest.mark.parametrize("bits", PACKINGS)

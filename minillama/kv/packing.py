@@ -7,11 +7,15 @@ bytes a cache holds are the bytes these functions return:
 * 4 bits: two codes per byte, the first code in the low nibble.
 * 2 bits: four codes per byte, the first code in the lowest two bits.
 * 3 bits: eight codes in three bytes (a little-endian 24-bit word per 8 codes).
+* 1, 5, 6 or 7 bits: the same little-endian bit stream (code i at bits i b .. i b + b - 1 of
+  the row), which every width above also is; only frequency-block codecs use these widths.
 * trits (values 0, 1, 2): five per byte as a base-3 number, since 3**5 = 243 <= 256;
   the last byte of a row is padded with zeros when the row length is not a multiple of 5.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,7 +30,7 @@ def packed_width(n: int, bits: int | str) -> int:
 
 
 def check_packable(n: int, bits: int | str) -> None:
-    per = {8: 1, 4: 2, 2: 4, 3: 8, "trit": 1}[bits]
+    per = {8: 1, 4: 2, 2: 4, 3: 8, "trit": 1}.get(bits) or 8 // math.gcd(int(bits), 8)
     if n % per:
         raise ValueError(f"a row of {n} codes cannot be packed at {bits} bits (needs a multiple of {per})")
 
@@ -53,6 +57,13 @@ def pack(codes: torch.Tensor, bits: int | str) -> torch.Tensor:
         g = torch.nn.functional.pad(c, (0, pad)).reshape(*c.shape[:-1], -1, 5).to(torch.int32)  # (..., w, 5)
         powers = torch.tensor(_TRIT_POWERS, dtype=torch.int32, device=c.device)
         return (g * powers).sum(-1).to(torch.uint8)  # (..., w)
+    if bits in (1, 5, 6, 7):
+        per = 8 // math.gcd(bits, 8)  # codes per whole number of bytes
+        g = c.reshape(*c.shape[:-1], n // per, per).to(torch.int64)  # (..., n/per, per)
+        word = (g << torch.arange(0, per * bits, bits, device=c.device)).sum(-1)  # (..., n/per) little-endian words
+        nbytes = per * bits // 8
+        out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(nbytes)], dim=-1)  # (..., n/per, nbytes)
+        return out.to(torch.uint8).reshape(*c.shape[:-1], n // per * nbytes)
     raise ValueError(f"unsupported packing {bits!r}")
 
 
@@ -75,4 +86,11 @@ def unpack(packed: torch.Tensor, bits: int | str, n: int) -> torch.Tensor:
         powers = torch.tensor(_TRIT_POWERS, dtype=torch.int32, device=p.device)
         trits = (v // powers) % 3  # (..., w, 5)
         return trits.reshape(*p.shape[:-1], -1)[..., :n].to(torch.uint8)
+    if bits in (1, 5, 6, 7):
+        per = 8 // math.gcd(bits, 8)
+        nbytes = per * bits // 8
+        b = p.reshape(*p.shape[:-1], n // per, nbytes).to(torch.int64)  # (..., n/per, nbytes)
+        word = (b << torch.arange(0, 8 * nbytes, 8, device=p.device)).sum(-1)  # (..., n/per)
+        shifts = torch.arange(0, per * bits, bits, device=p.device)  # (per,)
+        return ((word[..., None] >> shifts) & ((1 << bits) - 1)).to(torch.uint8).reshape(*p.shape[:-1], n)
     raise ValueError(f"unsupported packing {bits!r}")

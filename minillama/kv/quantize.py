@@ -328,6 +328,31 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return (y * (1.0 / math.sqrt(d))).to(x.dtype)
 
 
+def frequency_block_order(d: int, nb: int) -> list[int]:
+    """A head's d channels block by block: block i holds RoPE frequencies i F .. (i + 1) F - 1
+    (F = d / 2 / nb; frequency 0 the fastest), each with both channels of its rotate-half pair
+    (f, f + d / 2), so a block is closed under RoPE."""
+    f, half = d // 2 // nb, d // 2
+    return [c for i in range(nb) for h in (0, half) for c in range(h + i * f, h + (i + 1) * f)]
+
+
+def block_rotate(x: torch.Tensor, nb: int) -> torch.Tensor:
+    """x (..., D) -> its nb frequency blocks in order (frequency_block_order), each x_b H_n
+    (n = D / nb, hadamard_rotate): an orthonormal map; block_unrotate inverts it."""
+    d = x.shape[-1]
+    y = x[..., frequency_block_order(d, nb)]  # (..., D) block by block
+    return hadamard_rotate(y.reshape(*x.shape[:-1], nb, d // nb)).reshape(x.shape)
+
+
+def block_unrotate(y: torch.Tensor, nb: int) -> torch.Tensor:
+    """Inverse of block_rotate: each block rotated back (H_n is its own inverse), channels put back."""
+    d = y.shape[-1]
+    z = hadamard_rotate(y.reshape(*y.shape[:-1], nb, d // nb)).reshape(y.shape)  # (..., D) block by block
+    out = torch.empty_like(z)
+    out[..., frequency_block_order(d, nb)] = z
+    return out
+
+
 # -- per-channel ranges fitted once per sequence (KVQuant-style, calibrated on the prefill) --
 
 

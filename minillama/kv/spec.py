@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 from minillama.errors import UserError, shown
-from minillama.kv.codecs import CODECS, Codec
+from minillama.kv.codecs import CODECS, Codec, codec_named
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,10 @@ _FIELD = re.compile(r"^([a-z]+)=(.+)$")
 
 
 def _choices() -> str:
-    return f"presets: {', '.join([*PRESETS, *MIXES])}; codecs: {', '.join(CODECS)}"
+    return (
+        f"presets: {', '.join([*PRESETS, *MIXES])}; codecs: {', '.join(CODECS)}, "
+        "lm{bits}f{blocks}:{widths per KV head} (frequency blocks)"
+    )
 
 
 def parse_kv(text: str) -> KVSpec:
@@ -260,9 +263,9 @@ def parse_kv(text: str) -> KVSpec:
     if ("kfirst" in fields) != ("first" in fields):
         raise UserError("--kv kfirst=CODEC and first=N go together: the key codec of the first N layers")
     for key in ("k", "v", "kfirst"):
-        if key in fields and fields[key] not in CODECS:
+        if key in fields and codec_named(fields[key]) is None:
             raise UserError(f"unknown codec {shown(fields[key])} for {key}= ({_choices()})")
-    k, v = CODECS[fields["k"]], CODECS[fields["v"]]
+    k, v = codec_named(fields["k"]), codec_named(fields["v"])
     nums = {}
     for key in NUMBERS:
         if key in fields:
@@ -286,7 +289,7 @@ def parse_kv(text: str) -> KVSpec:
     rope, positions = fields.get("rope", "post"), fields.get("positions", "absolute")
     if positions == "cache" and rope != "pre":
         raise UserError("--kv positions=cache needs rope=pre: keys stored after RoPE carry their old positions")
-    kfirst = CODECS[fields["kfirst"]] if "kfirst" in fields else None
+    kfirst = codec_named(fields["kfirst"]) if "kfirst" in fields else None
     layers = _layers(fields["layers"]) if "layers" in fields else ()
     quantized = k.quantized or v.quantized or (kfirst is not None and kfirst.quantized)
     quantized = quantized or any(c.quantized for pair in layers for c in pair)
@@ -314,10 +317,10 @@ def _layers(text: str) -> tuple[tuple[Codec, Codec], ...]:
     out = []
     for i, item in enumerate(text.split(";")):
         pair = item.strip().split("/")
-        if len(pair) != 2 or any(c not in CODECS for c in pair):
+        if len(pair) != 2 or any(codec_named(c) is None for c in pair):
             raise UserError(
                 f"--kv layers= item {i} {shown(item)}: write one K/V pair of codecs per layer, e.g. layers=lm4h/lm3h;lm3h/lm2h "
                 f"(codecs: {', '.join(CODECS)})"
             )
-        out.append((CODECS[pair[0]], CODECS[pair[1]]))
+        out.append((codec_named(pair[0]), codec_named(pair[1])))
     return tuple(out)

@@ -38,7 +38,7 @@ PLAIN = CODECS["fp32"]  # the identity storage space: keys that are already plai
 
 def plain_keys(stored: torch.Tensor, codec: Codec, center: torch.Tensor | None) -> torch.Tensor:
     """Stored keys (B, Hkv, P, D) back in plain space, float32: un-rotated, the center added back."""
-    k = codec.to_space(stored.float())  # H is its own inverse
+    k = codec.from_space(stored.float())
     return k + center.float() if center is not None else k
 
 
@@ -85,7 +85,7 @@ def attend(
     if fast:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, Hq, T, D)
         if rotated:
-            out = v_codec.to_space(out)
+            out = v_codec.from_space(out)
         return out.to(out_dtype)
     n_rep = hq // hkv
     qg = q.reshape(b, hkv, n_rep, t, d)  # (B, Hkv, n_rep, T, D): the query heads that share a KV head
@@ -98,7 +98,7 @@ def attend(
         p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         out[:, :, :, s:e] = (p @ v).reshape(b, hkv, n_rep, e - s, d)  # (B, Hkv, n_rep, T_b, D)
     if rotated:
-        out = v_codec.to_space(out)  # rotate back once per query (H is its own inverse)
+        out = v_codec.from_space(out)  # rotate back once per query (H is its own inverse)
     return out.reshape(b, hq, t, d).to(out_dtype)
 
 

@@ -22,6 +22,11 @@ def describe_codecs() -> str:
     for c in CODECS.values():
         lines.append(f"  {c.name:<7} {c.bits_formula():<58} {c.about}")
     lines += [
+        f"  {'lm{b}f{nb}:{widths}':<7} b + 8 nb/D  (per KV head and RoPE frequency block: Lloyd-Max bits, a byte scale)",
+        "    keys in nb frequency blocks, per KV head one digit a block (its bits, highest frequencies first;",
+        "    each head's digits add up to nb x b): lm3f2:24.33.15 for 3 KV heads (no kernel yet: reference path)",
+    ]
+    lines += [
         "",
         "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0; center 0; rope post;",
         "positions absolute; start 0.",
