@@ -42,8 +42,8 @@ of K and V, every key codec then replaced the same way: the preset's body bits, 
 instead of on layers.
 
 With ``--frontier BITS``: fp16, ``kv allocate`` over the same maps at BITS (byte scales: the
-per-layer answer at that budget); every layer's keys the 3-bit 2-block codec (3.25 bits)
-with the values' codecs chosen from the maps' V rows alone (lm2hb, lm3hb or lm4hb a layer) so
+per-layer answer at that budget); every layer's keys the 2-block codec at floor(BITS) bits
+(3.25 bits an element at 3) with the values' codecs chosen from the maps' V rows alone (lm2hb, lm3hb or lm4hb a layer) so
 that K and V average BITS; and for 2 and 4 blocks the joint answer: ``kv allocate`` at BITS
 with every key choice of the maps offered also as the block codec of its code bits, priced
 at the map's KLD times the score error the blocks promise on the choice text (``promised``:
@@ -249,20 +249,21 @@ def joint(seen, maps, n_layers: int, bits: float, nb: int) -> tuple[str, float]:
 
 def frontier_specs(seen, n_layers: int, bits: float, vq: bool = False) -> dict[str, tuple[str, float]]:
     """Spec -> (label, body bits an element of K and V): fp16, the maps' allocation at `bits`,
-    3-bit 2-block keys in every layer with values allocated from the maps so that K and V
-    average `bits`, and the joint allocation of block keys and values (``joint``) for 2 and 4
+    2-block keys at floor(`bits`) bits in every layer with values allocated from the maps so that
+    K and V average `bits`, and the joint allocation of block keys and values (``joint``) for 2 and 4
     blocks. With `vq` the maps include the vq2hs values' map."""
     maps = [(path, json.loads(Path(path).read_text())) for path in MAPS + ([VQ_MAP] if vq else [])]
     mix = allocate_from_maps(maps, bits, n_layers, HEAD_DIM, byte_scales=True)
     specs = {"fp16": ("fp16", 16.0), str(mix.spec): (f"kv allocate at {bits:g}", mix.bits)}
     _, choices, _ = choices_from_maps(maps, n_layers, HEAD_DIM, byte_scales=True)
     values = choices[1::2]  # per layer, its V's priced codecs
-    key_bits = 3 + 8 * 2 / HEAD_DIM
+    b = int(bits)
+    key_bits = b + 8 * 2 / HEAD_DIM
     chosen = [options[i] for options, i in zip(values, allocate(values, 2 * bits - key_bits))]
     value_bits = sum(c.bits for c in chosen) / n_layers
-    pairs = ";".join(f"{k}/{c.codec.name}" for k, c in zip(block_codecs(seen, 2, 3), chosen))
+    pairs = ";".join(f"{k}/{c.codec.name}" for k, c in zip(block_codecs(seen, 2, b), chosen))
     spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
-    specs[spec] = (f"keys 2 blocks, values {value_bits:.3f}", (key_bits + value_bits) / 2)
+    specs[spec] = (f"keys 2 blocks at {b}, values {value_bits:.3f}", (key_bits + value_bits) / 2)
     for nb in (2, 4):
         spec, got = joint(seen, maps, n_layers, bits, nb)
         specs[spec] = (f"joint, {nb} blocks", got)
@@ -271,7 +272,8 @@ def frontier_specs(seen, n_layers: int, bits: float, vq: bool = False) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("windows", type=int, help="W windows of N 896 (P 128) from token 0")
+    ap.add_argument("windows", type=int, help="W windows of N tokens (P 128) from token 0")
+    ap.add_argument("--tokens", type=int, default=896, help="N, each window's tokens (default 896)")
     ap.add_argument("--dataset", default="hamlet", help="the evaluated text (eval/datasets.py)")
     ap.add_argument("--text", help="a UTF-8 text file to evaluate instead of --dataset")
     ap.add_argument("--choose", help="a UTF-8 text file to choose the bits on (default: Hamlet)")
@@ -303,7 +305,14 @@ def main() -> None:
     else:
         specs = mix_specs(seen, n_layers) if args.mix else keys_only_specs(seen, args.bits)
     with torch.inference_mode():
-        rows = evaluate(lm, lm.tokenizer.encode(text), [parse_kv(s) for s in specs], windows=args.windows, blind=False)
+        rows = evaluate(
+            lm,
+            lm.tokenizer.encode(text),
+            [parse_kv(s) for s in specs],
+            n=args.tokens,
+            windows=args.windows,
+            blind=False,
+        )
     for r, (label, bits) in zip(rows, specs.values()):
         what = "body" if args.mix or args.frontier else "keys"
         print(f"  {label:36s} {what} {bits:6.3f} bits  ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}")

@@ -359,7 +359,7 @@ def test_freq_blocks_frontier_spends_an_average_of_k_and_v_bits():
         assert bits == pytest.approx(sum(stored) / 60) and bits <= 3.0 + 1e-9
         assert {v.name for _, v in kv.layer_codecs} <= {"lm2hb", "lm3hb", "lm4hb"}
         blocks = [k for k, _ in kv.layer_codecs if isinstance(k, FrequencyBlocks)]
-        if label.startswith("keys"):
+        if label.startswith("keys 2 blocks"):
             assert len(blocks) == 30 and {k.bits for k in blocks} == {3}  # a 3-bit table a layer
         if label.startswith("joint"):
             assert isinstance(kv.layer_codecs[7][0], FrequencyBlocks)
