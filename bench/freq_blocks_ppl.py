@@ -25,7 +25,7 @@ at a time (optimal: eps is convex). The bits are chosen once from a text (``--ch
 Hamlet's first 896 tokens, fp32, no cache) and then fixed: a per-model table, as the mixes' layer
 codecs are, never fitted to the evaluated text unless it is the choice text.
 
-Each layer's table becomes the codec ``lm{b}f{nb}:{widths}`` (kv/codecs.py, FrequencyBlocks):
+Each layer's table becomes the codec ``lm{b}f{nb}:{widths}`` (kv/freq_blocks.py):
 each block Hadamard-rotated on its own (size 64 / nb), Lloyd-Max codes of its bits, one one-byte
 log scale per block (a block of 0 bits is dropped); b + 8 nb / 64 bits an element. No kernel
 reads it yet, so every row of these runs takes the PyTorch path. (Runs before the codec existed
@@ -64,9 +64,8 @@ from minillama.eval.allocation import allocate_from_maps, choices_from_maps
 from minillama.eval.datasets import load as load_text
 from minillama.eval.perplexity import evaluate
 from minillama.kv.allocate import Choice, allocate
-from minillama.kv.codecs import codec_named
 from minillama.kv.quantize import frequency_block_order, gaussian_codebook
-from minillama.kv.spec import parse_kv
+from minillama.kv.spec import codec_named, parse_kv
 from minillama.model.loader import load_model
 
 HEAD_DIM = 64

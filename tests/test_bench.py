@@ -14,9 +14,10 @@ from click.testing import CliRunner
 
 from minillama.app.cli import cli
 from minillama.eval.bench import weight_bytes_per_token
-from minillama.kv.codecs import CODECS, FrequencyBlocks, codec_named
+from minillama.kv.codecs import CODECS
+from minillama.kv.freq_blocks import FrequencyBlocks
 from minillama.kv.quantize import frequency_block_order
-from minillama.kv.spec import parse_kv
+from minillama.kv.spec import codec_named, parse_kv
 from minillama.native import backend
 
 KEYS = {

@@ -13,7 +13,6 @@ import torch
 
 from minillama.errors import UserError
 from minillama.kv.cache import KVCache
-from minillama.kv.codecs import codec_named
 from minillama.kv.quantize import (
     block_rotate,
     block_unrotate,
@@ -22,7 +21,7 @@ from minillama.kv.quantize import (
     hadamard_matrix,
     quantize_codebook,
 )
-from minillama.kv.spec import parse_kv
+from minillama.kv.spec import codec_named, parse_kv
 from minillama.native import backend
 
 

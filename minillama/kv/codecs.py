@@ -19,8 +19,6 @@ Adding a codec is one subclass plus ``register()`` (docs/cache.md: "Add your own
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,8 +27,6 @@ import torch
 from minillama.errors import UserError
 from minillama.kv import packing
 from minillama.kv.quantize import (
-    block_rotate,
-    block_unrotate,
     check_finite,
     dequantize_affine,
     dequantize_codebook,
@@ -391,139 +387,6 @@ class Calibrated(Codec):
 
     def decode(self, parts, group, head_dim, params=None):
         return dequantize_levels(self.unpack(parts, head_dim), params["lo"], params["span"], params["levels"])
-
-
-@dataclass(frozen=True)
-class FrequencyBlocks(Codec):
-    """Keys in RoPE frequency blocks, per KV head its own Lloyd-Max width for each block.
-
-    RoPE pairs channel f with f + D/2 at one frequency; block i holds frequencies i F .. (i+1) F - 1
-    with both channels of each pair (quantize.py: frequency_block_order). Each block is rotated
-    by its own Hadamard matrix (n = D / nb channels), coded with the Gaussian Lloyd-Max book of
-    its width and one one-byte log scale; a block of width 0 is dropped (decoded as zeros). A
-    score's error is sum_b q_b . e_b, so the bits go where a KV head's queries and keys put their
-    energy (docs/quality.md, Frontier IX); every head's widths add up to nb x bits, so every row
-    has the same bytes. The widths are a per-model table, spelled in the name
-    ``lm{bits}f{nb}:{head 0's widths}.{head 1's}...``, highest frequencies first: ``lm3f2:24.33``
-    gives head 0 two and four bits, head 1 three and three. The scale group G is unused (a scale a
-    block). No kernel reads it yet: attention over it takes the reference path."""
-
-    widths: tuple[tuple[int, ...], ...] = ((),)  # per KV head, each block's bits
-
-    @property
-    def blocks(self) -> int:
-        return len(self.widths[0])
-
-    @property
-    def packing(self) -> int | str:
-        return self.bits  # the row's bytes; blocks pack at their own widths inside it
-
-    def bits_formula(self) -> str:
-        return (
-            f"{self.bits} + {8 * self.blocks}/D  (per KV head and RoPE frequency block: Lloyd-Max bits, a byte scale)"
-        )
-
-    def validate(self, head_dim: int, group: int) -> None:
-        n = head_dim // self.blocks if head_dim % (2 * self.blocks) == 0 else 0
-        if n < 8 or n & (n - 1):
-            raise UserError(
-                f"codec {self.name} splits a head into {self.blocks} frequency blocks, each rotated on its own: "
-                f"head_dim {head_dim} needs blocks of a power-of-two size of at least 8 channels"
-            )
-
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [self.codes_part(head_dim), PartSpec("scale", torch.uint8, self.blocks, 1)]
-
-    def to_space(self, x: torch.Tensor) -> torch.Tensor:
-        return block_rotate(x, self.blocks)
-
-    def from_space(self, y: torch.Tensor) -> torch.Tensor:
-        return block_unrotate(y, self.blocks)
-
-    def _heads(self, h: int) -> None:
-        if h != len(self.widths):
-            raise UserError(
-                f"codec {self.name} gives widths for {len(self.widths)} KV heads; this model has {h}: "
-                "choose a table for it (bench/freq_blocks_ppl.py --table)"
-            )
-
-    def encode(self, x, group, params=None):
-        check_finite(x)
-        b, h, t, d = x.shape  # storage space: block_rotate'd
-        self._heads(h)
-        n = d // self.blocks
-        codes, scales = [], []
-        for head, widths in enumerate(self.widths):
-            packed, scale = [], []
-            for i, w in enumerate(widths):
-                xb = x[:, head : head + 1, :, i * n : (i + 1) * n]  # (B, 1, T, n): one block of one head
-                if w == 0:
-                    scale.append(torch.zeros(b, 1, t, 1, dtype=torch.uint8, device=x.device))
-                    continue
-                c, s = quantize_codebook(xb, w, n, log_scale=True)  # (B, 1, T, n), (B, 1, T, 1)
-                packed.append(packing.pack(c, w))
-                scale.append(s)
-            codes.append(torch.cat(packed, dim=-1))  # (B, 1, T, D bits / 8)
-            scales.append(torch.cat(scale, dim=-1))  # (B, 1, T, nb)
-        return {"codes": torch.cat(codes, dim=1), "scale": torch.cat(scales, dim=1)}
-
-    def _blocks(self, parts: dict[str, torch.Tensor], head_dim: int):
-        """(head, block, width, codes (B, 1, T, n) or None, scale (B, 1, T, 1)) for every block."""
-        self._heads(parts["codes"].shape[1])
-        n = head_dim // self.blocks
-        for head, widths in enumerate(self.widths):
-            at = 0
-            for i, w in enumerate(widths):
-                row = parts["codes"][:, head : head + 1]  # (B, 1, T, row bytes)
-                codes = packing.unpack(row[..., at : at + n * w // 8], w, n) if w else None
-                at += n * w // 8
-                yield head, i, w, codes, parts["scale"][:, head : head + 1, :, i : i + 1]
-
-    def unpack(self, parts, head_dim):
-        b, h, t, _ = parts["codes"].shape
-        out = torch.zeros(b, h, t, head_dim, dtype=torch.uint8, device=parts["codes"].device)
-        n = head_dim // self.blocks
-        for head, i, _, codes, _ in self._blocks(parts, head_dim):
-            if codes is not None:
-                out[:, head : head + 1, :, i * n : (i + 1) * n] = codes
-        return out  # (B, H, T, D): each block's codes in its channels
-
-    def decode(self, parts, group, head_dim, params=None):
-        b, h, t, _ = parts["codes"].shape
-        out = torch.zeros(b, h, t, head_dim, device=parts["codes"].device)
-        n = head_dim // self.blocks
-        for head, i, w, codes, scale in self._blocks(parts, head_dim):
-            if codes is not None:
-                out[:, head : head + 1, :, i * n : (i + 1) * n] = dequantize_codebook(codes, scale, w, n)
-        return out  # (B, H, T, D) float32, storage space
-
-
-_BLOCKS_NAME = re.compile(r"^lm(\d)f(\d):(\d+(?:\.\d+)*)$")
-
-
-@functools.lru_cache(maxsize=64)
-def frequency_blocks(name: str) -> FrequencyBlocks | None:
-    """The FrequencyBlocks codec a name like ``lm3f2:24.33.15`` spells, None if it spells none; a
-    UserError saying what is wrong with one that is almost such a name."""
-    m = _BLOCKS_NAME.match(name)
-    if not m:
-        return None
-    bits, nb = int(m.group(1)), int(m.group(2))
-    heads = m.group(3).split(".")
-    if not 1 <= bits <= 8 or nb not in (1, 2, 4, 8):
-        raise UserError(f"codec {name}: lm{{bits}}f{{blocks}} takes 1-8 bits and 1, 2, 4 or 8 blocks")
-    widths = tuple(tuple(int(c) for c in head) for head in heads)
-    if any(len(w) != nb or sum(w) != nb * bits for w in widths):
-        raise UserError(
-            f"codec {name}: every KV head needs {nb} widths (one digit a block) adding up to {nb * bits} "
-            f"({nb} blocks at {bits} bits on average), e.g. lm{bits}f{nb}:{str(bits) * nb}"
-        )
-    return FrequencyBlocks(name, bits, "per KV head and RoPE frequency block widths", rotate=True, widths=widths)
-
-
-def codec_named(name: str) -> Codec | None:
-    """A registered codec, or one a parametric name spells (``frequency_blocks``); None if neither."""
-    return CODECS.get(name) or frequency_blocks(name)
 
 
 CODECS: dict[str, Codec] = {}

@@ -27,7 +27,8 @@ import re
 from dataclasses import dataclass
 
 from minillama.errors import UserError, shown
-from minillama.kv.codecs import CODECS, Codec, codec_named
+from minillama.kv.codecs import CODECS, Codec
+from minillama.kv.freq_blocks import frequency_blocks
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,12 @@ GRAMMAR = (
 NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start", "first")
 WORDS = {"rope": ("post", "pre"), "positions": ("absolute", "cache")}
 _FIELD = re.compile(r"^([a-z]+)=(.+)$")
+
+
+def codec_named(name: str) -> Codec | None:
+    """A registered codec, or one a parametric name spells (``lm3f2:24.33.15``: freq_blocks.py);
+    None if neither."""
+    return CODECS.get(name) or frequency_blocks(name)
 
 
 def _choices() -> str:
