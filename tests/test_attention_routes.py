@@ -41,6 +41,8 @@ SPECS = [
     "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4",  # one-byte log scales
     "k=lm4hb,v=lm3hb,kgroup=32,vgroup=16,residual=8,center=1",  # ... in narrower groups
     "k=lm4hb,v=lm2hb,kgroup=64,residual=8",  # ... one a row at head_dim 64: the integer codebook keys
+    "k=lm3f2:24.15,v=lm2hb,vgroup=64,residual=8,sinks=4,center=1",  # keys in frequency blocks, per head widths
+    "k=lm3f4:2244.0255,v=fp16,residual=8",  # ... four blocks, one of them dropped
 ]
 CONTEXTS = [(0, 128, 1), (1, 128, 3), (31, 128, 1), (33, 128, 3), (1000, 600, 1)]  # (tokens, capacity, batch)
 

@@ -141,8 +141,8 @@ def test_the_cache_stores_what_the_blocks_decode_to():
 
 def test_the_model_decodes_over_block_keys_on_either_backend(tiny):
     """Prefill, then 40 decode steps of the tiny model over a cache of block keys: close to the
-    exact cache, and the same logits whichever backend runs (no kernel reads these rows, so the
-    kernels backend must take the reference path for them rather than rotate by the whole-head H)."""
+    exact cache, and the same logits whichever backend runs (the kernels read these rows a row at
+    a time and must rotate the query block by block, not by the whole-head H)."""
     from tests.test_cache import run, tokens
 
     t = tokens(48)

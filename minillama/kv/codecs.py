@@ -138,6 +138,12 @@ class Codec:
         """Numbers the kernels need besides the code width and group (RowSource fields by name)."""
         return {}
 
+    @property
+    def rotation(self) -> int:
+        """How the kernels rotate a query into the storage space: 0 not at all, 1 by H over the
+        head, nb > 1 in nb RoPE frequency blocks (quantize.py: block_rotate)."""
+        return int(self.rotate)
+
     def to_space(self, x: torch.Tensor) -> torch.Tensor:
         """Map vectors into the space they are stored in (rotated for Hadamard codecs)."""
         return hadamard_rotate(x) if self.rotate else x

@@ -10,7 +10,9 @@ choice and what it buys: docs/quality.md, Frontier IX); the table is spelled in 
 name, so a spec, a cache file and ``minillama kv`` all carry it.
 
 Bits per element: b + 8 nb / D (every head's widths add up to nb x b, plus one byte scale a
-block). No kernel reads these rows yet: attention over them takes the reference path.
+block). The kernels read these rows one at a time through the general route
+(native/row_attention.cpp: the row decoded by its blocks' books and scales, the query rotated
+block by block in layer_attention.cpp); no SIMD kernel reads them yet.
 """
 
 from __future__ import annotations
@@ -18,13 +20,22 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from minillama.errors import UserError
 from minillama.kv import packing
 from minillama.kv.codecs import Codec, PartSpec
-from minillama.kv.quantize import block_rotate, block_unrotate, check_finite, dequantize_codebook, quantize_codebook
+from minillama.kv.quantize import (
+    block_rotate,
+    block_unrotate,
+    check_finite,
+    dequantize_codebook,
+    gaussian_codebook,
+    quantize_codebook,
+)
+from minillama.native.abi import RowKind
 
 
 @dataclass(frozen=True)
@@ -36,10 +47,24 @@ class FrequencyBlocks(Codec):
     group G is unused: a scale a block."""
 
     widths: tuple[tuple[int, ...], ...] = ((),)  # per KV head, each block's bits
+    row_kind: ClassVar[RowKind] = RowKind.BLOCKS  # decoded a row at a time (native/row_attention.cpp)
 
     @property
     def blocks(self) -> int:
         return len(self.widths[0])
+
+    @property
+    def rotation(self) -> int:
+        return self.blocks
+
+    def kernel_tables(self, params):
+        """The Lloyd-Max books of widths 1-8 end to end (width w's at 2^w - 2), and the widths
+        (H, nb) the kernel reads per head (kv/fused_attention.py repeats them per sequence)."""
+        books = torch.cat([gaussian_codebook(w) for w in range(1, 9)])  # (510,)
+        return {"codebook": books, "widths": torch.tensor(self.widths, dtype=torch.int16)}
+
+    def kernel_fields(self):
+        return {"nlevels": self.blocks}
 
     @property
     def packing(self) -> int | str:

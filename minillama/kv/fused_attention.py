@@ -32,6 +32,7 @@ raises ``NotSupported`` with the reason before anything runs; attention then tak
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable
 
 import torch
@@ -77,6 +78,12 @@ def row_source(
             src.codebook = tables["codebook"].data_ptr()
         for name, value in codec.kernel_fields().items():  # vector codes: channels per code, patterns
             setattr(src, name, value)
+        if "widths" in tables:  # frequency blocks: each head's widths, repeated for every sequence
+            per_row = tables["widths"]  # (H, nb)
+            sequences = math.prod(codes.buf.shape[:-2]) // per_row.shape[0]  # rows are (B*H, slots, width)
+            widths = per_row.repeat(sequences, 1).contiguous()  # (B*H, nb)
+            keep.append(widths)
+            src.levels = widths.data_ptr()
         if "levels" in tables:
             src.lo, src.span, src.levels = (tables[n].data_ptr() for n in ("lo", "span", "levels"))
             src.nlevels = tables["levels"].shape[-1]
@@ -103,7 +110,9 @@ def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> 
     ):
         return Route.INTEGER
     else:
-        chosen = {RowKind.CHANNEL: Route.CHANNEL, RowKind.VECTOR: Route.ROWS}.get(kind, Route.TOKEN)
+        chosen = {RowKind.CHANNEL: Route.CHANNEL, RowKind.VECTOR: Route.ROWS, RowKind.BLOCKS: Route.ROWS}.get(
+            kind, Route.TOKEN
+        )
     status = ops.route_supported(lib, chosen, values, src, r, d)
     if status:
         raise NotSupported(f"{part.codec.name} {part.name} with {r} query heads per KV head of {d}: {STATUS[status]}")
@@ -124,7 +133,9 @@ def layer_plan(
     read) when a part has no kernel that can read it. `keep` holds the tensors the plan points
     into alive."""
     pre = rope is not None
-    plan = LayerPlan(B=b, R=r, D=d, rotate_k=int(view.k_codec.rotate and not pre), rotate_v=int(view.v_codec.rotate))
+    if view.v_codec.rotation > 1:
+        raise NotSupported(f"values in frequency blocks ({view.v_codec.name}): no kernel rotates their output back")
+    plan = LayerPlan(B=b, R=r, D=d, rotate_k=0 if pre else view.k_codec.rotation, rotate_v=view.v_codec.rotation)
     if view.key_center is not None and not pre:  # stored keys are centered: shift the new one alike
         center = view.key_center.float().contiguous()  # (B, H, 1, D)
         keep.append(center)

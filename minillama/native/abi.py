@@ -23,6 +23,7 @@ class RowKind(IntEnum):
     CHANNEL = 2
     CALIBRATED = 3
     VECTOR = 4
+    BLOCKS = 5
 
 
 class Route(IntEnum):

@@ -64,6 +64,11 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
             if (s.kind == ROW_FLOAT) return float_bits ? MINILLAMA_OK : MINILLAMA_E_CODES;
             if (s.kind == ROW_CALIBRATED && (s.nlevels < 1 || s.nlevels > 256)) return MINILLAMA_E_CODES;
             if (s.kind == ROW_TOKEN && (s.group <= 0 || D % s.group)) return MINILLAMA_E_CODES;
+            if (s.kind == ROW_BLOCKS)  // nb blocks of a power-of-two size, widths 0-8, a byte scale a block
+                return s.codebook && s.levels && s.scale8 && s.nlevels > 0 && D % (2 * s.nlevels) == 0 &&
+                               s.bits >= 1 && s.bits <= 8
+                           ? MINILLAMA_OK
+                           : MINILLAMA_E_CODES;
             if (s.kind == ROW_VECTOR)  // byte codes of vdim channels, whole vectors per scale group
                 return s.bits == 8 && s.codebook && s.vdim > 0 && s.group > 0 && D % s.group == 0 && s.group % s.vdim == 0
                            ? MINILLAMA_OK
@@ -184,6 +189,21 @@ static inline void hadamard(float* x, int D) {
     for (int d = 0; d < D; d++) x[d] *= norm;
 }
 
+// x <- its nb frequency blocks in order, each block x_b H (kv/quantize.py: block_rotate): block i
+// holds frequencies i F .. (i + 1) F - 1, F = D / 2 / nb, with both channels of each rotate-half
+// pair (f, f + D/2). nb = 1 is x H.
+static inline void rotate_blocks(float* x, int D, int nb) {
+    if (nb > 1) {
+        float blocked[512];
+        const int f = D / 2 / nb, half = D / 2;
+        for (int i = 0, k = 0; i < nb; i++)
+            for (int h = 0; h <= half; h += half)
+                for (int c = h + i * f; c < h + (i + 1) * f; c++) blocked[k++] = x[c];
+        std::memcpy(x, blocked, D * sizeof(float));
+    }
+    for (int i = 0; i < D; i += D / nb) hadamard(x + i, D / nb);
+}
+
 // exp(x) for n floats in place, vectorized: 2^(x log2 e) split as 2^k * 2^f, f in [-1/2, 1/2],
 // 2^f by a degree-6 polynomial (relative error ~2e-7, like expf); x below -87 gives 0.
 static inline float exp_one(float x) {
@@ -275,6 +295,8 @@ extern "C" int attend_layer(const LayerPlan* plan) {
     if (B < 1 || H < 1 || P.nk < 0 || P.nk > 3 || P.nv < 0 || P.nv > 3) return MINILLAMA_E_SHAPE;
     if (R < 1 || R > 16) return MINILLAMA_E_GQA;
     if ((P.rotate_k || P.rotate_v) && (D & (D - 1))) return MINILLAMA_E_HEAD_DIM;
+    if (P.rotate_k < 0 || P.rotate_v < 0 || P.rotate_v > 1 || (P.rotate_k > 1 && (D % (2 * P.rotate_k) || D > 512)))
+        return MINILLAMA_E_HEAD_DIM;
     Segments ks{P.kparts, P.nk, {0, 0, 0}}, vs{P.vparts, P.nv, {0, 0, 0}};
     int held = 0, held_v = 0;
     for (int i = 0; i < P.nk; i++) {
@@ -307,12 +329,12 @@ extern "C" int attend_layer(const LayerPlan* plan) {
             for (int r = 0; r < R; r++) {
                 float* qr = &q[((size_t)bh * R + r) * D];
                 load_vec(P.q, ((int64_t)bh * R + r) * D, P.dtype, D, qr);
-                if (P.rotate_k) hadamard(qr, D);
+                if (P.rotate_k) rotate_blocks(qr, D, P.rotate_k);
                 for (int d = 0; d < D; d++) qr[d] *= scale;  // every score comes out scaled by 1/sqrt(D)
             }
             float* k = &kown[(size_t)bh * D];
             load_vec(P.k, (int64_t)bh * D, P.dtype, D, k);
-            if (P.rotate_k) hadamard(k, D);
+            if (P.rotate_k) rotate_blocks(k, D, P.rotate_k);
             if (P.k_center)
                 for (int d = 0; d < D; d++) k[d] -= P.k_center[(size_t)bh * D + d];
             float* v = &vown[(size_t)bh * D];

@@ -36,6 +36,7 @@ enum RowKind {
     ROW_CHANNEL = 2,     // KIVI per-channel codes: scale and zero per channel and group of tokens
     ROW_CALIBRATED = 3,  // per-sequence lo/span per channel and a grid of levels per head
     ROW_VECTOR = 4,      // one byte per vdim channels: the index of a codebook vector, x a scale per group
+    ROW_BLOCKS = 5,      // nb frequency blocks (nlevels), per head each at its own width (levels), a byte scale each
 };
 
 // Which kernel reads a part of the cache (kv/fused_attention.py: route()).
@@ -51,11 +52,12 @@ struct RowSource {
     const uint16_t* scale;  // fp16: ROW_TOKEN (B*H, slots, D/group); ROW_CHANNEL (B*H, sslots, D)
     const uint16_t* zero;   // same shape as scale, or null (ternary, codebook)
     int sslots, sstart;     // ROW_CHANNEL: the ring of scale rows
-    const float* codebook;  // ROW_TOKEN: Gaussian Lloyd-Max levels, or null
+    const float* codebook;  // ROW_TOKEN: Gaussian Lloyd-Max levels, or null; ROW_BLOCKS: the books of widths 1-8 at 2^w - 2
     const uint16_t* lo;     // ROW_CALIBRATED: (B*H, D) fp16
     const uint16_t* span;   // ROW_CALIBRATED: (B*H, D) fp16
-    const uint16_t* levels; // ROW_CALIBRATED: (B*H, nlevels) fp16
-    int nlevels;            // ROW_CALIBRATED: levels per head; ROW_VECTOR: 16 for a sign x pattern book, else 0
+    const uint16_t* levels; // ROW_CALIBRATED: (B*H, nlevels) fp16; ROW_BLOCKS: (B*H, nlevels) each block's width
+    int nlevels;            // ROW_CALIBRATED: levels per head; ROW_VECTOR: 16 for a sign x pattern book, else 0;
+                            // ROW_BLOCKS: blocks per row
     int vdim;               // ROW_VECTOR: channels per code (codebook: 256 vectors of vdim floats)
     const float* center;    // (B*H, D) float32 key center to add back, or null
     const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position
@@ -108,7 +110,7 @@ struct LayerPlan {
     const void* k;
     const void* v;
     int dtype;
-    int rotate_k;              // keys stored Hadamard-rotated: rotate q and the new key
+    int rotate_k;              // keys stored rotated: q and the new key by H (1) or in rotate_k frequency blocks
     int rotate_v;              // values stored rotated: rotate the new value and, once, the output
     const float* k_center;     // (B*H, D) float32, subtracted from the new key (centered keys), or null
     int nk, nv;                // parts of K and of V (at most 3 each: sinks, body, residual)

@@ -8,7 +8,9 @@
 //   * calibrated codecs (int4cs, nuq3, ...): x = lo + span * level[code], with per-sequence
 //     lo/span per channel and a grid of levels per head;
 //   * vector codes (vq2h): each byte names one of 256 codebook vectors of vdim channels, times
-//     the group's scale.
+//     the group's scale;
+//   * frequency blocks (lm3f2:...): block b of head h holds n = D / nb channels at its own width
+//     w (a little-endian bit stream, kv/packing.py), x = book_w[code] * its byte scale.
 // A RowSource describes where a part's rows live and how to decode them; the kernels below
 // are the plain loops over tokens (scores: R dot products per row; values: R weighted adds).
 // The reference in model/attention.py is the specification.
@@ -19,6 +21,20 @@
 static inline void decode(const RowSource& s, int64_t bh, int i, int slot, int D, float* __restrict__ out) {
     if (s.kind == 0) {
         load_row(s.data, (bh * s.slots + slot) * D, s.bits, D, out);
+    } else if (s.kind == ROW_BLOCKS) {
+        const int nb = s.nlevels, n = D / nb, W = D * s.bits / 8;
+        const uint8_t* row = (const uint8_t*)s.data + (bh * s.slots + slot) * W;
+        const uint8_t* scale = s.scale8 + (bh * s.slots + slot) * nb;
+        int bit = 0;  // where the next code starts in the row
+        for (int b = 0; b < nb; b++) {
+            const int w = s.levels[bh * nb + b];
+            const float* book = s.codebook + (1 << w) - 2;
+            const float sc = log_scales.t[scale[b]];
+            for (int j = 0; j < n; j++, bit += w) {
+                const int byte = bit >> 3, pair = row[byte] | (byte + 1 < W ? row[byte + 1] << 8 : 0);
+                out[b * n + j] = w ? book[(pair >> (bit & 7)) & ((1 << w) - 1)] * sc : 0.f;
+            }
+        }
     } else if (s.kind == ROW_VECTOR) {
         const uint8_t* row = (const uint8_t*)s.data + (bh * s.slots + slot) * (D / s.vdim);
         for (int j = 0; j < D / s.vdim; j++) std::memcpy(out + j * s.vdim, s.codebook + row[j] * s.vdim, s.vdim * sizeof(float));

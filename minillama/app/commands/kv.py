@@ -24,7 +24,7 @@ def describe_codecs() -> str:
     lines += [
         f"  {'lm{b}f{nb}:{widths}':<7} b + 8 nb/D  (per KV head and RoPE frequency block: Lloyd-Max bits, a byte scale)",
         "    keys in nb frequency blocks, per KV head one digit a block (its bits, highest frequencies first;",
-        "    each head's digits add up to nb x b): lm3f2:24.33.15 for 3 KV heads (no kernel yet: reference path)",
+        "    each head's digits add up to nb x b): lm3f2:24.33.15 for 3 KV heads (rows kernel; no SIMD kernel yet)",
     ]
     lines += [
         "",
