@@ -124,9 +124,8 @@ class FrequencyBlocks(Codec):
         self._heads(parts["codes"].shape[1])
         n = head_dim // self.blocks
         for head, widths in enumerate(self.widths):
-            at = 0
+            row, at = parts["codes"][:, head : head + 1], 0  # (B, 1, T, row bytes)
             for i, w in enumerate(widths):
-                row = parts["codes"][:, head : head + 1]  # (B, 1, T, row bytes)
                 codes = packing.unpack(row[..., at : at + n * w // 8], w, n) if w else None
                 at += n * w // 8
                 yield head, i, w, codes, parts["scale"][:, head : head + 1, :, i : i + 1]

@@ -33,8 +33,7 @@ def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dty
     """x (L, B, H, n, D) in the model's dtype -> storage form in `dtype`: x H (rotated codecs),
     minus `center` (L, B, H, 1, D) when keys are centered."""
     lib = kernels(x.device)
-    plain = type(codec).to_space is Codec.to_space  # the kernel rotates by H over the whole head, or not at all
-    if lib is not None and dtype == torch.float16 and plain:
+    if lib is not None and dtype == torch.float16 and codec.rotation <= 1:  # the kernel rotates by H or not at all
         try:
             return ops.prepare_rows(lib, x, codec.rotate, center)
         except NotSupported as e:  # non-finite input or an unsupported dtype: the reference below names it
