@@ -245,8 +245,9 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
         const int len = std::min(T, i0 + n - i);
         const uint8_t* rows[T + 1];
         int64_t slots[T];
-        for (int t = 0, slot = at.slot; t < len; t++, slot = slot + 1 == s.slots ? 0 : slot + 1)
-            slots[t] = bh * s.slots + slot, rows[t] = (const uint8_t*)s.data + slots[t] * W;
+        const int run = std::min(len, s.slots - at.slot);  // tokens before the ring wraps to slot 0
+        for (int t = 0; t < len; t++) slots[t] = bh * s.slots + (t < run ? at.slot + t : t - run);
+        for (int t = 0; t < len; t++) rows[t] = (const uint8_t*)s.data + slots[t] * W;
         if (BITS == 3)
             for (int t = 0; t < len; t++) unpack3(rows[t], D, unpacked[t]), rows[t] = unpacked[t];
         at.slot = (int)((at.slot + (int64_t)len) % s.slots);
