@@ -11,8 +11,8 @@
 //             codes are in channel order. The query is permuted once into the same order (q.k
 //             is a sum) and values are summed in decode order and put back once per block.
 //   scores    per token and query head NV fused multiply-adds leave one register of 8 partial
-//             sums; eight tokens' registers are reduced together by a transposing vhaddps tree
-//             (hsum8: 10 instructions for 8 dot products). Per-token scales and zeros are
+//             sums; eight tokens' registers are reduced together by a transposing tree
+//             (hsum8: 21 one-micro-op instructions for 8 dot products). Per-token scales and zeros are
 //             applied after the sum, eight tokens at a time, q.k_t = s_t (q . c_t) + z_t sum(q),
 //             when one scale covers the row; narrower groups scale the row in registers first
 //             (each register's lanes lie in one group: groups are multiples of its span).
@@ -156,12 +156,19 @@ inline void decode(const RowSource& s, int64_t slot, const Levels& levels, __m25
     }
 }
 
-// Lane t of the result = the sum of the eight lanes of v[t].
-inline __m256 hsum8(const __m256* v) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+// Lane t of the result = the eight lanes of v[t] combined by op (add or max): a transposing
+// tree of unpacks, shuffles and lane swaps, one micro-op each (vhaddps is several on Zen).
+template <class Op>
+inline __m256 tree8(const __m256* v, Op op) {
+    __m256 p[4], u[2];
+    for (int i = 0; i < 4; i++) p[i] = op(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        u[i] = op(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44), _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
+    return op(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
 }
+
+inline __m256 hsum8(const __m256* v) { return tree8(v, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }); }
+inline __m256 hmax8(const __m256* v) { return tree8(v, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); }); }
 
 inline float hsum(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -414,16 +421,6 @@ struct Int4Query {
     alignas(32) int16_t qw[16][NV / 8][4][16];  // [head][32-byte load][E0, E1, O0, O1][lane]
     alignas(32) float qwa[16][NV / 8][2][8];    // [head][load][sums of E0 + O0, of E1 + O1][int32 lane]
 };
-
-// Lane t of the result = the largest of the eight lanes of v[t] (hsum8's tree, with max).
-inline __m256 hmax8(const __m256* v) {
-    __m256 p[4], u[2];
-    for (int i = 0; i < 4; i++)
-        p[i] = _mm256_max_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 2; i++)
-        u[i] = _mm256_max_ps(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44), _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
-    return _mm256_max_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
-}
 
 // x (D = 8 NV floats) -> Int4Query's bytes and steps of head r, eight channels per register:
 // KIVI queries are rounded again for every group of tokens, so this is vectorized: the maxima
