@@ -364,3 +364,22 @@ def test_freq_blocks_frontier_spends_an_average_of_k_and_v_bits():
             assert len(blocks) == 30 and {k.bits for k in blocks} == {3}  # a 3-bit table a layer
         if label.startswith("joint"):
             assert isinstance(kv.layer_codecs[7][0], FrequencyBlocks)
+
+
+def test_kernel_lines_charges_an_inlined_helper_to_the_kernel_line_that_called_it():
+    """bench/kernel_lines.py: addr2line -i lists an address's frames innermost first; a sample in
+    an intrinsic (a compiler header) or a helper of another file counts on the innermost line of
+    the kernel's own file (its outermost frame's), so a line's share is what that line costs."""
+    spec = importlib.util.spec_from_file_location("lines", Path(__file__).parent.parent / "bench" / "kernel_lines.py")
+    lines = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lines)
+    frames = [
+        "/usr/lib/gcc/avx2intrin.h:114",  # _mm256_maddubs_epi16, inlined
+        "/src/native/avx2_int_values.cpp:330 (discriminator 3)",  # the kernel's line
+        "/src/native/avx2_int_values.cpp:212",  # the kernel itself
+    ]
+    assert lines.charge(frames, None) == "/src/native/avx2_int_values.cpp:330"
+    helper = ["/src/native/rows.h:40", "/src/native/layer_attention.cpp:99", "/src/native/layer_attention.cpp:20"]
+    assert lines.charge(helper, None) == "/src/native/layer_attention.cpp:99"
+    assert lines.charge(helper, "/src/native/rows.h") == "/src/native/rows.h:40"
+    assert lines.charge(["??:0"], "/src/native/rows.h") is None
