@@ -170,12 +170,6 @@ inline __m256 tree8(const __m256* v, Op op) {
 inline __m256 hsum8(const __m256* v) { return tree8(v, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }); }
 inline __m256 hmax8(const __m256* v) { return tree8(v, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); }); }
 
-inline float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 // A chunk's scores (lane t: token t) into o, the first len of them.
 inline void store_scores(__m256 dots, float* o, int len) {
     if (len == 8) {

@@ -350,9 +350,7 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
         for (int c = 0; c < NC; c++)
             for (int h = 0; h < 2; h++) {
                 const __m256 a[4] = {accf[r][c][h], accf[r][c][2 + h], accf[r][c][4 + h], accf[r][c][6 + h]};
-                alignas(32) float z[8];
-                _mm256_store_ps(z, zacc[r * NG + (64 * c + 32 * h) / G]);
-                store_channels<BITS>(a, z[0] + z[1] + z[2] + z[3] + z[4] + z[5] + z[6] + z[7], acc_out + (size_t)r * D + 64 * c + 32 * h);
+                store_channels<BITS>(a, hsum(zacc[r * NG + (64 * c + 32 * h) / G]), acc_out + (size_t)r * D + 64 * c + 32 * h);
             }
 }
 

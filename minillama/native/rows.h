@@ -162,6 +162,13 @@ static inline void unpack16_int3(__m512i bytes, int i, float* __restrict__ out) 
 #define MINILLAMA_AVX2 1
 // The same unpacking for AVX2 CPUs (8 floats per register).
 
+// The sum of a register's eight lanes.
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
 // 64 3-bit codes (24 bytes, 8 codes per 3 bytes, lowest bits first) -> two registers of 32 code
 // bytes in an order of the caller's choosing, without leaving registers. The bytes are loaded as
 // 0-15 | 8-23 (each 128-bit lane then holds what its codes need); per register k of four,
