@@ -12,7 +12,7 @@ kv -> native). Read in this order:
   ``encode.cpp`` (cache writes), ``layer_attention.cpp`` (one layer's decode attention)
   over ``decode_attention.cpp`` (exact float kernels per codec family), ``int_attention.cpp``
   (integer-domain kernels) and ``row_attention.cpp`` (a decoded row at a time), with
-  ``rows.h`` and ``dtypes.h`` shared between them.
+  ``rows.h``, ``dtypes.h`` and ``hadamard.h`` (the FWHT's butterflies) shared between them.
 
 Every kernel has a PyTorch reference (model/, kv/) and a test holding the two equal.
 """

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "hadamard.h"
 #include "minillama.h"
 
 // Pack one row of n codes at `bits` bits (kv/packing.py's layouts).
@@ -137,12 +138,7 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
         std::vector<float> v(D);
         for (int d = 0; d < D; d++) v[d] = load_value(x, r * D + d, dtype);
         if (rotate) {
-            for (int h = 1; h < D; h *= 2)
-                for (int i = 0; i < D; i += 2 * h)
-                    for (int j = i; j < i + h; j++) {
-                        const float a = v[j], b = v[j + h];
-                        v[j] = a + b, v[j + h] = a - b;
-                    }
+            fwht(v.data(), D);
             for (int d = 0; d < D; d++) v[d] = round_to_dtype(v[d] * norm, dtype);
         }
         const uint16_t* c = center ? center + (r / rows_per_center) * D : nullptr;

@@ -22,6 +22,7 @@
 // kv/quantize.py); the output is rotated back once per query for *h value codecs.
 // model/attention.py is the specification; tests hold every route to it.
 
+#include "hadamard.h"
 #include "rows.h"
 
 #include <cmath>
@@ -179,12 +180,7 @@ static inline void store_vec(float* x, int D, int dtype, void* base, int64_t off
 
 // x <- x H, H the normalized Sylvester-Hadamard matrix (D a power of two).
 static inline void hadamard(float* x, int D) {
-    for (int h = 1; h < D; h *= 2)
-        for (int i = 0; i < D; i += 2 * h)
-            for (int j = i; j < i + h; j++) {
-                const float a = x[j], b = x[j + h];
-                x[j] = a + b, x[j + h] = a - b;
-            }
+    fwht(x, D);
     const float norm = 1.f / std::sqrt((float)D);
     for (int d = 0; d < D; d++) x[d] *= norm;
 }
