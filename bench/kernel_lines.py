@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 python bench/kernel_lines.py score_int4 python bench/route_ab.py scores 8192 hadv2 1500
 
 The command runs under ``perf record -e cpu-clock`` with the kernels built with line tables
-(``MINILLAMA_KERNEL_LINES=1``: ``-g``, the same code, its own library in the cache, built
+(``MINILLAMA_LINE_TABLES=1``: ``-g``, the same code, its own library in the cache, built
 before the recording so the compiler is not sampled). Of the symbols whose name contains the
 first argument, the one with the most samples is annotated; each sampled instruction is charged
 to the innermost line of the kernel's own source file that it came from (an inlined helper of
@@ -53,7 +53,7 @@ def main() -> None:
     for tool in ("perf", "addr2line"):
         if not shutil.which(tool):
             sys.exit(f"kernel_lines: `{tool}` is not installed (Linux perf tools and binutils are needed)")
-    env = dict(os.environ, MINILLAMA_KERNEL_LINES="1")
+    env = dict(os.environ, MINILLAMA_LINE_TABLES="1")
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "perf.data"
         built = subprocess.run(

@@ -252,7 +252,9 @@ def parse_kv(text: str) -> KVSpec:
     for item in text.split(","):
         m = _FIELD.match(item.strip())
         if not m or m.group(1) not in ("k", "v", "kfirst", "layers", *NUMBERS, *WORDS):
-            raise UserError(f"malformed --kv item {shown(item)}: expected {GRAMMAR} ({_choices()})")
+            raise UserError(  # the grammar alone: with every preset and codec the line outgrew a terminal's screen
+                f"malformed --kv item {shown(item)}: expected {GRAMMAR} (`minillama kv --list` shows the presets and codecs)"
+            )
         if m.group(1) in fields:  # k=int4,k=int2 would silently run the last one
             raise UserError(
                 f"--kv names {m.group(1)}= twice ({m.group(1)}={shown(fields[m.group(1)])} and "

@@ -10,7 +10,7 @@ has), ``avx2`` for x86-64-v3 (AVX2, FMA, F16C, BMI2: the oldest CPUs the fast pa
 written for), ``portable`` for any x86-64 (the plain C loops). The cached library is keyed
 by the sources, the compiler, the flags **and the CPU's instruction-set features**, so a
 cache directory shared between machines never hands one of them a binary it cannot run.
-``MINILLAMA_KERNEL_LINES=1`` adds line tables (``-g``; the same code) for profilers such as
+``MINILLAMA_LINE_TABLES=1`` adds line tables (``-g``; the same code) for profilers such as
 bench/kernel_lines.py, a library of its own in the cache. When no compiler is found or a
 build fails, ``build`` says why in one line and returns None; the backend
 (native/backend.py) then runs the PyTorch reference.
@@ -113,7 +113,7 @@ def build(target: str = "native") -> tuple[ctypes.CDLL | None, str]:
     cxx = compiler()
     if not cxx:
         return None, "no C++ compiler found (install g++)"
-    flags = COMMON + TARGETS[target] + (["-g"] if os.environ.get("MINILLAMA_KERNEL_LINES") == "1" else [])
+    flags = COMMON + TARGETS[target] + (["-g"] if os.environ.get("MINILLAMA_LINE_TABLES") == "1" else [])
     source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     identity = source + " ".join([cxx, *flags, *cpu_features()]).encode()
     key = hashlib.sha256(identity).hexdigest()[:16]
