@@ -17,6 +17,7 @@ processes) and binutils' ``addr2line``. How docs/speed.md takes a kernel apart.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import re
 import shutil
@@ -93,13 +94,17 @@ def main() -> None:
     for address, pct in samples.items():
         lines[charge(frames.get(address, []), own) or "(no line)"] += pct
     for where, pct in lines.most_common(25):
-        text = ""
-        if ":" in where:
-            file, number = where.rsplit(":", 1)
-            source = NATIVE / Path(file).name
-            if source.exists() and number.isdigit():
-                text = source.read_text().splitlines()[int(number) - 1].strip()[:90]
+        file, _, number = where.rpartition(":")
+        source = source_lines(Path(file).name)
+        text = source[int(number) - 1].strip()[:90] if number.isdigit() and 0 < int(number) <= len(source) else ""
         print(f"{pct:6.2f}%  {Path(where).name:32s} {text}")
+
+
+@functools.cache
+def source_lines(name: str) -> list[str]:
+    """The lines of native/`name`, read once however many of its lines are printed ([] if absent)."""
+    source = NATIVE / name
+    return source.read_text().splitlines() if source.exists() else []
 
 
 if __name__ == "__main__":
