@@ -3,7 +3,7 @@
 //   o_d = sum_t p_t (s_tg c_td + z_tg) = sum_t w_tg c_td + sum_t p_t z_tg,   w = p s >= 0
 //
 // The same math as int_attention.cpp's value_int (byte weights, error diffusion, the bound
-// tests/test_integer_attention.py holds), laid out so that nothing goes through memory per row:
+// tests/test_integer_attention.py holds), laid out so that no sum goes through memory per row:
 //
 //   weights  per block of 32 tokens, per query head r and channel group g: w_t = p_t s_tg,
 //            b = max_t w / 255, w8_t = round(w_t / b + carry) with the remainder carried into the
@@ -14,7 +14,10 @@
 //            (vpunpcklbw), then the fields split by shift and mask (3-bit rows are unpacked
 //            to bytes first, unpack3, 9 pairs a widening): every 16-bit lane holds
 //            (c_t,d, c_t+1,d) for one channel. `vpmaddubsw` of (w8_t, w8_t+1) against it adds
-//            the pair's products; 16-bit sums are widened to 32 bits before they can overflow
+//            the pair's products. A block's pairs are unpacked once into L1; then each query head
+//            alone reads them with its own weights, its 16-bit and 32-bit sums in registers (three
+//            heads' sums at once did not fit the 16 registers and went through the stack every
+//            pair). 16-bit sums are widened to 32 bits before they can overflow
 //            (2 * 255 * 15 per pair: every 4 pairs for 4-bit codes, 21 for 2-bit), or once a
 //            block where its byte weights' sum bounds every 16-bit sum below 2^15 (a peaked
 //            softmax: the weights of a block are normalized to its largest), and to float times
@@ -203,7 +206,7 @@ inline void store_channels(const __m256* a, float z, float* out) {
 // every level holds within 0.5% (not the 4-bit book, which the exact kernels then read).
 inline const SmallLevels& byte_levels(const RowSource& s) { return small_levels(s.codebook, 1 << s.bits, 4, 16); }
 
-template <int BITS, int NC, int RT, bool BOOK>  // NC: chunks of 64 channels (D = 64 NC); RT: heads summed together (divides R)
+template <int BITS, int NC, bool BOOK>  // NC: chunks of 64 channels (D = 64 NC)
 void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
     constexpr int D = 64 * NC, W = D * BITS / 8;
     const SmallLevels& book = byte_levels(s);
@@ -226,7 +229,6 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
     alignas(32) uint8_t unpacked[BITS == 3 ? NB * SB : 1][BITS == 3 ? D : 1];  // 3-bit rows as bytes
     alignas(32) float wq[64][T];                     // [chain = head * NG + group][token]: w / b
     alignas(32) uint16_t pairs[8][NB][SB / 2 + 1][8];  // [chain / 8][block][pair][chain % 8]: a pair's byte weights
-    alignas(32) __m256i acc32[16][NC][8];            // [head][chunk][field k, half h]: 32-bit sums of a block
     __m256 accf[16][NC][8];                          // the same in float, times b, over the call
     __m256 zacc[64];                                 // [chain]: sum_t p_t z_tg, eight lanes
     float b[64][NB];                                 // [chain][block]: the byte step
@@ -294,56 +296,49 @@ void value_bytes(const RowSource& s, int64_t bh, int R, const float* p, int lp, 
         }
         for (int cg = 0; cg < CG; cg++) diffuse8<NB>(wq + 8 * cg, pairs[cg]);
         for (int k = 0; k < NB && k * SB < len; k++) {  // block k: tokens k SB .. k SB + SB - 1 of this pass
-            const int blen = std::min(SB, len - k * SB);
+            const int blen = std::min(SB, len - k * SB), npairs = (blen + 1) / 2;
             const uint8_t* const* brows = rows + k * SB;
-            for (int r = 0; r < R; r++)
-                for (int c = 0; c < NC; c++)
-                    for (int v = 0; v < 8; v++) acc32[r][c][v] = _mm256_setzero_si256();
-            for (int c = 0; c < NC; c++)
-                for (int r0 = 0; r0 < R; r0 += RT) {  // RT heads' 16-bit sums stay in registers
-                    const uint16_t* first[RT];  // each head's chain for half 0 of this chunk, pair 0
-                    float most = 0.f;           // the largest sum of byte weights among the tile's chains
-                    for (int r = 0; r < RT; r++) {
-                        const int ch = (r0 + r) * NG + 64 * c / G;
-                        first[r] = &pairs[ch / 8][k][0][ch % 8];
-                        if (adaptive) most = std::max(most, G == 32 ? std::max(wsum[ch][k], wsum[ch + 1][k]) : wsum[ch][k]);
-                    }
+            for (int c = 0; c < NC; c++) {
+                // The block's pairs of rows as field registers once, in L1 (codes[j][e]); then each
+                // head alone multiplies them by its weights, its sums in registers.
+                alignas(32) __m256i codes[SB / 2][4];
+                for (int j = 0; j < npairs; j++) {
+                    const uint8_t* y = brows[2 * j + 1] == zero_row ? zero_row : brows[2 * j + 1] + c * CW;
+                    pair_codes<BITS>(brows[2 * j] + c * CW, y, codes[j]);
+                    if (BOOK)
+                        for (int e = 0; e < 4; e++) codes[j][e] = _mm256_shuffle_epi8(levels, codes[j][e]);
+                }
+                for (int r = 0; r < R; r++) {
+                    const int ch = r * NG + 64 * c / G;  // the head's chain for half 0 of this chunk
+                    const uint16_t* first = &pairs[ch / 8][k][0][ch % 8];
                     // A 16-bit sum is at most big8 times its chain's sum of byte weights (error
                     // diffusion keeps that within 1/2 of sum w / b): where that fits, the whole block
                     // stays in 16 bits and is widened once -- a peaked softmax's usual case.
+                    const float most = !adaptive ? 0.f : G == 32 ? std::max(wsum[ch][k], wsum[ch + 1][k]) : wsum[ch][k];
                     const int widen = adaptive && (most + 1.f) * (float)big8 <= 32767.f ? SB / 2 : WIDEN;
-                    for (int j0 = 0; 2 * j0 < blen; j0 += widen) {  // `widen` pairs in 16 bits, then widen
-                        const int j1 = std::min(j0 + widen, (blen + 1) / 2);
-                        __m256i acc16[RT][4];  // [head of the tile][field]
-                        for (int r = 0; r < RT; r++)
-                            for (int e = 0; e < 4; e++) acc16[r][e] = _mm256_setzero_si256();
+                    __m256i acc32[8];  // [field k, half h]
+                    for (int v = 0; v < 8; v++) acc32[v] = _mm256_setzero_si256();
+                    for (int j0 = 0; j0 < npairs; j0 += widen) {  // `widen` pairs in 16 bits, then widen
+                        const int j1 = std::min(j0 + widen, npairs);
+                        __m256i acc16[4];
+                        for (int e = 0; e < 4; e++) acc16[e] = _mm256_setzero_si256();
                         for (int j = j0; j < j1; j++) {
-                            __m256i f[4];
-                            const uint8_t* y = brows[2 * j + 1] == zero_row ? zero_row : brows[2 * j + 1] + c * CW;
-                            pair_codes<BITS>(brows[2 * j] + c * CW, y, f);
-                            if (BOOK)
-                                for (int e = 0; e < 4; e++) f[e] = _mm256_shuffle_epi8(levels, f[e]);
-                            for (int r = 0; r < RT; r++) {
-                                int32_t two;  // (half 0's chain, the next one)
-                                std::memcpy(&two, first[r] + 8 * j, 4);
-                                const __m256i w = _mm256_shuffle_epi8(_mm256_set1_epi32(two), spread);
-                                for (int e = 0; e < 4; e++) acc16[r][e] = _mm256_add_epi16(acc16[r][e], _mm256_maddubs_epi16(w, f[e]));
-                            }
+                            int32_t two;  // (half 0's chain, the next one)
+                            std::memcpy(&two, first + 8 * j, 4);
+                            const __m256i w = _mm256_shuffle_epi8(_mm256_set1_epi32(two), spread);
+                            for (int e = 0; e < 4; e++) acc16[e] = _mm256_add_epi16(acc16[e], _mm256_maddubs_epi16(w, codes[j][e]));
                         }
-                        for (int r = 0; r < RT; r++)
-                            for (int e = 0; e < 4; e++) {
-                                __m256i* a32 = acc32[r0 + r][c] + 2 * e;
-                                a32[0] = _mm256_add_epi32(a32[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[r][e])));
-                                a32[1] = _mm256_add_epi32(a32[1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[r][e], 1)));
-                            }
+                        for (int e = 0; e < 4; e++) {
+                            acc32[2 * e] = _mm256_add_epi32(acc32[2 * e], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[e])));
+                            acc32[2 * e + 1] = _mm256_add_epi32(acc32[2 * e + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[e], 1)));
+                        }
                     }
-                }
-            for (int r = 0; r < R; r++)
-                for (int c = 0; c < NC; c++)
                     for (int v = 0; v < 8; v++) {  // v = 2e + h: half h of field e, channels of group (64c + 32h) / G
                         const __m256 step = _mm256_set1_ps(b[r * NG + (64 * c + 32 * (v % 2)) / G][k] * level_step);
-                        accf[r][c][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc32[r][c][v]), step, accf[r][c][v]);
+                        accf[r][c][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc32[v]), step, accf[r][c][v]);
                     }
+                }
+            }
         }
     }
     for (int r = 0; r < R; r++)  // back to channel order, into the caller's sums, with the zeros' term
@@ -364,19 +359,13 @@ bool byte_values(const RowSource& s, int D) {
 
 bool value_bytes(VALUE_ARGS) {
     if (R > 16 || !byte_values(s, D)) return false;
-    // Three heads' sums of four fields nearly fill the 16 registers; two or one head otherwise.
-#define RT_OF(BITS, NC, BOOK)                                                                                         \
-    R % 3 == 0   ? value_bytes<BITS, NC, 3, BOOK>(s, bh, R, p, lp, i0, n, acc)                                         \
-    : R % 2 == 0 ? value_bytes<BITS, NC, 2, BOOK>(s, bh, R, p, lp, i0, n, acc)                                         \
-                 : value_bytes<BITS, NC, 1, BOOK>(s, bh, R, p, lp, i0, n, acc)
 #define BY_BITS(BOOK)                                                                                                 \
-    s.bits == 4   ? (D == 64 ? RT_OF(4, 1, BOOK) : RT_OF(4, 2, BOOK))                                                  \
-    : s.bits == 3 ? (D == 64 ? RT_OF(3, 1, BOOK) : RT_OF(3, 2, BOOK))                                                  \
-                  : (D == 64 ? RT_OF(2, 1, BOOK) : RT_OF(2, 2, BOOK))
+    s.bits == 4   ? (D == 64 ? value_bytes<4, 1, BOOK>(s, bh, R, p, lp, i0, n, acc) : value_bytes<4, 2, BOOK>(s, bh, R, p, lp, i0, n, acc))   \
+    : s.bits == 3 ? (D == 64 ? value_bytes<3, 1, BOOK>(s, bh, R, p, lp, i0, n, acc) : value_bytes<3, 2, BOOK>(s, bh, R, p, lp, i0, n, acc))   \
+                  : (D == 64 ? value_bytes<2, 1, BOOK>(s, bh, R, p, lp, i0, n, acc) : value_bytes<2, 2, BOOK>(s, bh, R, p, lp, i0, n, acc))
     if (s.codebook) BY_BITS(true);
     else BY_BITS(false);
 #undef BY_BITS
-#undef RT_OF
     return true;
 }
 
