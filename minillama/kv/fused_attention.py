@@ -22,8 +22,9 @@ kernel that reads it:
   SIMD kernels read the other rows (3- and 4-bit codebook values, 3-bit codebook keys, narrow
   groups) faster (``ops.exact_is_faster``);
 * ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their positions),
-  calibrated codecs, and vector codes where no integer kernel reads them
-  (``native/row_attention.cpp``).
+  calibrated codecs, vector codes where no integer kernel reads them, and keys in frequency
+  blocks (``native/row_attention.cpp``; on AVX2 builds the block keys' SIMD decode,
+  ``avx2_attention.cpp: score_blocks``).
 
 A part no kernel reads (a codec without ``row_kind``, a shape a kernel does not support)
 raises ``NotSupported`` with the reason before anything runs; attention then takes the reference.

@@ -714,6 +714,123 @@ bool score_int2(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     return true;
 }
 
+// Scores of keys stored in RoPE frequency blocks (ROW_BLOCKS; kv/freq_blocks.py: lm{b}f{nb}),
+// exact float math as score_fast, for the rows the generic loop (row_attention.cpp: decode) reads
+// one code at a time. Block b of head h holds n = D / nb channels at its own width w (0-8), the
+// blocks' codes one little-endian bit stream, and one byte scale: x = book_w[code] * scale. Eight
+// codes of a block are w whole bytes (n is a multiple of 8), so one `pdep` spreads them into eight
+// bytes and their levels come from registers: one vpermps for up to 8 levels, two and a blend for
+// 16, four and three blends for 32, a gather beyond; a block's scale multiplies its eight-channel
+// registers once for every head. The query is already in the blocks' order and rotation (the
+// driver's rotate_blocks); a key center adds q . center once per head.
+struct BlockQuery {
+    alignas(32) float q[16][128];  // [head][channel in block order]
+    float qc[16];                  // q . center (centered keys), else 0
+    int byte[16], width[16];             // per eight channels: first byte in the row, width
+    alignas(32) float books[9][32];      // book of width w (levels 0 .. 2^w - 1), w = 1 .. 5, zero-padded
+};
+
+// Eight codes of width W (1-8) from the bytes at p (W of them; 8 read where the row has them) as
+// their levels.
+template <int W>
+inline __m256 block_levels(const uint8_t* p, bool whole, const float* t, const float* book) {
+    uint64_t bits = 0;
+    if (whole) std::memcpy(&bits, p, 8);
+    else  // the row's last bytes: no read past them
+        for (int j = 0; j < W; j++) bits |= (uint64_t)p[j] << (8 * j);
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)_pdep_u64(bits, 0x0101010101010101ULL * ((1u << W) - 1))));
+    if (W > 5) return _mm256_i32gather_ps(book, c, 4);
+    const __m256 a = _mm256_permutevar8x32_ps(_mm256_load_ps(t), c);
+    if (W <= 3) return a;
+    const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(c, 28));
+    const __m256 lo = _mm256_blendv_ps(a, _mm256_permutevar8x32_ps(_mm256_load_ps(t + 8), c), bit3);
+    if (W == 4) return lo;
+    const __m256 hi = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_load_ps(t + 16), c),
+                                       _mm256_permutevar8x32_ps(_mm256_load_ps(t + 24), c), bit3);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(c, 27)));
+}
+
+// One block of a row (width W, its eight-channel groups g0 .. g1 - 1) as levels times its scale:
+// the width is a template argument, so the decode has no branch.
+template <int W>
+inline void decode_block(const BlockQuery& st, int g0, int g1, const uint8_t* row, int row_bytes, float scale, const float* book,
+                         __m256* v) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int g = g0; g < g1; g++)
+        v[g] = _mm256_mul_ps(block_levels<W>(row + st.byte[g], st.byte[g] + 8 <= row_bytes, st.books[W < 6 ? W : 0], book), sc);
+}
+
+template <int NV>
+bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
+    constexpr int D = 8 * NV;
+    static_assert(sizeof(BlockQuery) <= sizeof(Prep::bytes), "Prep is too small");
+    BlockQuery& st = *reinterpret_cast<BlockQuery*>(prep.bytes);
+    const int nb = s.nlevels, W = D * s.bits / 8, per = NV / nb;  // per: eight-channel groups a block
+    if (!prep.ready) {
+        for (int r = 0; r < R; r++) {
+            std::memcpy(st.q[r], q + r * D, sizeof(float) * D);
+            float c = 0.f;
+            if (s.center)
+                for (int d = 0; d < D; d++) c += q[r * D + d] * s.center[bh * D + d];
+            st.qc[r] = c;
+        }
+        for (int w = 1; w <= 5; w++)
+            for (int l = 0; l < 32; l++) st.books[w][l] = l < (1 << w) ? s.codebook[(1 << w) - 2 + l] : 0.f;
+        for (int b = 0, bit = 0, k = 0; b < nb; b++) {
+            const int w = s.levels[bh * nb + b];
+            for (int j = 0; j < D / nb; j += 8, k++, bit += 8 * w) st.byte[k] = bit / 8, st.width[k] = w;
+        }
+        prep.ready = true;
+    }
+    alignas(32) __m256 part[16][8];  // [head][token of the chunk]
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        const int len = std::min(8, i0 + n - i);
+        prefetch_chunk(s, bh, at.slot, W);
+        for (int t = 0; t < 8; t++) {
+            if (t >= len) {
+                for (int r = 0; r < R; r++) part[r][t] = _mm256_setzero_ps();
+                continue;
+            }
+            const int64_t slot = bh * s.slots + at.slot;
+            at.next();
+            const uint8_t* row = (const uint8_t*)s.data + slot * W;
+            __m256 v[NV];
+            for (int b = 0; b < nb; b++) {
+                const int g0 = b * per, g1 = g0 + per, w = st.width[g0];
+                const float scale = log_scales.t[s.scale8[slot * nb + b]], *book = s.codebook + (1 << w) - 2;
+#define BLOCK(WIDTH) decode_block<WIDTH>(st, g0, g1, row, W, scale, book, v)
+                switch (w) {
+                    case 0:  // a dropped block reads as zeros
+                        for (int g = g0; g < g1; g++) v[g] = _mm256_setzero_ps();
+                        break;
+                    case 1: BLOCK(1); break;
+                    case 2: BLOCK(2); break;
+                    case 3: BLOCK(3); break;
+                    case 4: BLOCK(4); break;
+                    case 5: BLOCK(5); break;
+                    case 6: BLOCK(6); break;
+                    case 7: BLOCK(7); break;
+                    default: BLOCK(8);
+                }
+#undef BLOCK
+            }
+            for (int r = 0; r < R; r++) {
+                __m256 a0 = _mm256_mul_ps(v[0], _mm256_load_ps(st.q[r])), a1 = _mm256_mul_ps(v[1], _mm256_load_ps(st.q[r] + 8));
+                for (int k = 2; k < NV; k += 2) {  // two chains: the FMA latency is hidden
+                    a0 = _mm256_fmadd_ps(v[k], _mm256_load_ps(st.q[r] + 8 * k), a0);
+                    a1 = _mm256_fmadd_ps(v[k + 1], _mm256_load_ps(st.q[r] + 8 * k + 8), a1);
+                }
+                part[r][t] = _mm256_add_ps(a0, a1);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            finish_scores(part[r], nullptr, nullptr, 0.f, &st.qc[r], out + (int64_t)r * ls + (i - i0), len);
+        i += len;
+    }
+    return true;
+}
+
 }  // namespace
 
 bool score_fast(SCORE_ARGS, Prep& prep) {
@@ -755,6 +872,16 @@ bool score_int2(SCORE_ARGS, Prep& prep) {
     return D == 64 ? score_int2<1>(s, bh, R, q, i0, n, out, ls, prep) : score_int2<2>(s, bh, R, q, i0, n, out, ls, prep);
 }
 
+bool block_keys(const RowSource& s, int D) {
+    if ((D != 64 && D != 128) || s.kind != ROW_BLOCKS || s.cos || !s.scale8 || !s.codebook) return false;
+    return s.nlevels >= 1 && s.nlevels <= 8 && D % (8 * s.nlevels) == 0;
+}
+
+bool score_blocks(SCORE_ARGS, Prep& prep) {
+    if (R > 16 || !block_keys(s, D)) return false;
+    return D == 64 ? score_blocks<8>(s, bh, R, q, i0, n, out, ls, prep) : score_blocks<16>(s, bh, R, q, i0, n, out, ls, prep);
+}
+
 bool value_fast(VALUE_ARGS) {
     if (R > 16 || !fast_kind(s, D, true)) return false;
     BY_FORMAT(value_fast, s, bh, R, p, lp, i0, n, acc);
@@ -766,5 +893,7 @@ bool int4_keys(const RowSource&, int) { return false; }
 bool score_int4(SCORE_ARGS, Prep&) { return false; }
 bool int2_keys(const RowSource&, int) { return false; }
 bool score_int2(SCORE_ARGS, Prep&) { return false; }
+bool block_keys(const RowSource&, int) { return false; }
+bool score_blocks(SCORE_ARGS, Prep&) { return false; }
 
 #endif

@@ -93,13 +93,13 @@ extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
 }
 
 // The block kernel a route names (rows.h): the SIMD kernels where they apply (exact float math in
-// fast_attention.cpp for AVX-512 and avx2_attention.cpp for AVX2, or on the integer route VNNI in
-// vnni_attention.cpp),
-// else the generic one.
+// fast_attention.cpp for AVX-512 and avx2_attention.cpp for AVX2, with the frequency-block keys of
+// the rows route there, or on the integer route VNNI in vnni_attention.cpp), else the generic one.
 static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
     if (route == ROUTE_INTEGER ? score_vnni(s, bh, R, D, q, i0, n, out, ls, prep) || score_int4(s, bh, R, D, q, i0, n, out, ls, prep) ||
                                      score_int2(s, bh, R, D, q, i0, n, out, ls, prep)
-                               : route != ROUTE_ROWS && score_fast(s, bh, R, D, q, i0, n, out, ls, prep))
+                               : route == ROUTE_ROWS ? score_blocks(s, bh, R, D, q, i0, n, out, ls, prep)
+                                                     : score_fast(s, bh, R, D, q, i0, n, out, ls, prep))
         return;
     switch (route) {
         case ROUTE_FLOAT: return score_float(s, bh, R, D, q, i0, n, out, ls);

@@ -396,6 +396,10 @@ bool score_int4(SCORE_ARGS, Prep& prep);
 // int2_keys: whether score_int2 reads them.
 bool int2_keys(const RowSource& s, int D);
 bool score_int2(SCORE_ARGS, Prep& prep);
+// Keys in RoPE frequency blocks (ROW_BLOCKS) on AVX2 CPUs, exact float math (avx2_attention.cpp);
+// block_keys: whether score_blocks reads them.
+bool block_keys(const RowSource& s, int D);
+bool score_blocks(SCORE_ARGS, Prep& prep);
 // Integer (VNNI) scores of 2-, 3- and 4-bit keys (vnni_attention.cpp); vnni_keys: whether score_vnni reads these rows.
 bool vnni_keys(const RowSource& s, int D);
 bool score_vnni(SCORE_ARGS, Prep& prep);
