@@ -588,12 +588,13 @@ def test_a_codec_that_encodes_its_own_way_is_not_written_by_the_kernels():
 
 
 @needs_kernels
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("group", [16, 64])
 @pytest.mark.parametrize("log_scale", [False, True])
 def test_the_cpp_codebook_encoder_writes_the_reference_bytes(bits, group, log_scale):
     """native/encode.cpp's Lloyd-Max encoder against kv/quantize.py's (codes packed as the cache
-    packs them; fp16 scales, or one-byte log scales), on groups of every scale from tiny (off
+    packs them, at the presets' widths and the frequency blocks' 1-8; fp16 scales, or one-byte
+    log scales), on groups of every scale from tiny (off
     the log grid's low end) to wide-ranging: the scale's refinement sums in double, so the
     order of the additions must not move a byte."""
     from minillama.kv import packing

@@ -32,11 +32,11 @@ static inline void pack_row(const uint8_t* c, int n, int bits, uint8_t* out) {
         for (int i = 0; i < n / 2; i++) out[i] = c[2 * i] | (c[2 * i + 1] << 4);
     } else if (bits == 2) {
         for (int i = 0; i < n / 4; i++) out[i] = c[4 * i] | (c[4 * i + 1] << 2) | (c[4 * i + 2] << 4) | (c[4 * i + 3] << 6);
-    } else {  // 3 bits: eight codes in a little-endian 24-bit word
+    } else {  // 3 bits (and 1, 5, 6, 7): eight codes in a little-endian word of `bits` bytes
         for (int i = 0; i < n / 8; i++) {
-            uint32_t w = 0;
-            for (int j = 0; j < 8; j++) w |= (uint32_t)c[8 * i + j] << (3 * j);
-            out[3 * i] = w & 0xFF, out[3 * i + 1] = (w >> 8) & 0xFF, out[3 * i + 2] = (w >> 16) & 0xFF;
+            uint64_t w = 0;
+            for (int j = 0; j < 8; j++) w |= (uint64_t)c[8 * i + j] << (bits * j);
+            for (int b = 0; b < bits; b++) out[bits * i + b] = (w >> (8 * b)) & 0xFF;
         }
     }
 }
@@ -45,6 +45,7 @@ static inline void pack_row(const uint8_t* c, int n, int bits, uint8_t* out) {
 // rounds a refinement round's scale, `value` is what it stands for.
 struct Fp16Scale {  // double -> float -> fp16, the smallest fp16 (2^-24) where that is not > 0
     using T = uint16_t;
+    using Div = float;  // x / s in float32, as kv/quantize.py divides by a float32 scale
     static T store(double s) {
         const uint16_t h = float_to_half((float)s);
         return half_to_float(h) > 0.f ? h : (uint16_t)1;
@@ -53,6 +54,7 @@ struct Fp16Scale {  // double -> float -> fp16, the smallest fp16 (2^-24) where 
 };
 struct LogScale {  // one byte, the nearest 2^((u - 128) / 16) in log terms (dtypes.h)
     using T = uint8_t;
+    using Div = double;  // x / s in float64, as kv/quantize.py divides by stored_log8's float64 scale
     static T store(double s) { return log_scale_code(s); }
     static float value(T u) { return log_scales.t[u]; }
 };
@@ -75,12 +77,14 @@ static double dot(const float* a, const float* b, int n) {
 // The nearest of L levels (their L - 1 boundaries `mids`, ascending) for each of x[0..G) / s:
 // how many boundaries lie below it, as torch.bucketize counts them (counted, not searched: the
 // compiler vectorizes it across x).
-template <int L>
-static void nearest_levels(const float* x, int G, float s, const float* mids, uint8_t* c) {
+// The division is in V: float32 for fp16 scales, float64 for one-byte ones, as the reference
+// divides (a quotient within one rounding of a boundary otherwise picks the other level).
+template <int L, class V>
+static void nearest_levels(const float* x, int G, V s, const float* mids, uint8_t* c) {
     for (int e = 0; e < G; e++) {
-        const float v = x[e] / s;
+        const V v = (V)x[e] / s;
         int k = 0;
-        for (int l = 0; l < L - 1; l++) k += mids[l] < v;
+        for (int l = 0; l < L - 1; l++) k += (V)mids[l] < v;
         c[e] = (uint8_t)k;
     }
 }
@@ -101,11 +105,11 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const
         typename Scale::T stored = Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
         uint8_t* cg = c + g * G;
         for (int round = 0; round < refine; round++) {
-            nearest_levels<L>(x.data(), G, Scale::value(stored), mids, cg);
+            nearest_levels<L, typename Scale::Div>(x.data(), G, (typename Scale::Div)Scale::value(stored), mids, cg);
             for (int e = 0; e < G; e++) l[e] = levels[cg[e]];
             stored = Scale::store(dot(x.data(), l.data(), G) / std::max(dot(l.data(), l.data(), G), 1e-12));
         }
-        nearest_levels<L>(x.data(), G, Scale::value(stored), mids, cg);
+        nearest_levels<L, typename Scale::Div>(x.data(), G, (typename Scale::Div)Scale::value(stored), mids, cg);
         scale[g] = stored;
     }
     for (int t = 0; t < n; t++) pack_row(&c[(size_t)t * D], D, BITS, codes + (int64_t)t * W);
@@ -117,9 +121,16 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int bits, in
 #define ENCODE(BITS)                                                                                                   \
     return log_scale ? encode_codebook_block<BITS, LogScale>(xb, n, D, G, levels, refine, codes, (uint8_t*)scale, c)   \
                      : encode_codebook_block<BITS, Fp16Scale>(xb, n, D, G, levels, refine, codes, (uint16_t*)scale, c)
-    if (bits == 2) ENCODE(2);
-    if (bits == 3) ENCODE(3);
-    ENCODE(4);
+    switch (bits) {  // 1 and 5-8: the widths of frequency-block keys (kv/freq_blocks.py)
+        case 1: ENCODE(1);
+        case 2: ENCODE(2);
+        case 3: ENCODE(3);
+        case 4: ENCODE(4);
+        case 5: ENCODE(5);
+        case 6: ENCODE(6);
+        case 7: ENCODE(7);
+        default: ENCODE(8);
+    }
 #undef ENCODE
 }
 
@@ -205,8 +216,8 @@ int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, 
 // with log_scale; levels: the 2^bits ascending levels (kv/quantize.py: gaussian_codebook).
 int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, const float* levels, int refine,
                     int log_scale, uint8_t* codes, void* scale) {
-    if (bits != 2 && bits != 3 && bits != 4) return MINILLAMA_E_CODES;
-    if (!encodable(n, D, bits, G, 0) || refine < 0) return MINILLAMA_E_SHAPE;
+    if (bits < 1 || bits > 8) return MINILLAMA_E_CODES;
+    if (G < 1 || D % 8 || D % G || refine < 0) return MINILLAMA_E_SHAPE;
     const int W = D * bits / 8;
 #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < BH; bh++) {
