@@ -139,6 +139,28 @@ def test_the_cache_stores_what_the_blocks_decode_to():
     assert torch.allclose(codec.from_space(stored), expected, atol=1e-5)
 
 
+@pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
+@pytest.mark.parametrize("name", ["lm4f4:0178.2356", "lm3f2:24.15"])
+def test_the_native_block_write_is_the_reference_bytes(name):
+    """The cache write with the kernels (kv/write.py: each block through native/encode.cpp's
+    Lloyd-Max encoder, widths 1-8) stores exactly the bytes the codec's own encode does, on rows
+    of every scale from float16's smallest normals to wide-ranging ones and all-zero blocks."""
+    from minillama.kv import write
+
+    codec = codec_named(name)
+    g = torch.Generator().manual_seed(len(name))
+    x = torch.randn(3, 2, 64, 64, generator=g) * torch.rand(3, 2, 64, 64, generator=g).pow(6).mul(30)  # (B, H, T, D)
+    x[0] *= 1e-4
+    x[1, 0, :3] = 0.0
+    x = codec.to_space(x).to(torch.float16)
+    with backend.using("kernels"):
+        native = write.encode(codec, x, 64)
+    reference = codec.encode(x, 64)
+    assert native.keys() == reference.keys() == {"codes", "scale"}
+    for part in native:
+        assert native[part].dtype == reference[part].dtype and torch.equal(native[part], reference[part]), part
+
+
 def test_the_model_decodes_over_block_keys_on_either_backend(tiny):
     """Prefill, then 40 decode steps of the tiny model over a cache of block keys: close to the
     exact cache, and the same logits whichever backend runs (the kernels read these rows a row at

@@ -10,9 +10,11 @@ choice and what it buys: docs/quality.md, Frontier IX); the table is spelled in 
 name, so a spec, a cache file and ``minillama kv`` all carry it.
 
 Bits per element: b + 8 nb / D (every head's widths add up to nb x b, plus one byte scale a
-block). The kernels read these rows one at a time through the general route
-(native/row_attention.cpp: the row decoded by its blocks' books and scales, the query rotated
-block by block in layer_attention.cpp); no SIMD kernel reads them yet.
+block). The kernels read these rows through the rows route: on AVX2 builds eight channels at a
+time (native/avx2_attention.cpp: score_blocks), elsewhere one row at a time
+(native/row_attention.cpp); the query is rotated block by block in layer_attention.cpp. The cache
+write encodes each block with native/encode.cpp's Lloyd-Max encoder when the kernels run
+(kv/write.py), byte for byte ``code_block``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ from minillama.kv.quantize import (
     quantize_codebook,
 )
 from minillama.native.abi import RowKind
+
+
+def code_block(xb: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block (..., n) at width w: Lloyd-Max codes packed at w bits, and one-byte log scales (..., 1)."""
+    c, s = quantize_codebook(xb, w, xb.shape[-1], log_scale=True)  # (..., n), (..., 1)
+    return packing.pack(c, w), s
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,13 @@ class FrequencyBlocks(Codec):
 
     def encode(self, x, group, params=None):
         check_finite(x)
-        b, h, t, d = x.shape  # storage space: block_rotate'd
+        return self.encode_blocks(x, code_block)
+
+    def encode_blocks(self, x: torch.Tensor, coder) -> dict[str, torch.Tensor]:
+        """x (B, H, T, D) in storage space (block_rotate'd) -> the parts, each block of each head
+        coded by ``coder(xb, w)``: xb (B, 1, T, n) -> packed codes (B, 1, T, n w / 8) and one-byte
+        scales (B, 1, T, 1) (``code_block``, or native/encode.cpp's encoder: kv/write.py)."""
+        b, h, t, d = x.shape
         self._heads(h)
         n = d // self.blocks
         codes, scales = [], []
@@ -112,8 +126,8 @@ class FrequencyBlocks(Codec):
                 if w == 0:
                     scale.append(torch.zeros(b, 1, t, 1, dtype=torch.uint8, device=x.device))
                     continue
-                c, s = quantize_codebook(xb, w, n, log_scale=True)  # (B, 1, T, n), (B, 1, T, 1)
-                packed.append(packing.pack(c, w))
+                c, s = coder(xb, w)  # (B, 1, T, n w / 8), (B, 1, T, 1)
+                packed.append(c)
                 scale.append(s)
             codes.append(torch.cat(packed, dim=-1))  # (B, 1, T, D bits / 8)
             scales.append(torch.cat(scale, dim=-1))  # (B, 1, T, nb)

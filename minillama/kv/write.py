@@ -8,8 +8,9 @@ a dozen PyTorch calls:
 * ``storage_form``: rotate (Hadamard codecs), subtract the key center (``center=1``) and
   round to the exact dtype the residual keeps (float16 for quantized codecs);
 * ``encode``: a block of storage-form vectors into the codec's parts; the kernels cover the
-  affine codecs (per-token ``int*``/``int*h`` and KIVI per-channel ``int*c``) and the scalar
-  Lloyd-Max codebooks (``lm*``), every other codec encodes with its own ``Codec.encode``.
+  affine codecs (per-token ``int*``/``int*h`` and KIVI per-channel ``int*c``), the scalar
+  Lloyd-Max codebooks (``lm*``) and, block by block, frequency-block keys (``lm{b}f{nb}``);
+  every other codec encodes with its own ``Codec.encode``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from minillama.kv.codecs import Affine, Codebook, Codec
+from minillama.kv.freq_blocks import FrequencyBlocks
 from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
@@ -56,6 +58,21 @@ def native_encoding(codec: Codec) -> type[Codec] | None:
 def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None) -> dict[str, torch.Tensor]:
     """x (B, H, T, D) in storage form -> the codec's parts, each (B, H, rows, width)."""
     lib = kernels(x.device)
+    if (
+        lib is not None
+        and isinstance(codec, FrequencyBlocks)
+        and x.dtype == torch.float16
+        and bool(torch.isfinite(x).all())
+    ):
+
+        def coder(xb: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:  # code_block's bytes
+            out = ops.encode_codebook(lib, xb.contiguous(), w, xb.shape[-1], gaussian_codebook(w), REFINE, True)
+            return out["codes"], out["scale"]
+
+        try:
+            return codec.encode_blocks(x, coder)
+        except NotSupported as e:
+            backend.fallback(f"cache write of {codec.name}: {e}")
     family = native_encoding(codec) if x.dtype == torch.float16 else None
     if lib is not None and family is not None and bool(torch.isfinite(x).all()):
         try:
