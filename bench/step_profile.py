@@ -17,7 +17,7 @@ total without.
 The roofline share is the bytes a step reads over the measured read bandwidth, divided by the
 step's time. On a shared VM both move by a third within minutes, so a step timed at one minute
 against a bandwidth probed at another can read anywhere from 40% to 100%. ``--rounds N``
-alternates the two, N times (a probe, then a stretch of steps), and prints the median of the
+alternates the two, N times (a stretch of steps, then a probe), and prints the median of the
 per-round shares with their range: the number a target is judged on.
 """
 
@@ -56,7 +56,7 @@ def main() -> None:
 
     lm = load_model(resolve_model(args.model), "bfloat16")
     cfg = lm.config
-    cache = KVCache.for_model(cfg, parse_kv(args.kv), args.context + 2 * args.steps + 16)
+    cache = KVCache.for_model(cfg, parse_kv(args.kv), args.context + (max(1, args.rounds) + 2) * args.steps + 16)
     ids = lm.tokenizer.encode(load_text("hamlet"))[: args.context]
     if args.fill == "prefill":
         prefill(lm.model, ids, cache)
@@ -72,11 +72,10 @@ def main() -> None:
 
     steps(5)
     weights = weight_bytes_per_token(lm.model)
-    rounds = []  # (bandwidth B/s, ms per step, bytes a step read): a probe, then steps, in turn
+    rounds = []  # (bandwidth B/s, ms per step, bytes a step read): steps, then a probe, in turn
     for _ in range(max(1, args.rounds)):
-        bandwidth = measure_bandwidth()
         ms = statistics.median(steps(args.steps // 4) for _ in range(4))
-        rounds.append((bandwidth, ms, weights + cache.bytes.last_read))
+        rounds.append((measure_bandwidth(), ms, weights + cache.bytes.last_read))
     plain = statistics.median(ms for _, ms, _ in rounds)
     bandwidth = statistics.median(bw for bw, _, _ in rounds)
     read = rounds[-1][2]
@@ -119,7 +118,7 @@ def main() -> None:
     )
     if len(rounds) > 1:
         print(
-            f"  {len(rounds)} rounds (probe, then steps): roofline median {statistics.median(shares):.0f}% "
+            f"  {len(rounds)} rounds (steps, then a probe): roofline median {statistics.median(shares):.0f}% "
             f"(rounds {min(shares):.0f}-{max(shares):.0f}%), steps {min(r[1] for r in rounds):.2f}-"
             f"{max(r[1] for r in rounds):.2f} ms, bandwidth {min(r[0] for r in rounds) / 1e9:.1f}-"
             f"{max(r[0] for r in rounds) / 1e9:.1f} GB/s; median step and bandwidth above"
