@@ -156,20 +156,6 @@ inline void decode(const RowSource& s, int64_t slot, const Levels& levels, __m25
     }
 }
 
-// Lane t of the result = the eight lanes of v[t] combined by op (add or max): a transposing
-// tree of unpacks, shuffles and lane swaps, one micro-op each (vhaddps is several on Zen).
-template <class Op>
-inline __m256 tree8(const __m256* v, Op op) {
-    __m256 p[4], u[2];
-    for (int i = 0; i < 4; i++) p[i] = op(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 2; i++)
-        u[i] = op(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44), _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
-    return op(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
-}
-
-inline __m256 hsum8(const __m256* v) { return tree8(v, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }); }
-inline __m256 hmax8(const __m256* v) { return tree8(v, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); }); }
-
 // A chunk's scores (lane t: token t) into o, the first len of them.
 inline void store_scores(__m256 dots, float* o, int len) {
     if (len == 8) {

@@ -87,13 +87,6 @@ static inline void quantize_query_lanes(const float* x, int D, int8_t* __restric
     for (int d = 0; d < D; d++) q8[d] = (int8_t)std::nearbyint(x[d] * inv[(d % 32) / 4]);
 }
 
-// Lane t of the result = the sum of the eight float lanes of v[t].
-static inline __m256 hsum8_ps(const __m256* v) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
 // 8 fp16 values -> 8 floats.
 static inline __m256 load_half8(const uint16_t* h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h)); }
 
@@ -146,9 +139,7 @@ static void score_int_impl(const RowSource& s, int64_t bh, int R_, int D_, const
                         _mm256_store_ps(qs + d, _mm256_mul_ps(qd, load_half8(s.scale + row + d)));
                         z8 = _mm256_fmadd_ps(qd, load_half8(s.zero + row + d), z8);
                     }
-                    alignas(32) float zz[8];
-                    _mm256_store_ps(zz, z8);
-                    qz[r] = zz[0] + zz[1] + zz[2] + zz[3] + zz[4] + zz[5] + zz[6] + zz[7];
+                    qz[r] = hsum(z8);
                     quantize_query_lanes(qs, D, q8[r], qa[r]);
                 }
             }
@@ -167,7 +158,7 @@ static void score_int_impl(const RowSource& s, int64_t bh, int R_, int D_, const
         }
         for (int r = 0; r < R; r++) {
             alignas(32) float dots[8];
-            _mm256_store_ps(dots, hsum8_ps(part[r]));
+            _mm256_store_ps(dots, hsum8(part[r]));
             float* o = out + (int64_t)r * ls + (i - i0);
             for (int t = 0; t < len; t++) o[t] = s.kind == 1 ? sc[t] * dots[t] + zt[t] * qsum[r] : dots[t] + qz[r];
         }

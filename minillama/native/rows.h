@@ -162,13 +162,6 @@ static inline void unpack16_int3(__m512i bytes, int i, float* __restrict__ out) 
 #define MINILLAMA_AVX2 1
 // The same unpacking for AVX2 CPUs (8 floats per register).
 
-// The sum of a register's eight lanes.
-static inline float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 // 64 3-bit codes (24 bytes, 8 codes per 3 bytes, lowest bits first) -> two registers of 32 code
 // bytes in an order of the caller's choosing, without leaving registers. The bytes are loaded as
 // 0-15 | 8-23 (each 128-bit lane then holds what its codes need); per register k of four,
@@ -227,6 +220,32 @@ static inline void unpack16_int2(const uint8_t* p, float* __restrict__ out) {
         _mm256_storeu_ps(out + 16 * j + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[j], 8))));
     }
 }
+#endif
+
+#ifdef __AVX2__
+// Sums across the lanes of 256-bit registers, for the AVX2 kernels and the 256-bit code of the
+// AVX-512 builds (int_attention.cpp is compiled for both).
+
+// The sum of a register's eight lanes.
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// Lane t of the result = the eight lanes of v[t] combined by op (add or max): a transposing
+// tree of unpacks, shuffles and lane swaps, one micro-op each (vhaddps is several on Zen).
+template <class Op>
+static inline __m256 tree8(const __m256* v, Op op) {
+    __m256 p[4], u[2];
+    for (int i = 0; i < 4; i++) p[i] = op(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        u[i] = op(_mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0x44), _mm256_shuffle_ps(p[2 * i], p[2 * i + 1], 0xEE));
+    return op(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+
+static inline __m256 hsum8(const __m256* v) { return tree8(v, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); }); }
+static inline __m256 hmax8(const __m256* v) { return tree8(v, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); }); }
 #endif
 
 // Unpack one row of D codes (bits 8, 4, 3 or 2; 5 = trits) into floats.
