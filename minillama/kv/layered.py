@@ -221,7 +221,7 @@ class LayeredStore:
         w = TokenWrite(L=n_layers, BH=x.shape[1] * x.shape[2], D=x.shape[-1], dtype=DTYPE_CODE[x.dtype])
         x = x.contiguous()  # (L, B, H, 1, D)
         center = self._center16() if lead.centered else None  # (L, B, H, 1, D) float16
-        w.x, w.rotate, w.center = x.data_ptr(), int(codec.rotate), center.data_ptr() if center is not None else None
+        w.x, w.rotate, w.center = x.data_ptr(), codec.rotation, center.data_ptr() if center is not None else None
         to = self.sinks if to_sinks else None if encoded else self.residual
         if to is not None:
             w.to, w.to_slot = to.ref, (to.lead.start + to.lead.count) % to.lead.slots

@@ -32,12 +32,12 @@ def kernels(device):
 
 
 def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """x (L, B, H, n, D) in the model's dtype -> storage form in `dtype`: x H (rotated codecs),
-    minus `center` (L, B, H, 1, D) when keys are centered."""
+    """x (L, B, H, n, D) in the model's dtype -> storage form in `dtype`: x H (rotated codecs; by
+    frequency block for block codecs), minus `center` (L, B, H, 1, D) when keys are centered."""
     lib = kernels(x.device)
-    if lib is not None and dtype == torch.float16 and codec.rotation <= 1:  # the kernel rotates by H or not at all
+    if lib is not None and dtype == torch.float16:
         try:
-            return ops.prepare_rows(lib, x, codec.rotate, center)
+            return ops.prepare_rows(lib, x, codec.rotation, center)
         except NotSupported as e:  # non-finite input or an unsupported dtype: the reference below names it
             backend.fallback(f"cache write of {codec.name} (rotation/centering): {e}")
     y = codec.to_space(x)  # (L, B, H, n, D), rotated in the model's dtype

@@ -15,6 +15,7 @@
 // The PyTorch path (kv/layered.py: LayeredStore.append with kv/quantize.py, kv/packing.py) is the
 // reference; a test holds the two to identical bytes.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -137,19 +138,29 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int bits, in
 extern "C" {
 
 // x: rows x D in dtype; center: (rows / rows_per_center) x D fp16 or null; out: rows x D fp16.
+// rotate: 0 none, 1 by H over the row, nb > 1 in nb RoPE frequency blocks (kv/quantize.py:
+// block_rotate: the channels in frequency_block_order, then each block of n = D / nb by H_n).
 // Returns how many outputs are not finite (the caller then takes the PyTorch path, which refuses them).
 int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, const uint16_t* center,
                      int64_t rows_per_center, uint16_t* out) {
     if (dtype < 0 || dtype > 2) return -MINILLAMA_E_DTYPE;
-    if (rotate && (D & (D - 1))) return -MINILLAMA_E_HEAD_DIM;
+    const int nb = std::max(rotate, 1), n = D / nb;  // blocks and their size
+    if (rotate < 0 || (rotate && (D % (2 * nb) || (n & (n - 1))))) return -MINILLAMA_E_HEAD_DIM;
     int64_t bad = 0;
-    const float norm = (float)(1.0 / std::sqrt((double)D));
+    const float norm = (float)(1.0 / std::sqrt((double)n));
 #pragma omp parallel for schedule(static) reduction(+ : bad)
     for (int64_t r = 0; r < rows; r++) {
         std::vector<float> v(D);
-        for (int d = 0; d < D; d++) v[d] = load_value(x, r * D + d, dtype);
+        if (rotate > 1) {  // block i: frequencies i f .. (i + 1) f - 1, both halves of each pair
+            const int f = D / 2 / nb;
+            for (int i = 0, k = 0; i < nb; i++)
+                for (int h = 0; h <= D / 2; h += D / 2)
+                    for (int c = h + i * f; c < h + (i + 1) * f; c++) v[k++] = load_value(x, r * D + c, dtype);
+        } else {
+            for (int d = 0; d < D; d++) v[d] = load_value(x, r * D + d, dtype);
+        }
         if (rotate) {
-            fwht(v.data(), D);
+            for (int i = 0; i < D; i += n) fwht(v.data() + i, n);
             for (int d = 0; d < D; d++) v[d] = round_to_dtype(v[d] * norm, dtype);
         }
         const uint16_t* c = center ? center + (r / rows_per_center) * D : nullptr;

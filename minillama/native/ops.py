@@ -80,9 +80,10 @@ def add_rms_norm(
     return s, out
 
 
-def prepare_rows(lib, x: torch.Tensor, rotate: bool, center: torch.Tensor | None) -> torch.Tensor:
-    """x (..., n, D) -> float16 (..., n, D): x H (rotate), minus center (..., 1, D) broadcast over n.
-    Raises NotSupported for non-finite results too: the reference refuses them with a clear error."""
+def prepare_rows(lib, x: torch.Tensor, rotate: int, center: torch.Tensor | None) -> torch.Tensor:
+    """x (..., n, D) -> float16 (..., n, D): x H (rotate 1), or in rotate > 1 frequency blocks
+    (kv/quantize.py: block_rotate), minus center (..., 1, D) broadcast over n. Raises
+    NotSupported for non-finite results too: the reference refuses them with a clear error."""
     code = _code(x, "prepare_rows", tuple(DTYPE_CODE))
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float16)
