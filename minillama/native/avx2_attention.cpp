@@ -180,6 +180,33 @@ inline void finish_scores(const __m256* part, const float* tscale, const float* 
     store_scores(dots, o, len);
 }
 
+// A chunk's rows in turn: row(t, slot) for the first len of its eight tokens (the cursor stepped
+// past each), and every head's partial sums zeroed for the rest.
+template <class Row>
+inline void chunk_rows(const RowSource& s, int64_t bh, Cursor& at, int len, int R, __m256 (*part)[8], Row row) {
+    for (int t = 0; t < 8; t++) {
+        if (t >= len) {
+            for (int r = 0; r < R; r++) part[r][t] = _mm256_setzero_ps();
+            continue;
+        }
+        const int64_t slot = bh * s.slots + at.slot;
+        at.next();
+        row(t, slot);
+    }
+}
+
+// The eight partial sums of q . v over a decoded row (NV registers), in two FMA chains so that
+// neither waits on the other's latency.
+template <int NV>
+inline __m256 dot_row(const __m256* v, const float* q) {
+    __m256 a0 = _mm256_mul_ps(v[0], _mm256_load_ps(q)), a1 = _mm256_mul_ps(v[1], _mm256_load_ps(q + 8));
+    for (int k = 2; k < NV; k += 2) {
+        a0 = _mm256_fmadd_ps(v[k], _mm256_load_ps(q + 8 * k), a0);
+        a1 = _mm256_fmadd_ps(v[k + 1], _mm256_load_ps(q + 8 * k + 8), a1);
+    }
+    return _mm256_add_ps(a0, a1);
+}
+
 // Per-token groups narrower than the row: the group of each decode register (its lanes share one).
 template <int NV>
 struct RegisterGroups {
@@ -268,13 +295,7 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         }
         prefetch_chunk(s, bh, at.slot, row_bytes);
         alignas(32) float tscale[8] = {0.f}, tzero[8] = {0.f};
-        for (int t = 0; t < 8; t++) {
-            if (t >= len) {
-                for (int r = 0; r < R; r++) part[r][t] = _mm256_setzero_ps();
-                continue;
-            }
-            const int64_t slot = bh * s.slots + at.slot;
-            at.next();
+        chunk_rows(s, bh, at, len, R, part, [&](int t, int64_t slot) {
             __m256 v[NV];
             decode<FMT, NV>(s, slot, levels, v);
             if (one_group) {  // applied after the sum
@@ -283,16 +304,8 @@ bool score_fast(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             } else if (s.kind == ROW_TOKEN) {  // narrower groups: scale the row first
                 scale_groups<NV>(s, slot, NG, groups, v);
             }
-            for (int r = 0; r < R; r++) {
-                const float* qr = channel ? st.qs[r] : st.qd[r];
-                __m256 a0 = _mm256_mul_ps(v[0], _mm256_load_ps(qr)), a1 = _mm256_mul_ps(v[1], _mm256_load_ps(qr + 8));
-                for (int k = 2; k < NV; k += 2) {  // two chains: the FMA latency is hidden
-                    a0 = _mm256_fmadd_ps(v[k], _mm256_load_ps(qr + 8 * k), a0);
-                    a1 = _mm256_fmadd_ps(v[k + 1], _mm256_load_ps(qr + 8 * k + 8), a1);
-                }
-                part[r][t] = _mm256_add_ps(a0, a1);
-            }
-        }
+            for (int r = 0; r < R; r++) part[r][t] = dot_row<NV>(v, channel ? st.qs[r] : st.qd[r]);
+        });
         for (int r = 0; r < R; r++)
             finish_scores(part[r], one_group ? tscale : nullptr, tzero, st.qsum[r], channel ? &st.qz[r] : nullptr,
                           out + (int64_t)r * ls + (i - i0), len);
@@ -528,13 +541,7 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         }
         prefetch_chunk(s, bh, at.slot, W);
         alignas(32) float tscale[8] = {0.f}, tzero[8] = {0.f};
-        for (int t = 0; t < 8; t++) {
-            if (t >= len) {
-                for (int r = 0; r < R; r++) part[r][t] = _mm256_setzero_ps();
-                continue;
-            }
-            const int64_t slot = bh * s.slots + at.slot;
-            at.next();
+        chunk_rows(s, bh, at, len, R, part, [&](int t, int64_t slot) {
             const uint8_t* rowp = (const uint8_t*)s.data + slot * W;
             if (BOOK) {  // int16 levels times the int16 query (book_query's order), vpmaddwd
                 tscale[t] = scale_of(s, slot);
@@ -560,7 +567,7 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                     }
                     part[r][t] = acc;
                 }
-                continue;
+                return;
             }
             __m256i lo[NB], hi[NB];
             for (int b = 0; b < NB; b++) codes_of<THREE>(rowp, b, nib, lo[b], hi[b]);
@@ -575,7 +582,7 @@ bool score_int4(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
                 }
                 part[r][t] = acc;
             }
-        }
+        });
         for (int r = 0; r < R; r++)
             finish_scores(part[r], channel ? nullptr : tscale, tzero, st.qsum[r], channel ? &st.qz[r] : nullptr,
                           out + (int64_t)r * ls + (i - i0), len);
@@ -773,13 +780,7 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
     for (int i = i0; i < i0 + n;) {
         const int len = std::min(8, i0 + n - i);
         prefetch_chunk(s, bh, at.slot, W);
-        for (int t = 0; t < 8; t++) {
-            if (t >= len) {
-                for (int r = 0; r < R; r++) part[r][t] = _mm256_setzero_ps();
-                continue;
-            }
-            const int64_t slot = bh * s.slots + at.slot;
-            at.next();
+        chunk_rows(s, bh, at, len, R, part, [&](int t, int64_t slot) {
             const uint8_t* row = (const uint8_t*)s.data + slot * W;
             __m256 v[NV];
             for (int b = 0; b < nb; b++) {
@@ -801,15 +802,8 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
                 }
 #undef BLOCK
             }
-            for (int r = 0; r < R; r++) {
-                __m256 a0 = _mm256_mul_ps(v[0], _mm256_load_ps(st.q[r])), a1 = _mm256_mul_ps(v[1], _mm256_load_ps(st.q[r] + 8));
-                for (int k = 2; k < NV; k += 2) {  // two chains: the FMA latency is hidden
-                    a0 = _mm256_fmadd_ps(v[k], _mm256_load_ps(st.q[r] + 8 * k), a0);
-                    a1 = _mm256_fmadd_ps(v[k + 1], _mm256_load_ps(st.q[r] + 8 * k + 8), a1);
-                }
-                part[r][t] = _mm256_add_ps(a0, a1);
-            }
-        }
+            for (int r = 0; r < R; r++) part[r][t] = dot_row<NV>(v, st.q[r]);
+        });
         for (int r = 0; r < R; r++)
             finish_scores(part[r], nullptr, nullptr, 0.f, &st.qc[r], out + (int64_t)r * ls + (i - i0), len);
         i += len;
