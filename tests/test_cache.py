@@ -616,14 +616,22 @@ def test_the_cpp_codebook_encoder_writes_the_reference_bytes(bits, group, log_sc
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
-@pytest.mark.parametrize("spec", list(PRESETS) + ["k=nuq3,v=int3cs,residual=4,sinks=2", "k=int4cs,v=lm2h,rope=pre"])
+@pytest.mark.parametrize(
+    "spec",
+    list(PRESETS)
+    + [
+        "k=nuq3,v=int3cs,residual=4,sinks=2",
+        "k=int4cs,v=lm2h,rope=pre",
+        "k=lm3f2:24.15,v=lm2hb,vgroup=64,residual=8,sinks=2",
+    ],
+)
 def test_the_reference_path_runs_every_codec_on_cuda(tiny_dir, spec):
     """The reference path is device-agnostic: a CUDA cache gives the CPU cache's logits (float32)."""
     t = tokens(40)
     logits = []
     for device in ("cpu", "cuda"):
         lm = load_model(str(tiny_dir), "float32", device)
-        cache = KVCache.for_model(lm.config, parse_kv(spec), 64, device=device)
+        cache = KVCache.for_model(lm.config, parse_kv(spec), 128, device=device)  # room for sinks + residual + a group
         logits.append(run(lm.model, cache, t.to(device)).cpu())
     assert torch.allclose(logits[0], logits[1], atol=1e-3)
 
