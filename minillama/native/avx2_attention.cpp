@@ -717,10 +717,10 @@ bool score_int2(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
 // registers once for every head. The query is already in the blocks' order and rotation (the
 // driver's rotate_blocks); a key center adds q . center once per head.
 struct BlockQuery {
-    alignas(32) float q[16][128];  // [head][channel in block order]
-    float qc[16];                  // q . center (centered keys), else 0
-    int byte[16], width[16];             // per eight channels: first byte in the row, width
-    alignas(32) float books[9][32];      // book of width w (levels 0 .. 2^w - 1), w = 1 .. 5, zero-padded
+    alignas(32) float q[16][128];    // [head][channel in block order]
+    float qc[16];                    // q . center (centered keys), else 0
+    int byte[16], width[16];         // per eight channels: first byte in the row, width
+    alignas(32) float books[6][32];  // [w]: the book of width w = 1 .. 5, zero-padded (wider: gathered)
 };
 
 // Eight codes of width W (1-8) from the bytes at p (W of them; 8 read where the row has them) as
