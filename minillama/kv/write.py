@@ -47,9 +47,9 @@ def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dty
 
 
 def native_encoding(codec: Codec) -> type[Codec] | None:
-    """Affine or Codebook when native/encode.cpp writes this codec's bytes (its class's encode
-    is that family's, not a subclass's own), else None: the codec encodes itself."""
-    for family in (Affine, Codebook):
+    """Affine, Codebook or FrequencyBlocks when native/encode.cpp writes this codec's bytes (its
+    class's encode is that family's, not a subclass's own), else None: the codec encodes itself."""
+    for family in (Affine, Codebook, FrequencyBlocks):
         if isinstance(codec, family) and type(codec).encode is family.encode:
             return family
     return None
@@ -58,24 +58,16 @@ def native_encoding(codec: Codec) -> type[Codec] | None:
 def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None) -> dict[str, torch.Tensor]:
     """x (B, H, T, D) in storage form -> the codec's parts, each (B, H, rows, width)."""
     lib = kernels(x.device)
-    if (
-        lib is not None
-        and isinstance(codec, FrequencyBlocks)
-        and x.dtype == torch.float16
-        and bool(torch.isfinite(x).all())
-    ):
-
-        def coder(xb: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:  # code_block's bytes
-            out = ops.encode_codebook(lib, xb.contiguous(), w, xb.shape[-1], gaussian_codebook(w), REFINE, True)
-            return out["codes"], out["scale"]
-
-        try:
-            return codec.encode_blocks(x, coder)
-        except NotSupported as e:
-            backend.fallback(f"cache write of {codec.name}: {e}")
     family = native_encoding(codec) if x.dtype == torch.float16 else None
     if lib is not None and family is not None and bool(torch.isfinite(x).all()):
         try:
+            if family is FrequencyBlocks:  # block by block, each a Lloyd-Max code of its width
+
+                def coder(xb: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:  # code_block's bytes
+                    out = ops.encode_codebook(lib, xb.contiguous(), w, xb.shape[-1], gaussian_codebook(w), REFINE, True)
+                    return out["codes"], out["scale"]
+
+                return codec.encode_blocks(x, coder)
             if family is Codebook:
                 return ops.encode_codebook(
                     lib, x, codec.bits, group, gaussian_codebook(codec.bits), REFINE, codec.log_scale

@@ -719,7 +719,7 @@ bool score_int2(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
 struct BlockQuery {
     alignas(32) float q[16][128];    // [head][channel in block order]
     float qc[16];                    // q . center (centered keys), else 0
-    int byte[16], width[16];         // per eight channels: first byte in the row, width
+    int byte[16];                    // per eight channels: their first byte in the row
     alignas(32) float books[6][32];  // [w]: the book of width w = 1 .. 5, zero-padded (wider: gathered)
 };
 
@@ -771,7 +771,7 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
             for (int l = 0; l < 32; l++) st.books[w][l] = l < (1 << w) ? s.codebook[(1 << w) - 2 + l] : 0.f;
         for (int b = 0, bit = 0, k = 0; b < nb; b++) {
             const int w = s.levels[bh * nb + b];
-            for (int j = 0; j < D / nb; j += 8, k++, bit += 8 * w) st.byte[k] = bit / 8, st.width[k] = w;
+            for (int j = 0; j < D / nb; j += 8, k++, bit += 8 * w) st.byte[k] = bit / 8;
         }
         prep.ready = true;
     }
@@ -784,7 +784,7 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
             const uint8_t* row = (const uint8_t*)s.data + slot * W;
             __m256 v[NV];
             for (int b = 0; b < nb; b++) {
-                const int g0 = b * per, g1 = g0 + per, w = st.width[g0];
+                const int g0 = b * per, g1 = g0 + per, w = s.levels[bh * nb + b];
                 const float scale = log_scales.t[s.scale8[slot * nb + b]], *book = s.codebook + (1 << w) - 2;
 #define BLOCK(WIDTH) decode_block<WIDTH>(st, g0, g1, row, W, scale, book, v)
                 switch (w) {

@@ -151,13 +151,10 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
 #pragma omp parallel for schedule(static) reduction(+ : bad)
     for (int64_t r = 0; r < rows; r++) {
         std::vector<float> v(D);
-        if (rotate > 1) {  // block i: frequencies i f .. (i + 1) f - 1, both halves of each pair
-            const int f = D / 2 / nb;
-            for (int i = 0, k = 0; i < nb; i++)
-                for (int h = 0; h <= D / 2; h += D / 2)
-                    for (int c = h + i * f; c < h + (i + 1) * f; c++) v[k++] = load_value(x, r * D + c, dtype);
-        } else {
-            for (int d = 0; d < D; d++) v[d] = load_value(x, r * D + d, dtype);
+        for (int d = 0; d < D; d++) v[d] = load_value(x, r * D + d, dtype);
+        if (rotate > 1) {  // the channels in frequency-block order (hadamard.h)
+            const std::vector<float> row = v;
+            frequency_blocks(row.data(), D, nb, v.data());
         }
         if (rotate) {
             for (int i = 0; i < D; i += n) fwht(v.data() + i, n);

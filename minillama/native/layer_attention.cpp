@@ -185,16 +185,12 @@ static inline void hadamard(float* x, int D) {
     for (int d = 0; d < D; d++) x[d] *= norm;
 }
 
-// x <- its nb frequency blocks in order, each block x_b H (kv/quantize.py: block_rotate): block i
-// holds frequencies i F .. (i + 1) F - 1, F = D / 2 / nb, with both channels of each rotate-half
-// pair (f, f + D/2). nb = 1 is x H.
+// x <- its nb frequency blocks in order (hadamard.h), each block x_b H (kv/quantize.py:
+// block_rotate). nb = 1 is x H.
 static inline void rotate_blocks(float* x, int D, int nb) {
     if (nb > 1) {
         float blocked[512];
-        const int f = D / 2 / nb, half = D / 2;
-        for (int i = 0, k = 0; i < nb; i++)
-            for (int h = 0; h <= half; h += half)
-                for (int c = h + i * f; c < h + (i + 1) * f; c++) blocked[k++] = x[c];
+        frequency_blocks(x, D, nb, blocked);
         std::memcpy(x, blocked, D * sizeof(float));
     }
     for (int i = 0; i < D; i += D / nb) hadamard(x + i, D / nb);
