@@ -10,11 +10,12 @@ choice and what it buys: docs/quality.md, Frontier IX); the table is spelled in 
 name, so a spec, a cache file and ``minillama kv`` all carry it.
 
 Bits per element: b + 8 nb / D (every head's widths add up to nb x b, plus one byte scale a
-block). The kernels read these rows through the rows route: on AVX2 builds eight channels at a
-time (native/avx2_attention.cpp: score_blocks), elsewhere one row at a time
-(native/row_attention.cpp); the query is rotated block by block in layer_attention.cpp. When the
-kernels run, the cache write rotates the new keys by block and encodes each block in C++
-(native/encode.cpp: prepare_rows, encode_codebook; kv/write.py), byte for byte the PyTorch path.
+block). The kernels read these rows through the rows route: sixteen channels at a time on
+AVX-512 builds (native/fast_attention.cpp: score_blocks), eight on AVX2 builds
+(avx2_attention.cpp), one row at a time elsewhere (native/row_attention.cpp); the query is
+rotated block by block in layer_attention.cpp. When the kernels run, the cache write rotates the
+new keys by block and encodes each block in C++ (native/encode.cpp: prepare_rows,
+encode_codebook; kv/write.py), byte for byte the PyTorch path.
 """
 
 from __future__ import annotations

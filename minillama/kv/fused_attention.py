@@ -23,8 +23,8 @@ kernel that reads it:
   groups) faster (``ops.exact_is_faster``);
 * ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their positions),
   calibrated codecs, vector codes where no integer kernel reads them, and keys in frequency
-  blocks (``native/row_attention.cpp``; on AVX2 builds the block keys' SIMD decode,
-  ``avx2_attention.cpp: score_blocks``).
+  blocks (``native/row_attention.cpp``; the block keys' SIMD decode on AVX-512 and AVX2
+  builds, ``fast_attention.cpp`` / ``avx2_attention.cpp: score_blocks``).
 
 A part no kernel reads (a codec without ``row_kind``, a shape a kernel does not support)
 raises ``NotSupported`` with the reason before anything runs; attention then takes the reference.

@@ -873,7 +873,9 @@ bool int4_keys(const RowSource&, int) { return false; }
 bool score_int4(SCORE_ARGS, Prep&) { return false; }
 bool int2_keys(const RowSource&, int) { return false; }
 bool score_int2(SCORE_ARGS, Prep&) { return false; }
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__))  // else fast_attention.cpp has them
 bool block_keys(const RowSource&, int) { return false; }
 bool score_blocks(SCORE_ARGS, Prep&) { return false; }
+#endif
 
 #endif

@@ -453,6 +453,119 @@ void float_rows(bool values, const RowSource& s, int64_t bh, int R, const float*
     float_rows<NV, 2>(values, s, bh, R, x, lx, i0, n, out, ls);
 }
 
+#ifdef __BMI2__
+// Scores of keys stored in RoPE frequency blocks (ROW_BLOCKS; kv/freq_blocks.py: lm{b}f{nb}), the
+// sixteen-lane twin of avx2_attention.cpp's score_blocks. Block b of head h holds D / nb channels
+// at its own width w (0-8), the blocks' codes one little-endian bit stream, and one byte scale:
+// x = book_w[code] * scale. Sixteen codes of a block are 2w whole bytes, so two `pdep`s spread
+// them into sixteen bytes and their levels come from registers: one vpermps for up to 16 levels,
+// vpermi2ps for 32, a gather beyond. The query is already in the blocks' order and rotation (the
+// driver's rotate_blocks); a key center adds q . center once per head.
+struct BlockQuery {
+    alignas(64) float q[16][128];    // [head][channel in block order]
+    float qc[16];                    // q . center (centered keys), else 0
+    int byte[8];                     // per sixteen channels: their first byte in the row
+    alignas(64) float books[6][32];  // [w]: the book of width w = 1 .. 5, zero-padded (wider: gathered)
+};
+
+// Sixteen codes of width W (1-8) from the bytes at p (2W of them; W + 8 read where the row has
+// them) as their levels.
+template <int W>
+inline __m512 block_levels(const uint8_t* p, bool whole, const float* t, const float* book) {
+    uint64_t lo = 0, hi = 0;
+    if (whole) {
+        std::memcpy(&lo, p, 8);
+        std::memcpy(&hi, p + W, 8);
+    } else {  // the row's last bytes: no read past them
+        for (int j = 0; j < W; j++) lo |= (uint64_t)p[j] << (8 * j), hi |= (uint64_t)p[W + j] << (8 * j);
+    }
+    const uint64_t spread = 0x0101010101010101ULL * ((1u << W) - 1);
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)_pdep_u64(hi, spread), (long long)_pdep_u64(lo, spread)));
+    if (W > 5) return _mm512_i32gather_ps(c, book, 4);
+    if (W <= 4) return _mm512_permutexvar_ps(c, _mm512_load_ps(t));
+    return _mm512_permutex2var_ps(_mm512_load_ps(t), c, _mm512_load_ps(t + 16));
+}
+
+// One block of a row (width W, its sixteen-channel groups g0 .. g1 - 1) as levels times its
+// scale: the width is a template argument, so the decode has no branch.
+template <int W>
+inline void decode_block(const BlockQuery& st, int g0, int g1, const uint8_t* row, int row_bytes, float scale, const float* book,
+                         __m512* v) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int g = g0; g < g1; g++)
+        v[g] = _mm512_mul_ps(block_levels<W>(row + st.byte[g], st.byte[g] + W + 8 <= row_bytes, st.books[W < 6 ? W : 0], book), sc);
+}
+
+template <int NV>
+bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
+    constexpr int D = 16 * NV;
+    static_assert(sizeof(BlockQuery) <= sizeof(Prep::bytes), "Prep is too small");
+    BlockQuery& st = *reinterpret_cast<BlockQuery*>(prep.bytes);
+    const int nb = s.nlevels, W = D * s.bits / 8, per = NV / nb;  // per: sixteen-channel groups a block
+    if (!prep.ready) {
+        for (int r = 0; r < R; r++) {
+            std::memcpy(st.q[r], q + r * D, sizeof(float) * D);
+            float c = 0.f;
+            if (s.center)
+                for (int d = 0; d < D; d++) c += q[r * D + d] * s.center[bh * D + d];
+            st.qc[r] = c;
+        }
+        for (int w = 1; w <= 5; w++)
+            for (int l = 0; l < 32; l++) st.books[w][l] = l < (1 << w) ? s.codebook[(1 << w) - 2 + l] : 0.f;
+        for (int b = 0, bit = 0, k = 0; b < nb; b++) {
+            const int w = s.levels[bh * nb + b];
+            for (int j = 0; j < D / nb; j += 16, k++, bit += 16 * w) st.byte[k] = bit / 8;
+        }
+        prep.ready = true;
+    }
+    alignas(64) __m512 part[16][16];  // [head][token of the chunk]
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        const int len = std::min(16, i0 + n - i);
+        for (int t = 0; t < 16; t++) {
+            if (t >= len) {
+                for (int r = 0; r < R; r++) part[r][t] = _mm512_setzero_ps();
+                continue;
+            }
+            const int64_t slot = bh * s.slots + at.slot;
+            prefetch_row(s, bh, at.slot, PREFETCH, W);
+            at.next();
+            const uint8_t* row = (const uint8_t*)s.data + slot * W;
+            __m512 v[NV];
+            for (int b = 0; b < nb; b++) {
+                const int g0 = b * per, g1 = g0 + per, w = s.levels[bh * nb + b];
+                const float scale = log_scales.t[s.scale8[slot * nb + b]], *book = s.codebook + (1 << w) - 2;
+#define BLOCK(WIDTH) decode_block<WIDTH>(st, g0, g1, row, W, scale, book, v)
+                switch (w) {
+                    case 0:  // a dropped block reads as zeros
+                        for (int g = g0; g < g1; g++) v[g] = _mm512_setzero_ps();
+                        break;
+                    case 1: BLOCK(1); break;
+                    case 2: BLOCK(2); break;
+                    case 3: BLOCK(3); break;
+                    case 4: BLOCK(4); break;
+                    case 5: BLOCK(5); break;
+                    case 6: BLOCK(6); break;
+                    case 7: BLOCK(7); break;
+                    default: BLOCK(8);
+                }
+#undef BLOCK
+            }
+            for (int r = 0; r < R; r++) {
+                __m512 acc = _mm512_mul_ps(v[0], _mm512_load_ps(st.q[r]));
+                for (int k = 1; k < NV; k++) acc = _mm512_fmadd_ps(v[k], _mm512_load_ps(st.q[r] + 16 * k), acc);
+                part[r][t] = acc;
+            }
+        }
+        const __mmask16 keep = (__mmask16)((1u << len) - 1);
+        for (int r = 0; r < R; r++)
+            _mm512_mask_storeu_ps(out + (int64_t)r * ls + (i - i0), keep, _mm512_add_ps(reduce16(part[r]), _mm512_set1_ps(st.qc[r])));
+        i += len;
+    }
+    return true;
+}
+#endif
+
 }  // namespace
 
 bool score_fast(SCORE_ARGS, Prep& prep) {
@@ -465,6 +578,25 @@ bool score_fast(SCORE_ARGS, Prep& prep) {
 }
 
 bool fast_reads(const RowSource& s, int D, bool values) { return fast_kind(s, D, values); }
+
+bool block_keys(const RowSource& s, int D) {
+#ifdef __BMI2__
+    if ((D != 64 && D != 128) || s.kind != ROW_BLOCKS || s.cos || !s.scale8 || !s.codebook) return false;
+    return s.nlevels >= 1 && s.nlevels <= 8 && D % (16 * s.nlevels) == 0;
+#else
+    return false;
+#endif
+}
+
+bool score_blocks(SCORE_ARGS, Prep& prep) {
+    if (R > 16 || !block_keys(s, D)) return false;
+#ifdef __BMI2__
+    return D == 64 ? score_blocks<4>(s, bh, R, q, i0, n, out, ls, prep) : score_blocks<8>(s, bh, R, q, i0, n, out, ls, prep);
+#else
+    (void)bh, (void)q, (void)i0, (void)n, (void)out, (void)ls, (void)prep;
+    return false;
+#endif
+}
 
 bool value_fast(VALUE_ARGS) {
     if (R > 16 || !fast_kind(s, D, true)) return false;
