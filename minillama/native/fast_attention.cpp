@@ -466,6 +466,12 @@ struct BlockQuery {
     float qc[16];                    // q . center (centered keys), else 0
     int byte[8];                     // per sixteen channels: their first byte in the row
     alignas(64) float books[6][32];  // [w]: the book of width w = 1 .. 5, zero-padded (wider: gathered)
+    // VBMI, rows of 64 channels and widths of at most 5: the whole row's codes at once.
+    bool whole_row;
+    alignas(64) uint8_t spread[64];  // vpermb: qword j (codes 8j .. 8j + 7) <- the w bytes that hold them
+    alignas(64) uint8_t mask[64];    // per code byte: 2^w - 1 of its block
+    long long shifts[8];             // vpmultishiftqb: byte i of qword j <- bit offset w i
+    const float* group_book[8];      // per sixteen channels: their block's book in `books` (width 0: zeros)
 };
 
 // Sixteen codes of width W (1-8) from the bytes at p (2W of them; W + 8 read where the row has
@@ -496,6 +502,63 @@ inline void decode_block(const BlockQuery& st, int g0, int g1, const uint8_t* ro
         v[g] = _mm512_mul_ps(block_levels<W>(row + st.byte[g], st.byte[g] + W + 8 <= row_bytes, st.books[W < 6 ? W : 0], book), sc);
 }
 
+#if MINILLAMA_VBMI
+// score_blocks for rows of 64 channels whose widths are at most 5 (every block's book one or two
+// registers): a row's codes, whatever their blocks' widths, come out as one byte each in
+// three instructions -- vpermb puts the w bytes holding codes 8j .. 8j + 7 in qword j,
+// vpmultishiftqb takes the w bits at offsets 0, w, .., 7w of it into bytes, a mask keeps them
+// (the three operands made per head in Prep) -- then sixteen codes at a time widen to lanes and
+// vpermi2ps looks up their block's levels.
+bool score_block_rows(const RowSource& s, int64_t bh, int R, int i0, int n, float* out, int ls, const BlockQuery& st) {
+    constexpr int NV = 4, D = 64;
+    const int nb = s.nlevels, W = D * s.bits / 8, per = NV / nb;
+    const __m512i spread = _mm512_load_si512(st.spread), mask = _mm512_load_si512(st.mask), shifts = _mm512_loadu_si512(st.shifts);
+    __m512 lo[NV], hi[NV];  // each sixteen channels' book, as the two tables of vpermi2ps
+    for (int g = 0; g < NV; g++) lo[g] = _mm512_load_ps(st.group_book[g]), hi[g] = _mm512_load_ps(st.group_book[g] + 16);
+    const __mmask64 bytes = W >= 64 ? ~0ull : (1ull << W) - 1;
+    struct Lanes {  // byte 4 j of idx[g] <- code byte 16 g + j
+        uint8_t idx[4][64];
+        constexpr Lanes() : idx{} {
+            for (int g = 0; g < 4; g++)
+                for (int j = 0; j < 16; j++) idx[g][4 * j] = (uint8_t)(16 * g + j);
+        }
+    };
+    alignas(64) static constexpr Lanes lanes{};
+    alignas(64) __m512 part[16][16];  // [head][token of the chunk]
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        const int len = std::min(16, i0 + n - i);
+        for (int t = 0; t < 16; t++) {
+            if (t >= len) {
+                for (int r = 0; r < R; r++) part[r][t] = _mm512_setzero_ps();
+                continue;
+            }
+            const int64_t slot = bh * s.slots + at.slot;
+            prefetch_row(s, bh, at.slot, PREFETCH, W);
+            at.next();
+            const __m512i row = _mm512_maskz_loadu_epi8(bytes, (const uint8_t*)s.data + slot * W);
+            const __m512i codes = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(spread, row)), mask);
+            const uint8_t* sc8 = s.scale8 + slot * nb;
+            __m512 v[NV];
+            for (int g = 0; g < NV; g++) {  // codes 16 g .. 16 g + 15 to the low bytes of the lanes
+                const __m512i c = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(lanes.idx[g]), codes);
+                v[g] = _mm512_mul_ps(_mm512_permutex2var_ps(lo[g], c, hi[g]), _mm512_set1_ps(log_scales.t[sc8[g / per]]));
+            }
+            for (int r = 0; r < R; r++) {
+                __m512 acc = _mm512_mul_ps(v[0], _mm512_load_ps(st.q[r]));
+                for (int k = 1; k < NV; k++) acc = _mm512_fmadd_ps(v[k], _mm512_load_ps(st.q[r] + 16 * k), acc);
+                part[r][t] = acc;
+            }
+        }
+        const __mmask16 keep = (__mmask16)((1u << len) - 1);
+        for (int r = 0; r < R; r++)
+            _mm512_mask_storeu_ps(out + (int64_t)r * ls + (i - i0), keep, _mm512_add_ps(reduce16(part[r]), _mm512_set1_ps(st.qc[r])));
+        i += len;
+    }
+    return true;
+}
+#endif
+
 template <int NV>
 bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
     constexpr int D = 16 * NV;
@@ -516,8 +579,29 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
             const int w = s.levels[bh * nb + b];
             for (int j = 0; j < D / nb; j += 16, k++, bit += 16 * w) st.byte[k] = bit / 8;
         }
+        st.whole_row = MINILLAMA_VBMI && D == 64;  // 64 codes: one byte each fills one register
+        std::memset(st.books[0], 0, sizeof(st.books[0]));  // width 0: a dropped block reads as zeros
+        for (int b = 0; b < nb; b++) {
+            const int w = s.levels[bh * nb + b];
+            st.whole_row = st.whole_row && w <= 5;
+            for (int g = b * per; g < (b + 1) * per; g++) st.group_book[g] = st.books[w <= 5 ? w : 0];
+            for (int j = 0; j < 2 * per; j++) {  // qword 2g + h: codes 16 g + 8 h .. + 7, w bytes from byte[g] + h w
+                const int g = b * per + j / 2, qw = 2 * g + j % 2;
+                long long sh = 0;
+                for (int i = 0; i < 8; i++) {
+                    st.spread[8 * qw + i] = (uint8_t)std::min(63, st.byte[g] + (j % 2) * w + std::min(i, std::max(w - 1, 0)));
+                    st.mask[8 * qw + i] = (uint8_t)((1 << w) - 1);
+                    sh |= (long long)(w * i) << (8 * i);
+                }
+                st.shifts[qw] = sh;
+            }
+        }
         prep.ready = true;
     }
+#if MINILLAMA_VBMI
+    if constexpr (NV == 4)
+        if (st.whole_row) return score_block_rows(s, bh, R, i0, n, out, ls, st);
+#endif
     alignas(64) __m512 part[16][16];  // [head][token of the chunk]
     Cursor at(s.start, i0, s.slots);
     for (int i = i0; i < i0 + n;) {
