@@ -57,6 +57,7 @@ class FrequencyBlocks(Codec):
 
     widths: tuple[tuple[int, ...], ...] = ((),)  # per KV head, each block's bits
     row_kind: ClassVar[RowKind] = RowKind.BLOCKS  # decoded a row at a time (native/row_attention.cpp)
+    log_scale: ClassVar[bool] = True  # every block's scale is one byte (as Codebook's with log_scale)
 
     @property
     def blocks(self) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from minillama.kv.codecs import Affine, Codebook, FloatCodec
+from minillama.kv.freq_blocks import FrequencyBlocks
 from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.kv.ring import Ring, ring_buffer
 from minillama.kv.store import TensorStore, layout
@@ -212,6 +213,8 @@ class LayeredStore:
             return None
         if lead.centered and lead.center is None:
             return None
+        if isinstance(codec, FrequencyBlocks) and len(codec.widths) != x.shape[2]:
+            return None  # a widths table for another head count: ``append`` says so
         sinks, res = lead.sinks, lead.residual
         to_sinks = sinks.count < sinks.slots
         n_flush = self._flush_count(res.count + (0 if to_sinks else 1))
@@ -237,7 +240,11 @@ class LayeredStore:
                     w.zero = self.body["zero"].ref
                 else:  # a codebook: codes and scales, no zeros
                     w.levels, w.refine, w.log_scale = levels.data_ptr(), REFINE, int(codec.log_scale)
-        return PendingWrite(w, [x, center, levels], lambda: self._after_token(n_flush, r, to))
+        widths = None
+        if isinstance(codec, FrequencyBlocks):  # each head's blocks at their own widths, one-byte scales
+            widths = torch.tensor(codec.widths, dtype=torch.int16)  # (H, nb)
+            w.blocks, w.widths, w.heads = codec.blocks, widths.data_ptr(), widths.shape[0]
+        return PendingWrite(w, [x, center, levels, widths], lambda: self._after_token(n_flush, r, to))
 
     def _after_token(self, n_flush: int, r: int, to: SharedRing | None) -> tuple[int, int]:
         """Move the counters as ``append``'s pushes and drops move them; (bytes written, bytes read)."""
@@ -283,4 +290,6 @@ def _token_kind(codec) -> tuple[int, int, torch.Tensor | None] | None:
         return codec.bits, int(codec.axis == "channel"), None
     if family is Codebook and codec.bits in (2, 3, 4):
         return codec.bits, 0, gaussian_codebook(codec.bits)
+    if family is FrequencyBlocks:  # the books of every width end to end, as the attention kernel reads them
+        return codec.bits, 0, codec.kernel_tables(None)["codebook"]
     return None

@@ -160,6 +160,9 @@ class TokenWrite(ctypes.Structure):
         ("levels", ctypes.c_void_p),
         ("refine", ctypes.c_int),
         ("log_scale", ctypes.c_int),
+        ("blocks", ctypes.c_int),
+        ("widths", ctypes.c_void_p),
+        ("heads", ctypes.c_int),
     ]
 
 

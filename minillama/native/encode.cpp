@@ -249,6 +249,21 @@ int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G
 static int check_write(const TokenWrite& w) {
     if (w.flush < 0 || w.flush > 256 || w.from_res < 0 || w.from_res > w.flush || w.flush - w.from_res > 1)
         return MINILLAMA_E_SHAPE;
+    if (w.blocks) {  // every head's widths fill the row's bytes; one-byte scales, no zeros
+        const int n = w.blocks > 0 ? w.D / w.blocks : 0;
+        if (w.blocks < 0 || w.D % w.blocks || n % 8 || w.bits < 1 || w.bits > 8 || w.axis || !w.levels || !w.widths ||
+            !w.log_scale || w.refine < 0 || w.heads < 1 || w.BH % w.heads || !w.scale.buf || w.zero.buf)
+            return MINILLAMA_E_CODES;
+        for (int h = 0; h < w.heads; h++) {
+            int bits = 0;
+            for (int b = 0; b < w.blocks; b++) {
+                if (w.widths[h * w.blocks + b] > 8) return MINILLAMA_E_CODES;
+                bits += w.widths[h * w.blocks + b];
+            }
+            if (bits != w.blocks * w.bits) return MINILLAMA_E_CODES;
+        }
+        return MINILLAMA_OK;
+    }
     if (w.bits != 0 && w.flush && !encodable(w.flush, w.D, w.bits, w.group, w.axis)) return MINILLAMA_E_CODES;
     if (w.levels && (w.axis != 0 || w.bits < 2 || w.bits > 4 || w.refine < 0 || !w.scale.buf || w.zero.buf))
         return MINILLAMA_E_CODES;
@@ -261,6 +276,31 @@ static int fresh_rows(const TokenWrite& w, uint16_t* fresh) {  // fresh: (L * BH
     return bad > 0 ? MINILLAMA_E_NONFINITE : MINILLAMA_OK;
 }
 
+// Frequency-block keys (kv/freq_blocks.py: encode_blocks): block b of the flush rows (flush, D),
+// its n = D / nb channels, coded at the head's width w_b by the Lloyd-Max encoder with one byte
+// scale (width 0: no codes, scale 0); each row's blocks' packed codes end to end in codes (flush,
+// W), the scales in scale (flush, nb).
+static void encode_block_keys(const TokenWrite& w, const uint16_t* heads_widths, const uint16_t* block, uint8_t* codes,
+                              uint8_t* scale, std::vector<uint16_t>& xb, std::vector<uint8_t>& cb, uint8_t* unpacked) {
+    const int nb = w.blocks, n = w.D / nb, W = w.D * w.bits / 8;
+    uint8_t sb[256];
+    for (int b = 0, at = 0; b < nb; b++) {
+        const int width = heads_widths[b];
+        if (width == 0) {
+            for (int i = 0; i < w.flush; i++) scale[i * nb + b] = 0;
+            continue;
+        }
+        for (int i = 0; i < w.flush; i++) std::memcpy(&xb[(size_t)i * n], block + (size_t)i * w.D + b * n, (size_t)n * 2);
+        encode_codebook_block(xb.data(), w.flush, n, width, n, w.levels + (1 << width) - 2, w.refine, 1, cb.data(), sb, unpacked);
+        const int Wb = n * width / 8;
+        for (int i = 0; i < w.flush; i++) {
+            std::memcpy(codes + (size_t)i * W + at, &cb[(size_t)i * Wb], Wb);
+            scale[i * nb + b] = sb[i];
+        }
+        at += Wb;
+    }
+}
+
 static void commit(const TokenWrite& w, const uint16_t* fresh) {
     const int D = w.D, rows = w.L * w.BH;
     const size_t row_bytes = (size_t)D * 2;
@@ -269,11 +309,13 @@ static void commit(const TokenWrite& w, const uint16_t* fresh) {
     };
     std::vector<uint16_t> block((size_t)std::max(w.flush, 1) * D);
     const int W = w.bits ? D * w.bits / 8 : 0;
-    const int srows = w.axis ? 1 : w.flush, swidth = w.axis ? D : (w.group > 0 ? D / w.group : 0);
+    const int srows = w.axis ? 1 : w.flush, swidth = w.blocks ? w.blocks : w.axis ? D : (w.group > 0 ? D / w.group : 0);
     std::vector<uint8_t> codes((size_t)std::max(w.flush, 1) * std::max(W, 1));
     std::vector<uint16_t> scale((size_t)std::max(srows * swidth, 1)), zero(scale.size());  // one-byte scales use its bytes
     const size_t scale_bytes = w.levels && w.log_scale ? 1 : 2;
     std::vector<uint8_t> unpacked((size_t)std::max(w.flush, 1) * D);
+    std::vector<uint16_t> xb(w.blocks ? (size_t)std::max(w.flush, 1) * D : 0);  // block keys: one block's channels
+    std::vector<uint8_t> cb(w.blocks ? (size_t)std::max(w.flush, 1) * D : 0);   // ... and its packed codes
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t* row = fresh + r * D;
         if (w.flush) {
@@ -282,7 +324,10 @@ static void commit(const TokenWrite& w, const uint16_t* fresh) {
             if (w.bits == 0) {  // a float16 body: the rows themselves
                 for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &block[(size_t)i * D], row_bytes);
             } else {
-                if (w.levels)
+                if (w.blocks)
+                    encode_block_keys(w, w.widths + (r % w.heads) * w.blocks, block.data(), codes.data(), (uint8_t*)scale.data(), xb,
+                                      cb, unpacked.data());
+                else if (w.levels)
                     encode_codebook_block(block.data(), w.flush, D, w.bits, w.group, w.levels, w.refine, w.log_scale,
                                           codes.data(), scale.data(), unpacked.data());
                 else

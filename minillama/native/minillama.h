@@ -100,6 +100,10 @@ struct TokenWrite {
     const float* levels;  // a codebook's 2^bits ascending levels (encode_codebook), or null: affine codes
     int refine;           // a codebook's scale refinement rounds
     int log_scale;        // a codebook's scales are one-byte log scales (rows.h: log_scale), not fp16
+    int blocks;              // frequency-block keys (kv/freq_blocks.py): blocks a row, else 0; `levels`
+                             // then holds the books of widths 1-8 at 2^w - 2, `bits` the row's average width
+    const uint16_t* widths;  // (heads, blocks): each head's block widths (0-8)
+    int heads;               // row r (L * BH order) is head r % heads
 };
 
 // One layer's decode attention: q (B, H*R, D) against every held part of K and V plus the new
@@ -229,4 +233,4 @@ static_assert(sizeof(Part) == 144, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8, "StepEnds layout changed: update native/abi.py");
-static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 176, "TokenWrite layout changed: update native/abi.py");
+static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 200, "TokenWrite layout changed: update native/abi.py");
