@@ -247,6 +247,23 @@ def test_non_finite_inputs_raise_a_clear_error(bad, codec):
         CODECS[codec].encode(x, 32)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    where=st.integers(0, 3 * 40 * 64 - 1),
+)
+def test_all_finite_finds_one_bad_element_anywhere(bad, dtype, where):
+    """The finiteness check the cache write runs on every block (one max, not a mask): a single
+    NaN or inf anywhere, in any dtype the cache takes, is found; finite tensors and empty ones pass."""
+    from minillama.kv.quantize import all_finite
+
+    x = torch.randn(1, 3, 40, 64).mul(100).to(dtype)
+    assert all_finite(x) and all_finite(x[:, :, :0])
+    x.view(-1)[where] = bad
+    assert not all_finite(x)
+
+
 @pytest.mark.parametrize(
     "text,error",
     [

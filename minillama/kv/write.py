@@ -19,7 +19,7 @@ import torch
 
 from minillama.kv.codecs import Affine, Codebook, Codec
 from minillama.kv.freq_blocks import FrequencyBlocks
-from minillama.kv.quantize import REFINE, gaussian_codebook
+from minillama.kv.quantize import REFINE, all_finite, gaussian_codebook
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 
@@ -59,7 +59,7 @@ def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None
     """x (B, H, T, D) in storage form -> the codec's parts, each (B, H, rows, width)."""
     lib = kernels(x.device)
     family = native_encoding(codec) if x.dtype == torch.float16 else None
-    if lib is not None and family is not None and bool(torch.isfinite(x).all()):
+    if lib is not None and family is not None and all_finite(x):
         try:
             if family is FrequencyBlocks:  # block by block, each a Lloyd-Max code of its width
 
