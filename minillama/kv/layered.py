@@ -281,8 +281,8 @@ class PendingWrite:
 
 def _token_kind(codec) -> tuple[int, int, torch.Tensor | None] | None:
     """(bits, axis, levels) for write_tokens: bits 0 for float16 rows, else affine codes and their
-    group axis, or a Lloyd-Max codebook's codes (per token) and its levels; None for codecs it
-    does not write."""
+    group axis, a Lloyd-Max codebook's codes (per token) and its levels, or frequency-block keys'
+    average width and the books of every width; None for codecs it does not write."""
     if isinstance(codec, FloatCodec):
         return (0, 0, None) if codec.dtype == torch.float16 else None
     family = native_encoding(codec)
