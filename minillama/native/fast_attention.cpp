@@ -508,7 +508,9 @@ inline void decode_block(const BlockQuery& st, int g0, int g1, const uint8_t* ro
 // three instructions -- vpermb puts the w bytes holding codes 8j .. 8j + 7 in qword j,
 // vpmultishiftqb takes the w bits at offsets 0, w, .., 7w of it into bytes, a mask keeps them
 // (the three operands made per head in Prep) -- then sixteen codes at a time widen to lanes and
-// vpermi2ps looks up their block's levels.
+// vpermi2ps looks up their block's levels. The chunk walk is written out here and in the pdep
+// decode below: one walk taking the decode as a lambda measured 1.12-1.33x slower (kernel_ab,
+// machine T), its row registers passed through the stack.
 bool score_block_rows(const RowSource& s, int64_t bh, int R, int i0, int n, float* out, int ls, const BlockQuery& st) {
     constexpr int NV = 4, D = 64;
     const int nb = s.nlevels, W = D * s.bits / 8, per = NV / nb;
