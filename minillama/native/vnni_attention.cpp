@@ -287,6 +287,15 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             }
         }
         prefetch_rows(s, bh, at.slot, 32, 16, row_bytes, channel ? 0 : 1);  // two chunks ahead
+        {  // and the rows sixteen chunks ahead into L2. On machine T (Zen 5) this took 12-23% off
+           // the layer (bench/kernel_ab.py and a same-build A/B), the same request made through
+           // prefetch_rows nothing (0.99-1.04): why is not understood (docs/speed.md, machine T).
+            const int first = at.slot + 256;
+            if (first + 16 <= s.slots) {
+                const char* p = (const char*)s.data + (bh * s.slots + first) * (int64_t)row_bytes;
+                for (int b = 0; b < 16 * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+            }
+        }
         alignas(64) int32_t slot[16];  // 2- and 3-bit rows: the ring slot of each of the 16 tokens
         if (narrow) {
             Cursor c = at;
