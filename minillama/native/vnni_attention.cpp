@@ -23,17 +23,23 @@
 namespace {
 
 // Ask for `count` consecutive rows starting `ahead` slots after `slot` (the rows a later chunk
-// reads) now, so that they arrive from DRAM while this chunk is computed on, and their
-// per-token scales when the codec has them.
-inline void prefetch_rows(const RowSource& s, int64_t bh, int slot, int ahead, int count, int row_bytes, int scales) {
+// reads) now, and their per-token scales when the codec has them: into L1 (HINT _MM_HINT_T0)
+// for the next chunks, so that they arrive from DRAM while this chunk is computed on, or into L2
+// (_MM_HINT_T1) from further ahead. always_inline is what makes these prefetches exist: GCC
+// takes a function whose only effect is a prefetch for pure (its local-pure-const pass) and
+// deletes the calls, as it did with this one in every build before 2026-12-04 (no prefetch
+// instruction in this file's object code; docs/speed.md, machine T).
+template <int HINT = _MM_HINT_T0>
+__attribute__((always_inline)) inline void prefetch_rows(const RowSource& s, int64_t bh, int slot, int ahead, int count, int row_bytes,
+                                                          int scales) {
     const int first = slot + ahead;
     if (first + count > s.slots) return;  // near the ring's end: the hardware prefetcher has it
     const char* p = (const char*)s.data + (bh * s.slots + first) * (int64_t)row_bytes;
-    for (int b = 0; b < count * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    for (int b = 0; b < count * row_bytes; b += 64) _mm_prefetch(p + b, (_mm_hint)HINT);
     if (scales) {
         const int64_t at = (bh * s.slots + first) * scales;
         const char* q = s.scale8 ? (const char*)(s.scale8 + at) : (const char*)(s.scale + at);
-        for (int b = 0; b < count * scales * (s.scale8 ? 1 : 2); b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
+        for (int b = 0; b < count * scales * (s.scale8 ? 1 : 2); b += 64) _mm_prefetch(q + b, (_mm_hint)HINT);
     }
 }
 
@@ -287,15 +293,7 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             }
         }
         prefetch_rows(s, bh, at.slot, 32, 16, row_bytes, channel ? 0 : 1);  // two chunks ahead
-        {  // and the rows sixteen chunks ahead into L2. On machine T (Zen 5) this took 12-23% off
-           // the layer (bench/kernel_ab.py and a same-build A/B), the same request made through
-           // prefetch_rows nothing (0.99-1.04): why is not understood (docs/speed.md, machine T).
-            const int first = at.slot + 256;
-            if (first + 16 <= s.slots) {
-                const char* p = (const char*)s.data + (bh * s.slots + first) * (int64_t)row_bytes;
-                for (int b = 0; b < 16 * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-            }
-        }
+        prefetch_rows<_MM_HINT_T1>(s, bh, at.slot, 256, 16, row_bytes, 0);  // and sixteen ahead into L2
         alignas(64) int32_t slot[16];  // 2- and 3-bit rows: the ring slot of each of the 16 tokens
         if (narrow) {
             Cursor c = at;
