@@ -47,6 +47,19 @@ def code_block(xb: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
     return packing.pack(c, w), s
 
 
+@functools.cache
+def block_books() -> torch.Tensor:
+    """The Lloyd-Max books of widths 1-8 end to end, width w's at 2^w - 2 (510,): what the kernels
+    read block codes against. Made once; nothing writes to it."""
+    return torch.cat([gaussian_codebook(w) for w in range(1, 9)])
+
+
+@functools.lru_cache(maxsize=64)
+def block_widths(widths: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """A widths table as the kernels take it, (H, nb) int16; made once per table."""
+    return torch.tensor(widths, dtype=torch.int16)
+
+
 @dataclass(frozen=True)
 class FrequencyBlocks(Codec):
     """One per-model table: per KV head, each frequency block's width, highest frequencies first
@@ -70,8 +83,7 @@ class FrequencyBlocks(Codec):
     def kernel_tables(self, params):
         """The Lloyd-Max books of widths 1-8 end to end (width w's at 2^w - 2), and the widths
         (H, nb) the kernel reads per head (kv/fused_attention.py repeats them per sequence)."""
-        books = torch.cat([gaussian_codebook(w) for w in range(1, 9)])  # (510,)
-        return {"codebook": books, "widths": torch.tensor(self.widths, dtype=torch.int16)}
+        return {"codebook": block_books(), "widths": block_widths(self.widths)}
 
     def kernel_fields(self):
         return {"nlevels": self.blocks}

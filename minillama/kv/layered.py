@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from minillama.kv.codecs import Affine, Codebook, FloatCodec
-from minillama.kv.freq_blocks import FrequencyBlocks
+from minillama.kv.freq_blocks import FrequencyBlocks, block_books, block_widths
 from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.kv.ring import Ring, ring_buffer
 from minillama.kv.store import TensorStore, layout
@@ -242,7 +242,7 @@ class LayeredStore:
                     w.levels, w.refine, w.log_scale = levels.data_ptr(), REFINE, int(codec.log_scale)
         widths = None
         if isinstance(codec, FrequencyBlocks):  # each head's blocks at their own widths, one-byte scales
-            widths = torch.tensor(codec.widths, dtype=torch.int16)  # (H, nb)
+            widths = block_widths(codec.widths)  # (H, nb)
             w.blocks, w.widths, w.heads = codec.blocks, widths.data_ptr(), widths.shape[0]
         return PendingWrite(w, [x, center, levels, widths], lambda: self._after_token(n_flush, r, to))
 
@@ -291,5 +291,5 @@ def _token_kind(codec) -> tuple[int, int, torch.Tensor | None] | None:
     if family is Codebook and codec.bits in (2, 3, 4):
         return codec.bits, 0, gaussian_codebook(codec.bits)
     if family is FrequencyBlocks:  # the books of every width end to end, as the attention kernel reads them
-        return codec.bits, 0, codec.kernel_tables(None)["codebook"]
+        return codec.bits, 0, block_books()
     return None

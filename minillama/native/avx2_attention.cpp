@@ -716,12 +716,7 @@ bool score_int2(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
 // 16, four and three blends for 32, a gather beyond; a block's scale multiplies its eight-channel
 // registers once for every head. The query is already in the blocks' order and rotation (the
 // driver's rotate_blocks); a key center adds q . center once per head.
-struct BlockQuery {
-    alignas(32) float q[16][128];    // [head][channel in block order]
-    float qc[16];                    // q . center (centered keys), else 0
-    int byte[16];                    // per eight channels: their first byte in the row
-    alignas(32) float books[6][32];  // [w]: the book of width w = 1 .. 5, zero-padded (wider: gathered)
-};
+using BlockQuery = BlockTables;  // rows.h, in runs of eight channels
 
 // Eight codes of width W (1-8) from the bytes at p (W of them; 8 read where the row has them) as
 // their levels.
@@ -760,19 +755,7 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
     BlockQuery& st = *reinterpret_cast<BlockQuery*>(prep.bytes);
     const int nb = s.nlevels, W = D * s.bits / 8, per = NV / nb;  // per: eight-channel groups a block
     if (!prep.ready) {
-        for (int r = 0; r < R; r++) {
-            std::memcpy(st.q[r], q + r * D, sizeof(float) * D);
-            float c = 0.f;
-            if (s.center)
-                for (int d = 0; d < D; d++) c += q[r * D + d] * s.center[bh * D + d];
-            st.qc[r] = c;
-        }
-        for (int w = 1; w <= 5; w++)
-            for (int l = 0; l < 32; l++) st.books[w][l] = l < (1 << w) ? s.codebook[(1 << w) - 2 + l] : 0.f;
-        for (int b = 0, bit = 0, k = 0; b < nb; b++) {
-            const int w = s.levels[bh * nb + b];
-            for (int j = 0; j < D / nb; j += 8, k++, bit += 8 * w) st.byte[k] = bit / 8;
-        }
+        st.prepare(s, bh, R, D, q, 8);
         prep.ready = true;
     }
     alignas(32) __m256 part[16][8];  // [head][token of the chunk]

@@ -461,11 +461,7 @@ void float_rows(bool values, const RowSource& s, int64_t bh, int R, const float*
 // them into sixteen bytes and their levels come from registers: one vpermps for up to 16 levels,
 // vpermi2ps for 32, a gather beyond. The query is already in the blocks' order and rotation (the
 // driver's rotate_blocks); a key center adds q . center once per head.
-struct BlockQuery {
-    alignas(64) float q[16][128];    // [head][channel in block order]
-    float qc[16];                    // q . center (centered keys), else 0
-    int byte[8];                     // per sixteen channels: their first byte in the row
-    alignas(64) float books[6][32];  // [w]: the book of width w = 1 .. 5, zero-padded (wider: gathered)
+struct BlockQuery : BlockTables {  // rows.h, in runs of sixteen channels; and for the whole-row decode:
     // VBMI, rows of 64 channels and widths of at most 5: the whole row's codes at once.
     bool whole_row;
     alignas(64) uint8_t spread[64];  // vpermb: qword j (codes 8j .. 8j + 7) <- the w bytes that hold them
@@ -568,21 +564,8 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
     BlockQuery& st = *reinterpret_cast<BlockQuery*>(prep.bytes);
     const int nb = s.nlevels, W = D * s.bits / 8, per = NV / nb;  // per: sixteen-channel groups a block
     if (!prep.ready) {
-        for (int r = 0; r < R; r++) {
-            std::memcpy(st.q[r], q + r * D, sizeof(float) * D);
-            float c = 0.f;
-            if (s.center)
-                for (int d = 0; d < D; d++) c += q[r * D + d] * s.center[bh * D + d];
-            st.qc[r] = c;
-        }
-        for (int w = 1; w <= 5; w++)
-            for (int l = 0; l < 32; l++) st.books[w][l] = l < (1 << w) ? s.codebook[(1 << w) - 2 + l] : 0.f;
-        for (int b = 0, bit = 0, k = 0; b < nb; b++) {
-            const int w = s.levels[bh * nb + b];
-            for (int j = 0; j < D / nb; j += 16, k++, bit += 16 * w) st.byte[k] = bit / 8;
-        }
+        st.prepare(s, bh, R, D, q, 16);
         st.whole_row = MINILLAMA_VBMI && D == 64;  // 64 codes: one byte each fills one register
-        std::memset(st.books[0], 0, sizeof(st.books[0]));  // width 0: a dropped block reads as zeros
         for (int b = 0; b < nb; b++) {
             const int w = s.levels[bh * nb + b];
             st.whole_row = st.whole_row && w <= 5;

@@ -415,10 +415,39 @@ bool score_int4(SCORE_ARGS, Prep& prep);
 // int2_keys: whether score_int2 reads them.
 bool int2_keys(const RowSource& s, int D);
 bool score_int2(SCORE_ARGS, Prep& prep);
-// Keys in RoPE frequency blocks (ROW_BLOCKS) on AVX2 CPUs, exact float math (avx2_attention.cpp);
-// block_keys: whether score_blocks reads them.
+// Keys in RoPE frequency blocks (ROW_BLOCKS), exact float math: eight channels at a time on AVX2
+// (avx2_attention.cpp), sixteen on AVX-512 (fast_attention.cpp); block_keys: whether score_blocks
+// reads them.
 bool block_keys(const RowSource& s, int D);
 bool score_blocks(SCORE_ARGS, Prep& prep);
+
+// What both SIMD block-key kernels derive from a head's queries and widths once per call (Prep):
+// the queries (already in the blocks' order and rotation: layer_attention.cpp), q . center, the
+// first byte in a row of each run of `lanes` channels (a block is whole runs), and the books of
+// widths 1-5 zero-padded to 32 levels (books[0] all zeros: a dropped block; wider books are read
+// from the codebook itself).
+struct BlockTables {
+    alignas(64) float q[16][128];    // [head][channel in block order]
+    float qc[16];                    // q . center (centered keys), else 0
+    int byte[16];                    // per run of lanes channels: its first byte in the row
+    alignas(64) float books[6][32];  // [w]: the book of width w, zero-padded
+    void prepare(const RowSource& s, int64_t bh, int R, int D, const float* query, int lanes) {
+        for (int r = 0; r < R; r++) {
+            std::memcpy(q[r], query + r * D, sizeof(float) * D);
+            float c = 0.f;
+            if (s.center)
+                for (int d = 0; d < D; d++) c += query[r * D + d] * s.center[bh * D + d];
+            qc[r] = c;
+        }
+        for (int w = 0; w <= 5; w++)
+            for (int l = 0; l < 32; l++) books[w][l] = w && l < (1 << w) ? s.codebook[(1 << w) - 2 + l] : 0.f;
+        const int nb = s.nlevels;
+        for (int b = 0, bit = 0, k = 0; b < nb; b++) {
+            const int w = s.levels[bh * nb + b];
+            for (int j = 0; j < D / nb; j += lanes, k++, bit += lanes * w) byte[k] = bit / 8;
+        }
+    }
+};
 // Integer (VNNI) scores of 2-, 3- and 4-bit keys (vnni_attention.cpp); vnni_keys: whether score_vnni reads these rows.
 bool vnni_keys(const RowSource& s, int D);
 bool score_vnni(SCORE_ARGS, Prep& prep);
