@@ -81,6 +81,9 @@ def attend(
         k = torch.cat([past[0], k], dim=2)  # (B, Hkv, P+T, D)
         v = torch.cat([past[1], v_codec.to_space(v)], dim=2)  # (B, Hkv, P+T, D)
     t_past = k.shape[2] - t
+    if fast and t_past == 0:  # a first chunk: the plain causal mask, which SDPA need not read from memory
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq, T, D)
+        return out.to(out_dtype)  # nothing is rotated with no past
     mask = causal_mask(t, t_past, q.device)  # (T, P+T)
     if fast:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, Hq, T, D)
