@@ -49,10 +49,11 @@ class NonFiniteError(ValueError):
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """Whether every element of x is finite. The largest magnitude is NaN or inf exactly when
-    some element is (max propagates NaN); one reduction is ~10x faster than isfinite(x).all() on
-    a CPU, which makes an elementwise mask in bfloat16 or float16 first."""
-    return x.numel() == 0 or bool(torch.isfinite(x.abs().amax()))
+    """Whether every element of x is finite: the smallest and largest are finite exactly when
+    every element is (min and max propagate NaN). One pass, no temporary: 2-3x faster than
+    x.abs().amax() and ~20x faster than isfinite(x).all(), which makes an elementwise mask first
+    (a prefill's keys, bfloat16, machine U)."""
+    return x.numel() == 0 or all(bool(torch.isfinite(m)) for m in torch.aminmax(x))
 
 
 def check_finite(x: torch.Tensor) -> None:
