@@ -67,6 +67,11 @@ static void rows_scalar(const void* x, int xdt, const void* W, int wdt, int M, i
     }
 }
 
+// How far ahead of its reads a thread asks for its weights (__builtin_prefetch, into L1): the
+// hardware prefetchers alone left a decode step's small matrices (0.2-1.8 MB, one per call,
+// each thread a new stream) ~4% slower (bench/step_ab.py; docs/speed.md, machine U).
+constexpr int PREFETCH_BYTES = 4096;
+
 #if LIN_W == 16
 typedef __m512 vf;
 static inline vf vzero() { return _mm512_setzero_ps(); }
@@ -120,6 +125,7 @@ static inline void row_vector(const float* xa, const float* xb, const void* W, i
         const int H = K / 2;  // pairs per row
         const uint16_t* w = (const uint16_t*)W + (int64_t)n * K;
         auto step = [&](int k, int u) {  // LIN_W pairs of channels at k
+            __builtin_prefetch((const char*)(w + 2 * k) + PREFETCH_BYTES);
             vf we, wo;
             split_bf16(w + 2 * k, we, wo);
             for (int m = 0; m < M; m++)
@@ -164,6 +170,7 @@ static inline void row_dpbf16(const uint16_t* x, const uint16_t* W, int n, int N
         for (int m = 0; m < M; m++) acc[u][m] = _mm512_setzero_ps();
     const uint16_t* w = W + (int64_t)n * K;
     auto step = [&](int k, int u) {  // 32 channels at k
+        __builtin_prefetch((const char*)(w + k) + PREFETCH_BYTES);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
         for (int m = 0; m < M; m++)
             acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv, (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + k));
@@ -248,6 +255,8 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
 // is read from memory once, measured no faster (M 8: 12-20 vs 15-17 GB/s; M 16: 8 vs 10-12, Zen 4).
 static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float* y) {
     if (!p.vector) return rows_scalar(p.x, p.xdt, W, p.wdt, p.M, n0, n1, N, p.K, y);
+    const char* first = (const char*)W + (int64_t)n0 * p.K * (p.wdt == 2 ? 2 : 4);  // the share's first bytes, asked at once
+    for (int b = 0; b < PREFETCH_BYTES; b += 64) __builtin_prefetch(first + b);
     for (int m0 = 0; m0 < p.M; m0 += 4) {
         switch (std::min(4, p.M - m0)) {
             case 1: rows_block<1>(p, m0, W, n0, n1, N, y); break;
