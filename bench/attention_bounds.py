@@ -26,6 +26,9 @@ the most a change could buy, never to be used. The variants:
 * ``one-step``: ``no-transpose`` and one int8 query step per head instead of one per 8 channels
   (the per-chunk conversions and multiply-adds gone): the most a coarser query contract could
   add to it.
+* ``one-fold``: KIVI keys fold the per-channel scales of the first group they meet into the
+  int8 query and keep that query for every later group (the per-group re-quantization gone):
+  the most a cheaper fold could buy.
 * ``no-prefetch`` / ``far-prefetch``: the score kernel's software prefetch of the key rows
   two 16-row chunks ahead left out, or made 32 chunks ahead: what prefetching buys.
 
@@ -91,6 +94,10 @@ ONE_STEP = [
         "            if (book) f = _mm512_sub_ps(f, _mm512_set1_ps(st.offset[r]));",
     ),
 ]
+ONE_FOLD = (
+    "            if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz\n",
+    "            if (prep.group < 0) {\n",
+)
 NO_PREFETCH = (
     "        prefetch_rows(s, bh, at.slot, 32, 16, row_bytes, channel ? 0 : 1);  // two chunks ahead\n",
     "",
@@ -135,6 +142,7 @@ VARIANTS = {
     "values-in-l1": [VALUES_IN_L1],
     "no-transpose": [STRAIGHT],
     "one-step": [STRAIGHT, *ONE_STEP],
+    "one-fold": [ONE_FOLD],
     "no-prefetch": [NO_PREFETCH],
     "far-prefetch": [FAR_PREFETCH],
 }
