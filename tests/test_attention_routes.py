@@ -43,6 +43,7 @@ SPECS = [
     "k=lm4hb,v=lm2hb,kgroup=64,residual=8",  # ... one a row at head_dim 64: the integer codebook keys
     "k=lm3f2:24.15,v=lm2hb,vgroup=64,residual=8,sinks=4,center=1",  # keys in frequency blocks, per head widths
     "k=lm3f4:2244.0255,v=fp16,residual=8",  # ... four blocks, one of them dropped
+    "k=lm4f2:17.08,v=fp16,residual=8",  # ... the widths 6-8 only the generic block decode reads
 ]
 CONTEXTS = [(0, 128, 1), (1, 128, 3), (31, 128, 1), (33, 128, 3), (1000, 600, 1)]  # (tokens, capacity, batch)
 

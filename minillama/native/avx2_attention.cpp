@@ -769,21 +769,10 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
             for (int b = 0; b < nb; b++) {
                 const int g0 = b * per, g1 = g0 + per, w = s.levels[bh * nb + b];
                 const float scale = log_scales.t[s.scale8[slot * nb + b]], *book = s.codebook + (1 << w) - 2;
-#define BLOCK(WIDTH) decode_block<WIDTH>(st, g0, g1, row, W, scale, book, v)
-                switch (w) {
-                    case 0:  // a dropped block reads as zeros
-                        for (int g = g0; g < g1; g++) v[g] = _mm256_setzero_ps();
-                        break;
-                    case 1: BLOCK(1); break;
-                    case 2: BLOCK(2); break;
-                    case 3: BLOCK(3); break;
-                    case 4: BLOCK(4); break;
-                    case 5: BLOCK(5); break;
-                    case 6: BLOCK(6); break;
-                    case 7: BLOCK(7); break;
-                    default: BLOCK(8);
-                }
-#undef BLOCK
+                if (w == 0)  // a dropped block reads as zeros
+                    for (int g = g0; g < g1; g++) v[g] = _mm256_setzero_ps();
+                else
+                    with_width(w, [&](auto width) { decode_block<decltype(width)::value>(st, g0, g1, row, W, scale, book, v); });
             }
             for (int r = 0; r < R; r++) part[r][t] = dot_row<NV>(v, st.q[r]);
         });

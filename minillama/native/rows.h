@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include <xmmintrin.h>
 
@@ -420,6 +421,23 @@ bool score_int2(SCORE_ARGS, Prep& prep);
 // reads them.
 bool block_keys(const RowSource& s, int D);
 bool score_blocks(SCORE_ARGS, Prep& prep);
+
+// f(std::integral_constant<int, W>()) for a block's runtime width w = 1 .. 8 (the block kernels'
+// decoders take the width as a template argument, so the decode of a block has no branch); both
+// block-key kernels (fast_attention.cpp, avx2_attention.cpp) dispatch through it.
+template <typename F>
+__attribute__((always_inline)) inline void with_width(int w, F&& f) {
+    switch (w) {
+        case 1: return f(std::integral_constant<int, 1>());
+        case 2: return f(std::integral_constant<int, 2>());
+        case 3: return f(std::integral_constant<int, 3>());
+        case 4: return f(std::integral_constant<int, 4>());
+        case 5: return f(std::integral_constant<int, 5>());
+        case 6: return f(std::integral_constant<int, 6>());
+        case 7: return f(std::integral_constant<int, 7>());
+        default: return f(std::integral_constant<int, 8>());
+    }
+}
 
 // What both SIMD block-key kernels derive from a head's queries and widths once per call (Prep):
 // the queries (already in the blocks' order and rotation: layer_attention.cpp), q . center, the
