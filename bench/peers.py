@@ -24,6 +24,7 @@ Peers are optional extras and are skipped with a note when missing:
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import statistics
@@ -75,12 +76,18 @@ def hf_rows(
     return rows
 
 
+def cache_arg(model, cache) -> dict:
+    """The forward's cache keyword: `cache` in transformers 5 (where `past_key_values` warns),
+    `past_key_values` before it."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
 def hf_fill(model, kind, batch: torch.Tensor, n, chunk=256):
     """Prefill batch[:, :n] (B, T) in chunks into a fresh cache."""
     cache = hf_cache(model, kind)
     out = None
     for s in range(0, n, chunk):
-        out = model(batch[:, s : min(n, s + chunk)], past_key_values=cache, use_cache=True)
+        out = model(batch[:, s : min(n, s + chunk)], **cache_arg(model, cache), use_cache=True)
     return cache, out
 
 
@@ -104,7 +111,7 @@ def hf_decode(model, kind, ids, context, steps) -> float:
     cache, out = hf_fill(model, kind, torch.tensor([ids]), context)
 
     def run(token: int):
-        return model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        return model(torch.tensor([[token]]), **cache_arg(model, cache), use_cache=True)
 
     return decode_rate(run, lambda out: int(out.logits[0, -1].argmax()), int(out.logits[0, -1].argmax()), steps)[0]
 
@@ -117,7 +124,7 @@ def hf_ppl(model, kind, ids, n=896, p=128, windows=4) -> float:
     for i in range(p, n):
         nll.append(-torch.log_softmax(out.logits[:, -1].float(), -1).gather(1, batch[:, i : i + 1]))
         if i < n - 1:
-            out = model(batch[:, i : i + 1], past_key_values=cache, use_cache=True)
+            out = model(batch[:, i : i + 1], **cache_arg(model, cache), use_cache=True)
     return math.exp(float(torch.cat(nll).mean()))
 
 

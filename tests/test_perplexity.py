@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 
@@ -203,13 +204,15 @@ def test_fp32_cached_path_matches_transformers_dynamic_cache(smollm, english_tex
     hf = LlamaForCausalLM.from_pretrained(str(smollm.path), dtype=torch.float32).eval()
     seq = torch.tensor([ids[:n]])
     nll = []
+    # transformers 5 calls the forward's cache argument `cache` (`past_key_values` warns there)
+    kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     with torch.no_grad():
-        cache = DynamicCache()
-        out = hf(seq[:, :128], past_key_values=cache, use_cache=True)
+        cache = DynamicCache()  # grown in place by every call
+        out = hf(seq[:, :128], **{kw: cache}, use_cache=True)
         for i in range(128, n):
             nll.append(-torch.log_softmax(out.logits[0, -1].float(), -1)[seq[0, i]])
             if i < n - 1:
-                out = hf(seq[:, i : i + 1], past_key_values=out.past_key_values, use_cache=True)
+                out = hf(seq[:, i : i + 1], **{kw: cache}, use_cache=True)
     theirs = math.exp(float(torch.stack(nll).mean()))
     assert ours.ppl == pytest.approx(theirs, rel=5e-4)
 
