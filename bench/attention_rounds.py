@@ -12,7 +12,9 @@ step does) for every spec in turn; the median per spec and its ratio to the firs
 printed, with the quartiles. Specs are separated by ';' (a spec itself holds commas), or by '|'
 when a spec holds ';' itself (``layers=K/V;K/V;...``, as ``kv allocate`` prints it). A fourth
 argument names another layer shape: ``tinyllama`` (22 layers, 4 KV heads, 8 query heads each,
-head_dim 64: bench/tinyllama_shape.py), where the integer kernels do R = 8 heads' work per row.
+head_dim 64: bench/tinyllama_shape.py), where the integer kernels do R = 8 heads' work per row,
+or ``llama3`` (Llama-3-8B's layer: 8 KV heads, 4 query heads each, head_dim 128; 8 layers, each
+of whose fp16 K+V at 8192 tokens, 34 MB, is past the L3 already), the head_dim 128 kernels.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from minillama.native import backend, ops
 SHAPES = {  # (layers, KV heads, query heads per KV head, head_dim)
     "smollm2": (30, 3, 3, 64),  # the default model
     "tinyllama": (22, 4, 8, 64),
+    "llama3": (8, 8, 4, 128),
 }
 
 
 class Layers:
-    """A shape's 30-layer (or 22-layer) caches filled with synthetic K/V, one per spec, and one
+    """A shape's 30-layer (22, 8) caches filled with synthetic K/V, one per spec, and one
     decode token's q, k, v: what both this script and bench/kernel_ab.py time."""
 
     def __init__(self, shape: str, n: int):

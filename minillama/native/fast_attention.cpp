@@ -462,12 +462,13 @@ void float_rows(bool values, const RowSource& s, int64_t bh, int R, const float*
 // vpermi2ps for 32, a gather beyond. The query is already in the blocks' order and rotation (the
 // driver's rotate_blocks); a key center adds q . center once per head.
 struct BlockQuery : BlockTables {  // rows.h, in runs of sixteen channels; and for the whole-row decode:
-    // VBMI, rows of 64 channels and widths of at most 5: the whole row's codes at once.
+    // VBMI, rows of 64 or 128 channels and widths of at most 5: each 64 channels' codes at once.
     bool whole_row;
-    alignas(64) uint8_t spread[64];  // vpermb: qword j (codes 8j .. 8j + 7) <- the w bytes that hold them
-    alignas(64) uint8_t mask[64];    // per code byte: 2^w - 1 of its block
-    long long shifts[8];             // vpmultishiftqb: byte i of qword j <- bit offset w i
-    const float* group_book[8];      // per sixteen channels: their block's book in `books` (width 0: zeros)
+    alignas(64) uint8_t spread[128];  // vpermb: qword j (codes 8j .. 8j + 7) <- the w bytes that hold them, from base[j / 8]
+    alignas(64) uint8_t mask[128];    // per code byte: 2^w - 1 of its block
+    long long shifts[16];             // vpmultishiftqb: byte i of qword j <- bit offset w i
+    int base[2];                      // per 64 channels: the first byte of their codes in the row
+    const float* group_book[8];       // per sixteen channels: their block's book in `books` (width 0: zeros)
 };
 
 // Sixteen codes of width W (1-8) from the bytes at p (2W of them; W + 8 read where the row has
@@ -499,21 +500,30 @@ inline void decode_block(const BlockQuery& st, int g0, int g1, const uint8_t* ro
 }
 
 #if MINILLAMA_VBMI
-// score_blocks for rows of 64 channels whose widths are at most 5 (every block's book one or two
-// registers): a row's codes, whatever their blocks' widths, come out as one byte each in
-// three instructions -- vpermb puts the w bytes holding codes 8j .. 8j + 7 in qword j,
+// score_blocks for rows of 64 or 128 channels whose widths are at most 5 (every block's book one
+// or two registers): each 64 channels' codes, whatever their blocks' widths, come out as one byte
+// each in three instructions -- vpermb puts the w bytes holding codes 8j .. 8j + 7 in qword j,
 // vpmultishiftqb takes the w bits at offsets 0, w, .., 7w of it into bytes, a mask keeps them
-// (the three operands made per head in Prep) -- then sixteen codes at a time widen to lanes and
-// vpermi2ps looks up their block's levels. The chunk walk is written out here and in the pdep
-// decode below: one walk taking the decode as a lambda measured 1.12-1.33x slower (kernel_ab,
-// machine T), its row registers passed through the stack.
+// (the three operands made per head in Prep; at widths <= 5 the 64 channels' codes span at most
+// 40 bytes, one register from their first byte) -- then sixteen codes at a time widen to lanes
+// and vpermi2ps looks up their block's levels. The chunk walk is written out here and in the
+// pdep decode below: one walk taking the decode as a lambda measured 1.12-1.33x slower
+// (kernel_ab, machine T), its row registers passed through the stack.
+template <int NV>
 bool score_block_rows(const RowSource& s, int64_t bh, int R, int i0, int n, float* out, int ls, const BlockQuery& st) {
-    constexpr int NV = 4, D = 64;
+    constexpr int D = 16 * NV, HALVES = NV / 4;
     const int nb = s.nlevels, W = D * s.bits / 8, per = NV / nb;
-    const __m512i spread = _mm512_load_si512(st.spread), mask = _mm512_load_si512(st.mask), shifts = _mm512_loadu_si512(st.shifts);
+    __m512i spread[HALVES], mask[HALVES], shifts[HALVES];
+    __mmask64 bytes[HALVES];  // each half's code bytes, from its first, up to the row's end
+    int base[HALVES];         // each half's first code byte (the first half's is the row's first)
+    for (int h = 0; h < HALVES; h++) {
+        spread[h] = _mm512_load_si512(st.spread + 64 * h), mask[h] = _mm512_load_si512(st.mask + 64 * h);
+        shifts[h] = _mm512_loadu_si512(st.shifts + 8 * h);
+        base[h] = h == 0 ? 0 : st.base[h];
+        bytes[h] = W - base[h] >= 64 ? ~0ull : (1ull << (W - base[h])) - 1;
+    }
     __m512 lo[NV], hi[NV];  // each sixteen channels' book, as the two tables of vpermi2ps
     for (int g = 0; g < NV; g++) lo[g] = _mm512_load_ps(st.group_book[g]), hi[g] = _mm512_load_ps(st.group_book[g] + 16);
-    const __mmask64 bytes = W >= 64 ? ~0ull : (1ull << W) - 1;
     struct Lanes {  // byte 4 j of idx[g] <- code byte 16 g + j
         uint8_t idx[4][64];
         constexpr Lanes() : idx{} {
@@ -534,13 +544,17 @@ bool score_block_rows(const RowSource& s, int64_t bh, int R, int i0, int n, floa
             const int64_t slot = bh * s.slots + at.slot;
             prefetch_row(s, bh, at.slot, PREFETCH, W);
             at.next();
-            const __m512i row = _mm512_maskz_loadu_epi8(bytes, (const uint8_t*)s.data + slot * W);
-            const __m512i codes = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(spread, row)), mask);
             const uint8_t* sc8 = s.scale8 + slot * nb;
             __m512 v[NV];
-            for (int g = 0; g < NV; g++) {  // codes 16 g .. 16 g + 15 to the low bytes of the lanes
-                const __m512i c = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(lanes.idx[g]), codes);
-                v[g] = _mm512_mul_ps(_mm512_permutex2var_ps(lo[g], c, hi[g]), _mm512_set1_ps(log_scales.t[sc8[g / per]]));
+            for (int h = 0; h < HALVES; h++) {
+                const __m512i row = _mm512_maskz_loadu_epi8(bytes[h], (const uint8_t*)s.data + slot * W + base[h]);
+                const __m512i codes =
+                    _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts[h], _mm512_permutexvar_epi8(spread[h], row)), mask[h]);
+                for (int k = 0; k < 4; k++) {  // codes 16 k .. 16 k + 15 of the half to the low bytes of the lanes
+                    const int g = 4 * h + k;
+                    const __m512i c = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(lanes.idx[k]), codes);
+                    v[g] = _mm512_mul_ps(_mm512_permutex2var_ps(lo[g], c, hi[g]), _mm512_set1_ps(log_scales.t[sc8[g / per]]));
+                }
             }
             for (int r = 0; r < R; r++) {
                 __m512 acc = _mm512_mul_ps(v[0], _mm512_load_ps(st.q[r]));
@@ -565,16 +579,17 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
     const int nb = s.nlevels, W = D * s.bits / 8, per = NV / nb;  // per: sixteen-channel groups a block
     if (!prep.ready) {
         st.prepare(s, bh, R, D, q, 16);
-        st.whole_row = MINILLAMA_VBMI && D == 64;  // 64 codes: one byte each fills one register
+        st.whole_row = MINILLAMA_VBMI && (D == 64 || D == 128);  // 64 codes: one byte each fills one register
+        for (int h = 0; h < NV / 4; h++) st.base[h] = st.byte[4 * h];
         for (int b = 0; b < nb; b++) {
             const int w = s.levels[bh * nb + b];
             st.whole_row = st.whole_row && w <= 5;
             for (int g = b * per; g < (b + 1) * per; g++) st.group_book[g] = st.books[w <= 5 ? w : 0];
             for (int j = 0; j < 2 * per; j++) {  // qword 2g + h: codes 16 g + 8 h .. + 7, w bytes from byte[g] + h w
-                const int g = b * per + j / 2, qw = 2 * g + j % 2;
+                const int g = b * per + j / 2, qw = 2 * g + j % 2, from = st.byte[g] - st.base[g / 4];
                 long long sh = 0;
                 for (int i = 0; i < 8; i++) {
-                    st.spread[8 * qw + i] = (uint8_t)std::min(63, st.byte[g] + (j % 2) * w + std::min(i, std::max(w - 1, 0)));
+                    st.spread[8 * qw + i] = (uint8_t)std::min(63, from + (j % 2) * w + std::min(i, std::max(w - 1, 0)));
                     st.mask[8 * qw + i] = (uint8_t)((1 << w) - 1);
                     sh |= (long long)(w * i) << (8 * i);
                 }
@@ -584,8 +599,8 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
         prep.ready = true;
     }
 #if MINILLAMA_VBMI
-    if constexpr (NV == 4)
-        if (st.whole_row) return score_block_rows(s, bh, R, i0, n, out, ls, st);
+    if constexpr (NV == 4 || NV == 8)
+        if (st.whole_row) return score_block_rows<NV>(s, bh, R, i0, n, out, ls, st);
 #endif
     alignas(64) __m512 part[16][16];  // [head][token of the chunk]
     Cursor at(s.start, i0, s.slots);
