@@ -70,7 +70,7 @@ static void rows_scalar(const void* x, int xdt, const void* W, int wdt, int M, i
 
 // How far ahead of its reads a thread asks for its weights (__builtin_prefetch, into L1): the
 // hardware prefetchers alone left a decode step's small matrices (0.2-1.8 MB, one per call,
-// each thread a new stream) ~4% slower (bench/step_ab.py; docs/speed.md, machine U).
+// each thread a new stream) ~4% slower (bench/step_ab.py; docs/speed-history.md, machine U).
 constexpr int PREFETCH_BYTES = 4096;
 
 #if LIN_W == 16

@@ -28,7 +28,7 @@ namespace {
 // (_MM_HINT_T1) from further ahead. always_inline is what makes these prefetches exist: GCC
 // takes a function whose only effect is a prefetch for pure (its local-pure-const pass) and
 // deletes the calls, as it did with this one in every build before 2026-12-04 (no prefetch
-// instruction in this file's object code; docs/speed.md, machine T).
+// instruction in this file's object code; docs/speed-history.md, machine T).
 template <int HINT = _MM_HINT_T0>
 __attribute__((always_inline)) inline void prefetch_rows(const RowSource& s, int64_t bh, int slot, int ahead, int count, int row_bytes,
                                                           int scales) {
