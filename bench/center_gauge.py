@@ -17,19 +17,10 @@ counting; what it buys is what this prints. Nothing here is a codec.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import torch
+from outlier_gauge import gauge_arguments, prefill_layers  # bench/ is the script's folder, so on sys.path
 
-from minillama.app.default_model import resolve_model
-from minillama.eval.datasets import load as load_text
-from minillama.kv.cache import KVCache
 from minillama.kv.codecs import CODECS
-from minillama.kv.spec import parse_kv
-from minillama.model.generate import prefill
-from minillama.model.loader import load_model
-from minillama.native import backend
 
 GROUP = 64
 
@@ -43,20 +34,10 @@ def relative_error(codec, x: torch.Tensor, center: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("codecs", help="comma-separated codec names (minillama kv --list)")
-    ap.add_argument("--dataset", default="hamlet")
-    ap.add_argument("--text", default=None, help="a text file instead of --dataset")
-    ap.add_argument("--tokens", type=int, default=896)
+    ap = gauge_arguments(__doc__)
     ap.add_argument("--first", type=int, default=128, help="the tokens a cache's first write sees")
     args = ap.parse_args()
-    lm = load_model(resolve_model(None), "float32")
-    text = Path(args.text).read_text() if args.text else load_text(args.dataset)
-    ids = lm.tokenizer.encode(text)[: args.tokens]
-    cache = KVCache.for_model(lm.config, parse_kv("fp32"), len(ids) + 8)
-    with backend.using("reference"):
-        prefill(lm.model, ids, cache)
-    layers = [cache.layer(i).read(torch.float32) for i in range(cache.n_layers)]  # [(k, v)] (1, H, T, D) each
+    lm, ids, layers = prefill_layers(args)  # [(k, v)] (1, H, T, D) each
     print(f"{lm.name}, {args.text or args.dataset}, {len(ids)} tokens, groups of {GROUP}; relative squared error")
     for name in args.codecs.split(","):
         if name not in CODECS:

@@ -55,22 +55,33 @@ def relative_error(codec, x: torch.Tensor, k: int) -> float:
     return ((round_trip(codec, x, k) - stored) ** 2).sum().item() / (stored**2).sum().item()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def gauge_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options every gauge takes (this one, bench/center_gauge.py): the codecs, the text."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("codecs", help="comma-separated codec names (minillama kv --list)")
     ap.add_argument("--dataset", default="hamlet")
     ap.add_argument("--text", default=None, help="a text file instead of --dataset")
     ap.add_argument("--tokens", type=int, default=896)
-    ap.add_argument("--max-k", type=int, default=2, help="outliers per row to try, 1 .. this")
-    args = ap.parse_args()
+    return ap
+
+
+def prefill_layers(args: argparse.Namespace) -> tuple:
+    """The default model in float32, the token ids of the chosen text, and every layer's keys and
+    values [(k, v)], (1, H, T, D) each, over one prefill of them (an fp32 cache, the reference backend)."""
     lm = load_model(resolve_model(None), "float32")
     text = Path(args.text).read_text() if args.text else load_text(args.dataset)
     ids = lm.tokenizer.encode(text)[: args.tokens]
-    cfg = lm.config
-    cache = KVCache.for_model(cfg, parse_kv("fp32"), len(ids) + 8)
+    cache = KVCache.for_model(lm.config, parse_kv("fp32"), len(ids) + 8)
     with backend.using("reference"):
         prefill(lm.model, ids, cache)
-    layers = [cache.layer(i).read(torch.float32) for i in range(cache.n_layers)]  # [(k, v)] (1, H, T, D) each
+    return lm, ids, [cache.layer(i).read(torch.float32) for i in range(cache.n_layers)]
+
+
+def main() -> None:
+    ap = gauge_arguments(__doc__)
+    ap.add_argument("--max-k", type=int, default=2, help="outliers per row to try, 1 .. this")
+    args = ap.parse_args()
+    lm, ids, layers = prefill_layers(args)  # [(k, v)] (1, H, T, D) each
     d = layers[0][0].shape[-1]
     index_bits = math.ceil(math.log2(d))
     print(
