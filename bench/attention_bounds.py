@@ -2,6 +2,7 @@
 
     python bench/attention_bounds.py 8192 "fp16;hadv2;kivi4;k4v3hc;k3v2lm" 10
     python bench/attention_bounds.py 8192 "hadv2" 10 no-scores,no-values      # only these variants
+    python bench/attention_bounds.py 8192 "fp16;hadv2" 7 no-scores,no-values tinyllama   # another layer shape
 
 Each variant is the tree's ``native/vnni_attention.cpp`` (on a build with AVX-512 VNNI) or its
 AVX2 twins ``avx2_attention.cpp`` and ``avx2_int_values.cpp`` (on an AVX2 build: the first three
@@ -35,7 +36,9 @@ the most a change could buy, never to be used. The variants:
 On a VNNI build fp16 rows do not go through these kernels: an fp16 spec reads ~1.00 on every
 variant and gives the scale (the ratio a quantized spec must reach, 0.40x fp16's layer in issue
 26). On AVX2 fp16 rows take the float kernels ``score_fast`` and ``value_fast``, so the three
-variants take fp16's layer apart too; its tree column is still the scale.
+variants take fp16's layer apart too; its tree column is still the scale. A fifth argument
+names another layer shape (``bench/attention_rounds.py``: ``tinyllama``, GQA 8; ``llama3``,
+head_dim 128); an empty fourth then means every variant.
 """
 
 from __future__ import annotations
@@ -191,17 +194,20 @@ def main() -> None:
         sys.exit(
             f"the variants edit the AVX-512 VNNI or the AVX2 kernels, which this build does not hold: {backend.describe()}"
         )
-    names = sys.argv[4].split(",") if len(sys.argv) > 4 else list(variants)
+    names = sys.argv[4].split(",") if len(sys.argv) > 4 and sys.argv[4] else list(variants)
     unknown = [v for v in names if v not in variants]
     if unknown:
         sys.exit(f"unknown variant {unknown[0]!r} for these kernels: use some of {', '.join(variants)}")
-    layers = Layers("smollm2", n)
+    shape = sys.argv[5] if len(sys.argv) > 5 else "smollm2"  # bench/attention_rounds.py: SHAPES
+    layers = Layers(shape, n)
     with tempfile.TemporaryDirectory() as tmp:
         libs: dict[str, ctypes.CDLL] = {"tree": tree}
         for name in names:
             texts = {f: edited((build.HERE / f).read_text(), edits, f) for f, edits in variants[name].items()}
             libs[name] = library_with(texts, Path(tmp) / name, f"variant {name}")
-        print(f"{backend.describe()}; {n} tokens; {rounds} rounds; median us per layer, and variant/tree per round")
+        print(
+            f"{backend.describe()}; {shape} layer shape; {n} tokens; {rounds} rounds; median us per layer, and variant/tree per round"
+        )
         print(f"{'kv':10s} {'tree':>7s}  " + "  ".join(f"{v:>16s}" for v in names))
         for kv in specs:
             cache = layers.cache(kv)
