@@ -1,12 +1,14 @@
 // Scalar reads and roundings of the tensor dtypes the kernels exchange with PyTorch
 // (dtype codes: 0 float32, 1 float16, 2 bfloat16), rounding as torch's .to() rounds.
-// Shared by encode.cpp (cache writes), decode_ops.cpp (the small decode-step ops) and rows.h
-// (the one-byte log scales the attention kernels read).
+// Shared by encode.cpp (cache writes), decode_ops.cpp (the small decode-step ops), step.cpp and
+// linear.cpp (element sizes) and rows.h (the one-byte log scales the attention kernels read).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+static inline int dtype_bytes(int dtype) { return dtype == 0 ? 4 : 2; }  // one element's bytes
 
 static inline float half_to_float(uint16_t h) {
     _Float16 f;

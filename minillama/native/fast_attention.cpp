@@ -579,7 +579,7 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
     const int nb = s.nlevels, W = D * s.bits / 8, per = NV / nb;  // per: sixteen-channel groups a block
     if (!prep.ready) {
         st.prepare(s, bh, R, D, q, 16);
-        st.whole_row = MINILLAMA_VBMI && (D == 64 || D == 128);  // 64 codes: one byte each fills one register
+        st.whole_row = MINILLAMA_VBMI && (D == 64 || D == 128);  // each 64 codes, one byte each, fill one register
         for (int h = 0; h < NV / 4; h++) st.base[h] = st.byte[4 * h];
         for (int b = 0; b < nb; b++) {
             const int w = s.levels[bh * nb + b];

@@ -20,6 +20,7 @@
 //   * float32 weights are loaded and multiplied as they are.
 // Accumulation is float32 throughout; the result equals torch's F.linear up to summation order.
 
+#include "dtypes.h"
 #include "minillama.h"
 
 #include <algorithm>
@@ -48,15 +49,14 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-// Element k of a row in dtype 0 (float32) or 2 (bfloat16), as float32; and an element's bytes.
+// Element k of a row in dtype 0 (float32) or 2 (bfloat16), as float32.
 static inline float element(const void* row, int64_t k, int dtype) {
     return dtype == 0 ? ((const float*)row)[k] : bf16_to_float(((const uint16_t*)row)[k]);
 }
-static inline int element_bytes(int dtype) { return dtype == 0 ? 4 : 2; }
 
 // The plain loop: reference for the vector paths and the whole product on CPUs without them.
 static void rows_scalar(const void* x, int xdt, const void* W, int wdt, int M, int n0, int n1, int N, int K, float* y) {
-    const int64_t wrow = (int64_t)K * (wdt == 0 ? 4 : 2), xrow = (int64_t)K * (xdt == 0 ? 4 : 2);
+    const int64_t wrow = (int64_t)K * dtype_bytes(wdt), xrow = (int64_t)K * dtype_bytes(xdt);
     for (int n = n0; n < n1; n++) {
         const char* w = (const char*)W + n * wrow;
         for (int m = 0; m < M; m++) {
@@ -256,7 +256,7 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
 // is read from memory once, measured no faster (M 8: 12-20 vs 15-17 GB/s; M 16: 8 vs 10-12, Zen 4).
 static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float* y) {
     if (!p.vector) return rows_scalar(p.x, p.xdt, W, p.wdt, p.M, n0, n1, N, p.K, y);
-    const char* first = (const char*)W + (int64_t)n0 * p.K * element_bytes(p.wdt);  // the share's first bytes, asked at once
+    const char* first = (const char*)W + (int64_t)n0 * p.K * dtype_bytes(p.wdt);  // the share's first bytes, asked at once
     for (int b = 0; b < PREFETCH_BYTES; b += 64) __builtin_prefetch(first + b);
     for (int m0 = 0; m0 < p.M; m0 += 4) {
         switch (std::min(4, p.M - m0)) {
@@ -292,6 +292,6 @@ extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, in
     if ((dtype != 0 && dtype != 2) || (xdtype != 0 && xdtype != 2)) return MINILLAMA_E_DTYPE;
     if (M < 1 || N < 1 || K < 1) return MINILLAMA_E_SHAPE;
     for (int m = 0; m < M; m += 16)
-        gemm16((const char*)x + (size_t)m * K * element_bytes(xdtype), xdtype, W, dtype, std::min(16, M - m), N, K, y + (size_t)m * N);
+        gemm16((const char*)x + (size_t)m * K * dtype_bytes(xdtype), xdtype, W, dtype, std::min(16, M - m), N, K, y + (size_t)m * N);
     return MINILLAMA_OK;
 }

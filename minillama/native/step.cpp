@@ -61,8 +61,6 @@ static void add_rounded(const void* x, const void* h, int dtype, int64_t n, void
     for (int64_t i = 0; i < n; i++) put_rounded(load_value(x, i, dtype) + load_value(h, i, dtype), dtype, out, i);
 }
 
-static inline size_t esize(int dtype) { return dtype == 0 ? 4 : 2; }
-
 static int decode_layer(const LayerStep* step) {
     const LayerStep& s = *step;
     const int B = s.B, E = s.hidden, D = s.D, Hq = s.Hq, Hkv = s.Hkv, dt = s.dtype;
@@ -74,7 +72,7 @@ static int decode_layer(const LayerStep* step) {
         rows += s.attn[i]->B;
     }
     if (rows != B) return MINILLAMA_E_SHAPE;
-    const int QKV = (Hq + 2 * Hkv) * D, es = (int)esize(dt);
+    const int QKV = (Hq + 2 * Hkv) * D, es = dtype_bytes(dt);
     char* b = (char*)s.scratch;  // the scratch layout, in order (step_scratch_bytes says how much)
     auto take = [&](size_t bytes) { char* p = b; b += (bytes + 63) / 64 * 64; return (void*)p; };
     void* normed = take((size_t)B * E * es);
@@ -137,7 +135,7 @@ extern "C" int decode_step(const LayerStep* steps, int n, const StepEnds* ends) 
     const LayerStep& first = steps[0];
     const int B = first.B, E = first.hidden, dt = first.dtype, V = ends->vocab;
     if (dt != 0 && dt != 2) return MINILLAMA_E_DTYPE;
-    const size_t row = (size_t)E * esize(dt);
+    const size_t row = (size_t)E * dtype_bytes(dt);
     for (int b = 0; b < B; b++)  // every token checked before anything is written
         if (ends->tokens[b] < 0 || ends->tokens[b] >= V) return MINILLAMA_E_SHAPE;
     for (int b = 0; b < B; b++)  // x = embedding rows (every layer's x is this one buffer)
@@ -160,7 +158,7 @@ extern "C" int decode_step(const LayerStep* steps, int n, const StepEnds* ends) 
 }
 
 extern "C" int64_t step_scratch_bytes(int B, int hidden, int Hq, int Hkv, int D, int I, int dtype) {
-    const int64_t es = esize(dtype), QKV = (int64_t)(Hq + 2 * Hkv) * D;
+    const int64_t es = dtype_bytes(dtype), QKV = (int64_t)(Hq + 2 * Hkv) * D;
     const int64_t sizes[] = {B * hidden * es, B * QKV * es, (int64_t)B * Hq * D * es, (int64_t)B * Hkv * D * es,
                              (int64_t)B * Hq * D * es, B * hidden * es, (int64_t)B * 2 * I * es, (int64_t)B * I * es,
                              B * std::max(std::max(QKV, (int64_t)2 * I), (int64_t)hidden) * 4};
