@@ -81,15 +81,15 @@ def attend(
         k = torch.cat([past[0], k], dim=2)  # (B, Hkv, P+T, D)
         v = torch.cat([past[1], v_codec.to_space(v)], dim=2)  # (B, Hkv, P+T, D)
     t_past = k.shape[2] - t
-    if fast and t_past == 0:  # a first chunk: the plain causal mask, which SDPA need not read from memory
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, Hq, T, D)
-        return out.to(out_dtype)  # nothing is rotated with no past
-    mask = causal_mask(t, t_past, q.device)  # (T, P+T)
-    if fast:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, Hq, T, D)
+    if fast:  # a first chunk needs no mask in memory: SDPA's own causal one is the same
+        mask = causal_mask(t, t_past, q.device) if t_past else None  # (T, P+T)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )  # (B, Hq, T, D)
         if rotated:
             out = v_codec.from_space(out)
         return out.to(out_dtype)
+    mask = causal_mask(t, t_past, q.device)  # (T, P+T)
     n_rep = hq // hkv
     qg = q.reshape(b, hkv, n_rep, t, d)  # (B, Hkv, n_rep, T, D): the query heads that share a KV head
     out = torch.empty(b, hkv, n_rep, t, d, dtype=v.dtype, device=v.device)
