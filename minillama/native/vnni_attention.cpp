@@ -468,6 +468,15 @@ inline void pair_codes3(const uint8_t* x, const uint8_t* y, __m512i* f) {
 }
 #endif
 
+// acc += x . w as int16 pairs (vpdpwssd) in inline asm: with the intrinsic GCC 12 copies the
+// accumulator to a fresh register and back around most multiply-adds of a tile, or keeps the
+// tile's accumulators on the stack (at 8 heads a KV head the value kernel took 0.90-0.95x the
+// time with this; the accumulator passed by value and returned, so it stays a register).
+inline __attribute__((always_inline)) __m512i dpwssd(__m512i acc, __m512i x, __m512i w) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+    return acc;
+}
+
 // acc[r][K] += pairs x the head's pair weights for RT query heads from r, their accumulators in
 // registers (a runtime head count leaves them in memory: a load and a store per multiply-add).
 // wq[r] holds pair i's weight dwords at i NG (one per group); piece m's lanes take their group's (gidx[m]),
@@ -487,12 +496,12 @@ inline void pair_heads(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 1
         if (ONE) {  // one broadcast per head serves every piece
             for (int r = 0; r < RT; r++) w[r] = _mm512_set1_epi32(wq[r][i]);
             for (int k = 0; k < NV; k++)
-                for (int r = 0; r < RT; r++) acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], x[k], w[r]);
+                for (int r = 0; r < RT; r++) acc[r][k] = dpwssd(acc[r][k], x[k], w[r]);
         } else {
             for (int m = 0; m < NP; m++) {
                 for (int r = 0; r < RT; r++) w[r] = _mm512_permutexvar_epi32(gidx[m], _mm512_loadu_si512(wq[r] + i * NG));
                 for (int k = 0; k < F; k++)
-                    for (int r = 0; r < RT; r++) acc[r][F * m + k] = _mm512_dpwssd_epi32(acc[r][F * m + k], x[F * m + k], w[r]);
+                    for (int r = 0; r < RT; r++) acc[r][F * m + k] = dpwssd(acc[r][F * m + k], x[F * m + k], w[r]);
             }
         }
     }
@@ -511,12 +520,16 @@ inline void pair_heads(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 1
     pair_heads<NV, F, RT, false>(pairs, npairs, wq, NG, b, gidx, out);
 }
 
-// Every head through pair_heads, in tiles of up to T = 29 / (NV + 1) heads (the accumulators and
-// one weight register per head, of 32 registers). pairs(i, x) puts pair i's NV registers in x.
+// Every head through pair_heads, in tiles of up to T = tile_heads(NV) heads: the accumulators and
+// one weight register per head, of 32 registers (29 / (NV + 1)), but 4 at head_dim 64, where 8
+// heads make two even tiles (5 and 3 took 1.00-1.04x the time).
+// pairs(i, x) puts pair i's NV registers in x.
+constexpr int tile_heads(int NV) { return NV == 4 ? 4 : 29 / (NV + 1); }
+
 template <int NV, int F, typename Pairs>
 inline void pair_all(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 16 + 16], int NG, const float (*b)[16],
                      const __m512i* gidx, __m512 (*out)[NV], int R) {
-    constexpr int T = 29 / (NV + 1);
+    constexpr int T = tile_heads(NV);
     int r = 0;
     for (; r + T <= R; r += T) pair_heads<NV, F, T>(pairs, npairs, wq + r, NG, b + r, gidx, out + r);
     switch (R - r) {
@@ -723,7 +736,7 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
             else
                 make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f);
         };
-        if (R <= 29 / (NV + 1)) {  // one tile of heads: each pair made in registers, used at once
+        if (R <= tile_heads(NV)) {  // one tile of heads: each pair made in registers, used at once
             pair_all<NV, F>(make, npairs, wq, NG, b, gidx, out, R);
         } else {  // several tiles: the pairs made once, read back from L1 by each tile
             for (int q = 0; q < npairs; q++) make(q, pairs[q]);
