@@ -98,6 +98,21 @@ def test_every_route_equals_the_reference(target, r, d):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("r", [3, 8, 16])
+def test_a_long_context_walks_several_blocks_a_thread(target, r, d):
+    """The driver walks a thread's tokens in blocks of up to 1024 (layer_attention.cpp:
+    block_size; 512 at 16 heads), carrying the online softmax's max, sum and output from block
+    to block: 5000 tokens through a wrapped ring are several blocks for every thread, and the
+    kernels' sub-block loops run past their first call."""
+    with backend.using("kernels-exact", target):
+        lib = backend.library()
+        for spec in ("fp16", "hadv2s", "k4v3lmc", "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4"):
+            cache, q, k, v, rotary = case(spec, 5000, 4700, 1, r, d, seed=r)
+            fused = kernel(lib, cache, q, k, v, rotary)
+            assert torch.allclose(fused, reference(cache, q, k, v, rotary), atol=3e-5, rtol=1e-4), (spec, r, d)
+
+
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("r", [1, 3, 8, 16])
 def test_the_integer_route_stays_within_its_bound_on_every_shape(target, r, d):
     """The kernels backend's integer scores (int8 queries): each score is off by at most about

@@ -129,14 +129,15 @@ static inline void value_block(int route, VALUE_ARGS) {
 // The driver's blocks. The threads split the held tokens into ranges of whole SPLITs (so two
 // threads share a context from 2 x 128 tokens on); each thread walks its range in blocks of
 // block_size(R) tokens, whose R x block tile of scores stays in L1 between the scores and the
-// values (TILE floats, 8 KB, at every R). Larger blocks spread each kernel call's fixed cost
+// values (TILE floats, 32 KB, at every R). Larger blocks spread each kernel call's fixed cost
 // (lookup tables, weight steps, the channel-order epilogue) over more tokens: 512 against 128
-// took ~0.9x the time per layer at 8192 tokens (the same plans through two builds in one
-// process, in turn). Both are multiples of 32: a block holds whole groups of the integer value
-// kernels' weights and of KIVI's per-channel key scales.
+// took ~0.9x the time per layer at 8192 tokens, 1024 against 512 0.94-0.98x at 3 and 8 heads
+// a KV head, 2048 (a tile past L1) nothing more (bench/kernel_ab.py, the same plans through two
+// builds in one process, in turn). Both are multiples of 32: a block holds whole groups of the
+// integer value kernels' weights and of KIVI's per-channel key scales.
 static const int SPLIT = 128;
-static const int TILE = 2048;
-static inline int block_size(int R) { return std::min(512, TILE / R / 32 * 32); }
+static const int TILE = 8192;
+static inline int block_size(int R) { return std::min(1024, TILE / R / 32 * 32); }
 
 // One part of the cache through its kernel, alone (tests, bench/attention_micro.py).
 // values = 0: x = q (B*H, R, D), scores go to out's columns (rows ld apart); values = 1:
