@@ -129,7 +129,7 @@ static inline void value_block(int route, VALUE_ARGS) {
 // The driver's blocks. The threads split the held tokens into ranges of whole SPLITs (so two
 // threads share a context from 2 x 128 tokens on); each thread walks its range in blocks of
 // block_size(R) tokens, whose R x block tile of scores stays in L1 between the scores and the
-// values (TILE floats, 32 KB, at every R). Larger blocks spread each kernel call's fixed cost
+// values (at most TILE floats, 32 KB: all of it from 8 heads a KV head on). Larger blocks spread each kernel call's fixed cost
 // (lookup tables, weight steps, the channel-order epilogue) over more tokens: 512 against 128
 // took ~0.9x the time per layer at 8192 tokens, 1024 against 512 0.94-0.98x at 3 and 8 heads
 // a KV head, 2048 (a tile past L1) nothing more (bench/kernel_ab.py, the same plans through two
