@@ -1,0 +1,297 @@
+"""How many instructions one layer's decode attention executes per KV token: counted, by kernel.
+
+    python bench/kernel_instructions.py 1024,2048 "fp16;kivi4;hadv2;k4v3hc;k4v3lmc;k3v2lm"
+    python bench/kernel_instructions.py 1024,2048 "hadv2;k4v3lmc" tinyllama
+    python bench/kernel_instructions.py 2048 hadv2 --lines score_vnni     # that kernel by source line
+
+For each spec and context a child process fills one layer's cache (bench/attention_rounds.py:
+``Layers``, synthetic K/V), calls ``attend_layer`` once to warm up, and calls it again under
+``ptrace`` single-stepping on one thread (``OMP_NUM_THREADS=1``): every instruction that call
+executes is counted and charged to the symbol it belongs to -- the score kernels (symbols named
+``score_*``), the value kernels (``value_*``), the rest of the kernel library (the driver:
+online softmax, merge, sinks and residual parts, queries' preparation) and other libraries
+(OpenMP, libc) by name. Nothing is sampled or estimated: the counts are exact for this build on
+this CPU (the kernels choose their instruction set at run time, so another CPU runs other code).
+
+Each row is per held token and KV head, the unit one layer's time is made of. With two or
+more contexts the per-token numbers are the slope between the first and the last (what one
+more token costs) and ``fixed`` is the call's count at zero tokens by the same line; with one
+they are the call's total over its tokens. ``madd`` counts the integer multiply-adds
+(``vpdpbusd``, ``vpdpwssd``, ``vpmaddubsw``, ``vpmaddwd``) and float FMAs among them. Set
+beside a kernel's time per KV token (``bench/attention_micro.py``) a count gives instructions
+per nanosecond (docs/speed.md). ``--lines KERNEL`` builds the kernels with line tables (the
+same code, ``MINILLAMA_LINE_TABLES=1``) and charges that kernel's count at the last context to
+its source lines, as bench/kernel_lines.py charges perf's samples.
+
+Linux x86-64 only: needs ``ptrace`` of one's own child (``kernel.yama.ptrace_scope`` 0 or 1)
+and binutils' ``nm``, ``objdump`` (and ``addr2line`` for ``--lines``). A 2048-token hadv2 layer is
+~0.6 M single steps, about half a minute on this project's VMs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kernel_lines import charge as charge_line  # bench/ is the script's folder, so on sys.path
+from kernel_lines import source_lines
+
+PTRACE_TRACEME, PTRACE_CONT, PTRACE_KILL, PTRACE_SINGLESTEP, PTRACE_GETREGS = 0, 7, 8, 9, 12
+MADD = re.compile(r"^(vpdpbusds?|vpdpwssds?|vpmaddubsw|vpmaddwd|vfn?madd\w+)$")
+
+
+class Regs(ctypes.Structure):  # struct user_regs_struct (x86-64)
+    _fields_ = [
+        (name, ctypes.c_ulong)
+        for name in (
+            "r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags rsp ss "
+            "fs_base gs_base ds es fs gs"
+        ).split()
+    ]
+
+
+def child(n: int, kv: str, shape: str, info: str) -> None:
+    """The traced process: one layer of `kv` at `n` tokens, warmed up, then the counted call."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from attention_rounds import Layers
+
+    from minillama.native import backend, ops
+
+    lib = backend.library()
+    if lib is None:
+        sys.exit(f"the kernels are not in use: {backend.describe()}")
+    layers = Layers(shape, n)
+    layers.layers = 1  # one layer is all that is counted
+    plan = layers.plans(lib, layers.cache(kv))[0]
+    ops.attend_layer(lib, plan)  # warm: lazy tables, the OpenMP team
+    entry = ctypes.cast(lib.attend_layer, ctypes.c_void_p).value
+    Path(info).write_text(
+        json.dumps({"lib": lib._name, "entry": entry, "heads": layers.h, "describe": backend.describe()})
+    )
+    signal.raise_signal(signal.SIGTRAP)  # the tracer steps from here
+    lib.attend_layer(ctypes.byref(plan))
+
+
+def trace(n: int, kv: str, shape: str) -> tuple[collections.Counter, dict, str]:
+    """Run `child` for (n, kv, shape) and count every instruction its second attend_layer runs:
+    a Counter of instruction addresses, the child's info and its memory maps."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
+    with tempfile.TemporaryDirectory() as tmp:
+        info_path = os.path.join(tmp, "info.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", str(n), kv, shape, info_path],
+            env=env,
+            preexec_fn=lambda: libc.ptrace(PTRACE_TRACEME, 0, None, None),
+        )
+        pid, regs = proc.pid, Regs()
+
+        def wait() -> int:
+            _, status = os.waitpid(pid, 0)
+            if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                sys.exit(f"{kv} at {n}: the child ended before its counted call (run it alone to see why)")
+            return os.WSTOPSIG(status)
+
+        wait()  # the stop at exec
+        libc.ptrace(PTRACE_CONT, pid, None, None)
+        while (sig := wait()) != signal.SIGTRAP:  # forward anything else until the marker
+            libc.ptrace(PTRACE_CONT, pid, None, sig)
+        info = json.loads(Path(info_path).read_text())
+        entry, sp0, counts = info["entry"], None, collections.Counter()
+        while True:
+            if libc.ptrace(PTRACE_SINGLESTEP, pid, None, None) != 0:
+                sys.exit(f"ptrace failed (errno {ctypes.get_errno()}): is ptrace of a child allowed here?")
+            wait()
+            libc.ptrace(PTRACE_GETREGS, pid, None, ctypes.byref(regs))
+            if sp0 is None:
+                if regs.rip == entry:
+                    sp0 = regs.rsp
+                    counts[regs.rip] += 1
+                continue
+            if regs.rsp > sp0:  # attend_layer returned
+                break
+            counts[regs.rip] += 1
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        libc.ptrace(PTRACE_KILL, pid, None, None)
+        proc.wait()
+    return counts, info, maps
+
+
+def mappings(maps: str) -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, path) of every file-backed mapping."""
+    out = []
+    for line in maps.splitlines():
+        parts = line.split()
+        if len(parts) >= 6:
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end, int(parts[2], 16), parts[5]))
+    return out
+
+
+def symbols(lib: str) -> list[tuple[int, int, str]]:
+    """(offset, size, demangled name) of the library's sized text symbols, sorted."""
+    text = subprocess.run(["nm", "-C", "-S", "--defined-only", lib], capture_output=True, text=True, check=True).stdout
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"([0-9a-f]+) ([0-9a-f]+) [tTwW] (.*)", line)
+        if m:
+            out.append((int(m.group(1), 16), int(m.group(2), 16), m.group(3)))
+    return sorted(out)
+
+
+def mnemonics(lib: str) -> dict[int, str]:
+    """Offset -> mnemonic of every instruction in the library's code."""
+    text = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", lib], capture_output=True, text=True, check=True
+    ).stdout
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*([0-9a-f]+):\s+(\S+)", line)
+        if m:
+            out[int(m.group(1), 16)] = m.group(2)
+    return out
+
+
+def group_of(name: str) -> str:
+    """The kernel library's symbols in three groups (an inlined helper counts with its caller)."""
+    bare = name.replace("(anonymous namespace)::", "").split("(")[0]
+    if "score_" in bare:
+        return "scores"
+    if "value_" in bare:
+        return "values"
+    return "driver"
+
+
+def library_base(info: dict, maps: str) -> int:
+    """Where the kernel library was loaded in the child (its offsets are addresses less this)."""
+    real = os.path.realpath(info["lib"])
+    return min(start - offset for start, _, offset, path in mappings(maps) if os.path.realpath(path) == real)
+
+
+def by_line(counts: collections.Counter, info: dict, maps: str, want: str) -> collections.Counter:
+    """The counts of the symbols whose name contains `want`, charged to source lines (the
+    innermost line of the symbol's own file, as bench/kernel_lines.py charges perf's samples)."""
+    base, syms = library_base(info, maps), symbols(info["lib"])
+    picked = {
+        pc - base: c
+        for pc, c in counts.items()
+        if any(want in name and start <= pc - base < start + size for start, size, name in syms)
+    }
+    out = subprocess.run(
+        ["addr2line", "-i", "-a", "-e", info["lib"], *(hex(a) for a in picked)], capture_output=True, text=True
+    ).stdout
+    frames: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("0x"):
+            frames[current := int(line, 16)] = []
+        else:
+            frames[current].append(line.strip())
+    own = next((fr[-1].rsplit(":", 1)[0] for fr in frames.values() if fr and "??" not in fr[-1]), None)
+    lines: collections.Counter = collections.Counter()
+    for address, c in picked.items():
+        lines[charge_line(frames.get(address, []), own) or "(no line)"] += c
+    return lines
+
+
+def charge(counts: collections.Counter, info: dict, maps: str) -> dict[str, list[int]]:
+    """Group -> [instructions, multiply-adds, vector instructions]."""
+    lib = info["lib"]
+    real = os.path.realpath(lib)
+    regions = mappings(maps)
+    base = library_base(info, maps)
+    syms, ops = symbols(lib), mnemonics(lib)
+    starts = [s for s, _, _ in syms]
+    out: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    for pc, c in counts.items():
+        where = next((path for start, end, _, path in regions if start <= pc < end), "?")
+        if os.path.realpath(where) != real:
+            name = os.path.basename(where).split(".so")[0] or "?"
+            out[name][0] += c
+            continue
+        off = pc - base
+        i = bisect.bisect_right(starts, off) - 1
+        group = group_of(syms[i][2]) if i >= 0 and off < syms[i][0] + max(syms[i][1], 1) else "driver"
+        out[group][0] += c
+        op = ops.get(off, "")
+        out[group][1] += c if MADD.match(op) else 0
+        out[group][2] += c if op.startswith("v") else 0  # AVX / AVX-512 (VEX, EVEX): the vector units' share
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+        return
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        sys.exit("kernel_instructions.py counts x86-64 instructions under Linux ptrace: not this machine")
+    for tool in ("nm", "objdump"):
+        if shutil.which(tool) is None:
+            sys.exit(f"{tool} is missing: install binutils")
+    lines = None
+    if "--lines" in sys.argv:  # --lines SYMBOL: that kernel's counts by source line, at the last context
+        at = sys.argv.index("--lines")
+        lines = sys.argv[at + 1]
+        del sys.argv[at : at + 2]
+        os.environ["MINILLAMA_LINE_TABLES"] = "1"  # the same code with -g: addr2line finds its lines
+        if shutil.which("addr2line") is None:
+            sys.exit("addr2line is missing: install binutils")
+    line_counts: dict[str, collections.Counter] = {}
+    contexts = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "2048,4096").split(",")]
+    specs = (sys.argv[2] if len(sys.argv) > 2 else "fp16;hadv2").split(";")
+    shape = sys.argv[3] if len(sys.argv) > 3 else "smollm2"
+    groups = ["scores", "values", "driver"]
+    printed = False
+    for kv in specs:
+        per = {}
+        for n in contexts:
+            counts, info, maps = trace(n, kv, shape)
+            per[n] = charge(counts, info, maps)
+            if lines and n == contexts[-1]:
+                line_counts[kv] = by_line(counts, info, maps, lines)
+            heads = info["heads"]
+            if not printed:
+                print(f"{info['describe']}; {shape} layer shape; one thread; contexts {contexts}")
+                print("instructions per held token and KV head (vector: AVX/AVX-512 ones; madd: multiply-adds)")
+                printed = True
+        for counts in per.values():  # every other library (OpenMP, libc, the loader) as one
+            rest = [g for g in list(counts) if g not in groups]
+            popped = [counts.pop(g) for g in rest]
+            counts["other"] = [sum(c[k] for c in popped) for k in range(3)]
+        names = [*groups, "other"]
+        lo, hi = contexts[0], contexts[-1]
+        units = (hi - lo) * heads if hi > lo else hi * heads
+
+        def slope(g: str, k: int) -> float:
+            return ((per[hi][g][k] - per[lo][g][k]) if hi > lo else per[hi][g][k]) / units
+
+        total = sum(slope(g, 0) for g in names)
+        fixed = sum(per[lo][g][0] for g in names) - total * lo * heads if hi > lo else 0
+        cells = "  ".join(
+            f"{g} {slope(g, 0):5.1f} ({slope(g, 2):4.1f} vector, {slope(g, 1):4.1f} madd)" for g in groups
+        )
+        print(f"{kv:10s} {cells}  other {slope('other', 0):.1f}  total {total:5.1f}  fixed {fixed / 1e3:.1f} k")
+        if kv in line_counts:
+            print(f"  {lines} by source line, instructions per KV token at {hi} tokens (call total, not a slope):")
+            for where, c in line_counts[kv].most_common(30):
+                file, _, number = where.rpartition(":")
+                source = source_lines(Path(file).name)
+                text = (
+                    source[int(number) - 1].strip()[:90] if number.isdigit() and 0 < int(number) <= len(source) else ""
+                )
+                print(f"  {c / (hi * heads):6.2f}  {Path(where).name:28s} {text}")
+
+
+if __name__ == "__main__":
+    main()
