@@ -43,8 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kernel_lines import charge as charge_line  # bench/ is the script's folder, so on sys.path
-from kernel_lines import source_lines
+from kernel_lines import by_source_line, source_lines  # bench/ is the script's folder, so on sys.path
 
 PTRACE_TRACEME, PTRACE_CONT, PTRACE_KILL, PTRACE_SINGLESTEP, PTRACE_GETREGS = 0, 7, 8, 9, 12
 MADD = re.compile(r"^(vpdpbusds?|vpdpwssds?|vpmaddubsw|vpmaddwd|vfn?madd\w+)$")
@@ -189,20 +188,7 @@ def by_line(counts: collections.Counter, info: dict, maps: str, want: str) -> co
         for pc, c in counts.items()
         if any(want in name and start <= pc - base < start + size for start, size, name in syms)
     }
-    out = subprocess.run(
-        ["addr2line", "-i", "-a", "-e", info["lib"], *(hex(a) for a in picked)], capture_output=True, text=True
-    ).stdout
-    frames: dict[int, list[str]] = {}
-    for line in out.splitlines():
-        if line.startswith("0x"):
-            frames[current := int(line, 16)] = []
-        else:
-            frames[current].append(line.strip())
-    own = next((fr[-1].rsplit(":", 1)[0] for fr in frames.values() if fr and "??" not in fr[-1]), None)
-    lines: collections.Counter = collections.Counter()
-    for address, c in picked.items():
-        lines[charge_line(frames.get(address, []), own) or "(no line)"] += c
-    return lines
+    return by_source_line(info["lib"], picked)
 
 
 def charge(counts: collections.Counter, info: dict, maps: str) -> dict[str, list[int]]:

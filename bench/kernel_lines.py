@@ -41,6 +41,26 @@ def charge(frames: list[str], own: str | None) -> str | None:
     return None
 
 
+def by_source_line(lib: str | Path, weights: dict[int, float]) -> collections.Counter:
+    """Weights of instruction addresses in `lib` (offsets in the file) summed by source line:
+    each address charged to the innermost line of the kernel's own file (`charge`), found by
+    addr2line -i in the library's line tables (bench/kernel_instructions.py uses it too)."""
+    out = subprocess.run(
+        ["addr2line", "-i", "-a", "-e", str(lib), *(hex(a) for a in weights)], capture_output=True, text=True
+    ).stdout
+    frames: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("0x"):
+            frames[current := int(line, 16)] = []
+        else:
+            frames[current].append(line.strip())
+    own = next((fr[-1].rsplit(":", 1)[0] for fr in frames.values() if fr and "??" not in fr[-1]), None)
+    lines: collections.Counter = collections.Counter()
+    for address, weight in weights.items():
+        lines[charge(frames.get(address, []), own) or "(no line)"] += weight
+    return lines
+
+
 def libraries(data: Path) -> list[Path]:
     """The files of the shared libraries a recording sampled (perf's build-id list)."""
     listed = subprocess.run(["perf", "buildid-list", "-i", str(data)], capture_output=True, text=True).stdout
@@ -80,19 +100,7 @@ def main() -> None:
             ["perf", "annotate", "-i", str(data), "--stdio", "-s", symbol], capture_output=True, text=True
         ).stdout
     samples = {int(m[2], 16): float(m[1]) for m in map(SAMPLE.match, annotated.splitlines()) if m and float(m[1]) > 0}
-    out = subprocess.run(
-        ["addr2line", "-i", "-a", "-e", str(lib), *(hex(a) for a in samples)], capture_output=True, text=True
-    ).stdout
-    frames: dict[int, list[str]] = {}
-    for line in out.splitlines():
-        if line.startswith("0x"):
-            frames[current := int(line, 16)] = []
-        else:
-            frames[current].append(line.strip())
-    own = next((fr[-1].rsplit(":", 1)[0] for fr in frames.values() if fr and "??" not in fr[-1]), None)
-    lines: collections.Counter[str] = collections.Counter()
-    for address, pct in samples.items():
-        lines[charge(frames.get(address, []), own) or "(no line)"] += pct
+    lines = by_source_line(lib, samples)
     for where, pct in lines.most_common(25):
         file, _, number = where.rpartition(":")
         source = source_lines(Path(file).name)
