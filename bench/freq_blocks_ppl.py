@@ -6,6 +6,7 @@
     python bench/freq_blocks_ppl.py --bits 2 --text FILE 4   # keys at 2 bits (2, 3 or 4; default 3)
     python bench/freq_blocks_ppl.py --mix --text FILE 4      # on top of the per-layer mix k3v2mixb
     python bench/freq_blocks_ppl.py --frontier 3.0 --text FILE 4  # block keys and values at 3.0 bits
+    python bench/freq_blocks_ppl.py --frontier 2.81 --vq --split 4   # and each joint row's K and V alone
     python bench/freq_blocks_ppl.py --equal --text FILE 4    # blocks at equal bits: rotation and scales alone
     python bench/freq_blocks_ppl.py --by-keys --text FILE 4  # bits chosen without the queries
     python bench/freq_blocks_ppl.py --table 2 0              # print the 2-block keys' spec for minillama ppl
@@ -246,11 +247,14 @@ def joint(seen, maps, n_layers: int, bits: float, nb: int) -> tuple[str, float]:
     )
 
 
-def frontier_specs(seen, n_layers: int, bits: float, vq: bool = False) -> dict[str, tuple[str, float]]:
+def frontier_specs(
+    seen, n_layers: int, bits: float, vq: bool = False, split: bool = False
+) -> dict[str, tuple[str, float]]:
     """Spec -> (label, body bits an element of K and V): fp16, the maps' allocation at `bits`,
     2-block keys at floor(`bits`) bits in every layer with values allocated from the maps so that
     K and V average `bits`, and the joint allocation of block keys and values (``joint``) for 2 and 4
-    blocks. With `vq` the maps include the vq2hs values' map."""
+    blocks. With `vq` the maps include the vq2hs values' map; with `split` each joint row is
+    followed by its keys alone and its values alone (the other side fp16; bits as the row's)."""
     maps = [(path, json.loads(Path(path).read_text())) for path in MAPS + ([VQ_MAP] if vq else [])]
     mix = allocate_from_maps(maps, bits, n_layers, HEAD_DIM, byte_scales=True)
     specs = {"fp16": ("fp16", 16.0), str(mix.spec): (f"kv allocate at {bits:g}", mix.bits)}
@@ -266,6 +270,12 @@ def frontier_specs(seen, n_layers: int, bits: float, vq: bool = False) -> dict[s
     for nb in (2, 4):
         spec, got = joint(seen, maps, n_layers, bits, nb)
         specs[spec] = (f"joint, {nb} blocks", got)
+        if split:  # the same layers' keys alone (values fp16), then values alone (keys fp16)
+            head, _, pairs = spec.partition("layers=")
+            layers = [p.split("/") for p in pairs.split(";")]
+            for side, label in ((1, "keys only"), (0, "values only")):
+                kept = ";".join("/".join("fp16" if i == side else c for i, c in enumerate(kv)) for kv in layers)
+                specs[f"{head}layers={kept}"] = (f"  {label}", got)
     return specs
 
 
@@ -280,6 +290,7 @@ def main() -> None:
     ap.add_argument("--mix", action="store_true", help="k3v2mixb's budget spent on blocks")
     ap.add_argument("--frontier", type=float, metavar="BITS", help="block keys, values by the maps, K and V at BITS")
     ap.add_argument("--vq", action="store_true", help="with --frontier: the vq2hs values' map as well")
+    ap.add_argument("--split", action="store_true", help="with --frontier: each joint row's keys and values alone")
     ap.add_argument("--equal", action="store_true", help="keys only: blocks at equal bits, lm*hb at group 32")
     ap.add_argument("--by-keys", action="store_true", help="keys only: bits chosen from the keys' energy alone")
     ap.add_argument("--table", type=int, choices=(2, 4), metavar="NB", help="print the keys-only spec of NB blocks")
@@ -296,7 +307,7 @@ def main() -> None:
         )
         return
     if args.frontier:
-        specs = frontier_specs(seen, n_layers, args.frontier, args.vq)
+        specs = frontier_specs(seen, n_layers, args.frontier, args.vq, args.split)
     elif args.equal:
         specs = equal_specs(seen, args.bits)
     elif args.by_keys:
