@@ -18,6 +18,7 @@ from minillama.kv.ring import HUGE_PAGE, ring_buffer
 from minillama.kv.spec import PRESETS, parse_kv
 from minillama.model.loader import load_model
 from minillama.native import backend
+from minillama.native.build import TARGETS, build
 from tests.conftest import make_tiny
 from tests.fakes import ListCache
 
@@ -443,10 +444,10 @@ def assert_same_bytes(fast: KVCache, slow: KVCache) -> None:
             assert (a.center is None) == (b.center is None) and (a.center is None or torch.equal(a.center, b.center))
 
 
-def kernels_and_reference(spec: str, dtype, capacity: int, seed: int):
+def kernels_and_reference(spec: str, dtype, capacity: int, seed: int, target: str = "native"):
     """Two caches of 3 layers, 2 KV heads, batch 2, and feed(n): n new tokens of random keys (a few
-    large channels, like real keys) and values, appended to one on the kernels backend and to the
-    other on the reference backend."""
+    large channels, like real keys) and values, appended to one on the kernels backend (built for
+    `target`) and to the other on the reference backend."""
     names = ("kernels", "reference")
     caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=capacity, batch=2) for _ in names]
     g = torch.Generator().manual_seed(seed)
@@ -462,7 +463,7 @@ def kernels_and_reference(spec: str, dtype, capacity: int, seed: int):
             for _ in range(3)
         ]
         for name, cache in zip(names, caches):
-            with backend.using(name):
+            with backend.using(name, target):
                 cache.append(kv)
 
     return caches, feed
@@ -547,6 +548,21 @@ def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
     for n in (17, 1, 1, 40, 3, 64, 1, 90, 1):
         feed(n)
     assert caches[0].evicted > 0
+    assert_same_bytes(*caches)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("spec", ["hadv2", "k4v3hc"])
+def test_every_build_target_rotates_rows_as_pytorch_does(target, spec):
+    """native/hadamard.h runs the Walsh-Hadamard passes on AVX-512 or AVX2 registers where a build
+    has them, and must add and subtract exactly as the scalar passes and kv/quantize.py do: every
+    build target this CPU runs writes the rotated codecs' bytes the reference writes."""
+    library, why = build(target)
+    if library is None:
+        pytest.skip(f"no {target} build on this CPU: {why}")
+    caches, feed = kernels_and_reference(spec, torch.float32, capacity=150, seed=2, target=target)
+    for n in (17, 1, 1, 40, 3):
+        feed(n)
     assert_same_bytes(*caches)
 
 
