@@ -9,7 +9,7 @@
 
 // x (D floats, D a power of two) <- x H_D without the 1 / sqrt(D): Sylvester's order, the
 // matrix kv/quantize.py builds; log2(D) passes of D / 2 butterflies (a, b) -> (a + b, a - b).
-// The readable form; fwht below takes it for D < 8 and on builds without AVX2.
+// The readable form; fwht below runs it for D < 8 and on builds without AVX2.
 static inline void fwht_reference(float* x, int D) {
     for (int h = 1; h < D; h *= 2)
         for (int i = 0; i < D; i += 2 * h)
@@ -20,19 +20,21 @@ static inline void fwht_reference(float* x, int D) {
 }
 
 // The same passes in the same order on whole registers, so every element gets the same
-// additions and subtractions as in fwht_reference, bit for bit (the cache write's bytes are
-// held to kv/quantize.py's by tests/test_cache.py and tests/test_frequency_blocks.py). A pass of span h < the register's lanes: y =
-// x with each lane swapped for its partner j ^ h, then a + b where bit h of the lane is clear and
-// partner - self where it is set; wider spans add and subtract whole registers. Scalar, a
-// 64-channel transform was ~2,000 instructions and a layer's decode attention ran 24 of them
-// (the queries, the new key and value, the outputs): 40-80 k of its fixed instructions.
+// additions and subtractions as in fwht_reference, bit for bit (tests/test_cache.py holds every
+// build target's cache write to kv/quantize.py's bytes). A pass of span h narrower than a
+// register: y = x with each lane swapped for its partner j ^ h, then a + b where bit h of the
+// lane is clear and partner - self where it is set; wider spans add and subtract whole
+// registers. Scalar, a 64-channel transform was ~2,000 instructions, and a layer's decode
+// attention runs 24 of them (the queries, the new key and value, the outputs).
 static inline void fwht(float* x, int D) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
         for (int i = 0; i < D; i += 16) {
-            __m512 v = _mm512_loadu_ps(x + i);
-            v = _mm512_mask_sub_ps(_mm512_add_ps(v, _mm512_permute_ps(v, 0xB1)), 0xAAAA, _mm512_permute_ps(v, 0xB1), v);
-            v = _mm512_mask_sub_ps(_mm512_add_ps(v, _mm512_permute_ps(v, 0x4E)), 0xCCCC, _mm512_permute_ps(v, 0x4E), v);
+            __m512 v = _mm512_loadu_ps(x + i);  // (16,): one register's channels
+            const __m512 y1 = _mm512_permute_ps(v, 0xB1);  // neighbours swapped
+            v = _mm512_mask_sub_ps(_mm512_add_ps(v, y1), 0xAAAA, y1, v);
+            const __m512 y2 = _mm512_permute_ps(v, 0x4E);  // pairs swapped
+            v = _mm512_mask_sub_ps(_mm512_add_ps(v, y2), 0xCCCC, y2, v);
             const __m512 y4 = _mm512_shuffle_f32x4(v, v, 0xB1);  // 128-bit lanes swapped in pairs
             v = _mm512_mask_sub_ps(_mm512_add_ps(v, y4), 0xF0F0, y4, v);
             const __m512 y8 = _mm512_shuffle_f32x4(v, v, 0x4E);  // 256-bit halves swapped
