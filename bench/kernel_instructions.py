@@ -150,6 +150,12 @@ def symbols(lib: str) -> list[tuple[int, int, str]]:
     return sorted(out)
 
 
+def symbol_at(syms: list[tuple[int, int, str]], offset: int) -> str | None:
+    """The name of the symbol of `syms` (sorted, as `symbols` gives them) that holds `offset`."""
+    i = bisect.bisect_right(syms, (offset, float("inf"), "")) - 1
+    return syms[i][2] if i >= 0 and offset < syms[i][0] + max(syms[i][1], 1) else None
+
+
 def mnemonics(lib: str) -> dict[int, str]:
     """Offset -> mnemonic of every instruction in the library's code."""
     text = subprocess.run(
@@ -183,11 +189,11 @@ def by_line(counts: collections.Counter, info: dict, maps: str, want: str) -> co
     """The counts of the symbols whose name contains `want`, charged to source lines (the
     innermost line of the symbol's own file, as bench/kernel_lines.py charges perf's samples)."""
     base, syms = library_base(info, maps), symbols(info["lib"])
-    picked = {
-        pc - base: c
-        for pc, c in counts.items()
-        if any(want in name and start <= pc - base < start + size for start, size, name in syms)
-    }
+    picked = {}
+    for pc, c in counts.items():
+        name = symbol_at(syms, pc - base)
+        if name is not None and want in name:
+            picked[pc - base] = c
     return by_source_line(info["lib"], picked)
 
 
@@ -198,7 +204,6 @@ def charge(counts: collections.Counter, info: dict, maps: str) -> dict[str, list
     regions = mappings(maps)
     base = library_base(info, maps)
     syms, ops = symbols(lib), mnemonics(lib)
-    starts = [s for s, _, _ in syms]
     out: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
     for pc, c in counts.items():
         where = next((path for start, end, _, path in regions if start <= pc < end), "?")
@@ -207,8 +212,8 @@ def charge(counts: collections.Counter, info: dict, maps: str) -> dict[str, list
             out[name][0] += c
             continue
         off = pc - base
-        i = bisect.bisect_right(starts, off) - 1
-        group = group_of(syms[i][2]) if i >= 0 and off < syms[i][0] + max(syms[i][1], 1) else "driver"
+        name = symbol_at(syms, off)
+        group = group_of(name) if name else "driver"
         out[group][0] += c
         op = ops.get(off, "")
         out[group][1] += c if MADD.match(op) else 0
