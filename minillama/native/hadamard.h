@@ -27,42 +27,38 @@ static inline void fwht_reference(float* x, int D) {
 // registers. Scalar, a 64-channel transform was ~2,000 instructions, and a layer's decode
 // attention runs 24 of them (the queries, the new key and value, the outputs).
 static inline void fwht(float* x, int D) {
-#if defined(__AVX512F__)
-    if (D % 16 == 0) {
-        for (int i = 0; i < D; i += 16) {
-            __m512 v = _mm512_loadu_ps(x + i);  // (16,): one register's channels
-            const __m512 y1 = _mm512_permute_ps(v, 0xB1);  // neighbours swapped
-            v = _mm512_mask_sub_ps(_mm512_add_ps(v, y1), 0xAAAA, y1, v);
-            const __m512 y2 = _mm512_permute_ps(v, 0x4E);  // pairs swapped
-            v = _mm512_mask_sub_ps(_mm512_add_ps(v, y2), 0xCCCC, y2, v);
-            const __m512 y4 = _mm512_shuffle_f32x4(v, v, 0xB1);  // 128-bit lanes swapped in pairs
-            v = _mm512_mask_sub_ps(_mm512_add_ps(v, y4), 0xF0F0, y4, v);
-            const __m512 y8 = _mm512_shuffle_f32x4(v, v, 0x4E);  // 256-bit halves swapped
-            v = _mm512_mask_sub_ps(_mm512_add_ps(v, y8), 0xFF00, y8, v);
-            _mm512_storeu_ps(x + i, v);
-        }
-        for (int h = 16; h < D; h *= 2)
-            for (int i = 0; i < D; i += 2 * h)
-                for (int j = i; j < i + h; j += 16) {
-                    const __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + h);
-                    _mm512_storeu_ps(x + j, _mm512_add_ps(a, b)), _mm512_storeu_ps(x + j + h, _mm512_sub_ps(a, b));
-                }
-        return;
-    }
-#endif
 #if defined(__AVX2__)
     if (D % 8 == 0) {
-        for (int i = 0; i < D; i += 8) {
-            __m256 v = _mm256_loadu_ps(x + i);
-            __m256 y = _mm256_permute_ps(v, 0xB1);
-            v = _mm256_blend_ps(_mm256_add_ps(v, y), _mm256_sub_ps(y, v), 0xAA);
-            y = _mm256_permute_ps(v, 0x4E);
-            v = _mm256_blend_ps(_mm256_add_ps(v, y), _mm256_sub_ps(y, v), 0xCC);
-            y = _mm256_permute2f128_ps(v, v, 1);
-            v = _mm256_blend_ps(_mm256_add_ps(v, y), _mm256_sub_ps(y, v), 0xF0);
-            _mm256_storeu_ps(x + i, v);
+        int h = 8;  // the spans below h are done inside registers
+#if defined(__AVX512F__)
+        if (D % 16 == 0) {
+            for (int i = 0; i < D; i += 16) {
+                __m512 v = _mm512_loadu_ps(x + i);  // (16,): one register's channels
+                const __m512 y1 = _mm512_permute_ps(v, 0xB1);  // neighbours swapped
+                v = _mm512_mask_sub_ps(_mm512_add_ps(v, y1), 0xAAAA, y1, v);
+                const __m512 y2 = _mm512_permute_ps(v, 0x4E);  // pairs swapped
+                v = _mm512_mask_sub_ps(_mm512_add_ps(v, y2), 0xCCCC, y2, v);
+                const __m512 y4 = _mm512_shuffle_f32x4(v, v, 0xB1);  // 128-bit lanes swapped in pairs
+                v = _mm512_mask_sub_ps(_mm512_add_ps(v, y4), 0xF0F0, y4, v);
+                const __m512 y8 = _mm512_shuffle_f32x4(v, v, 0x4E);  // 256-bit halves swapped
+                v = _mm512_mask_sub_ps(_mm512_add_ps(v, y8), 0xFF00, y8, v);
+                _mm512_storeu_ps(x + i, v);
+            }
+            h = 16;
         }
-        for (int h = 8; h < D; h *= 2)
+#endif
+        if (h == 8)
+            for (int i = 0; i < D; i += 8) {
+                __m256 v = _mm256_loadu_ps(x + i);  // (8,): one register's channels
+                __m256 y = _mm256_permute_ps(v, 0xB1);  // neighbours swapped
+                v = _mm256_blend_ps(_mm256_add_ps(v, y), _mm256_sub_ps(y, v), 0xAA);
+                y = _mm256_permute_ps(v, 0x4E);  // pairs swapped
+                v = _mm256_blend_ps(_mm256_add_ps(v, y), _mm256_sub_ps(y, v), 0xCC);
+                y = _mm256_permute2f128_ps(v, v, 1);  // 128-bit halves swapped
+                v = _mm256_blend_ps(_mm256_add_ps(v, y), _mm256_sub_ps(y, v), 0xF0);
+                _mm256_storeu_ps(x + i, v);
+            }
+        for (; h < D; h *= 2)  // wider spans: whole registers added and subtracted, 8 floats at a time
             for (int i = 0; i < D; i += 2 * h)
                 for (int j = i; j < i + h; j += 8) {
                     const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + h);
