@@ -32,6 +32,13 @@ the most a change could buy, never to be used. The variants:
   the most a cheaper fold could buy.
 * ``no-prefetch`` / ``far-prefetch``: the score kernel's software prefetch of the key rows
   two 16-row chunks ahead left out, or made 32 chunks ahead: what prefetching buys.
+* ``plus-valu``, ``plus-shuffle``, ``plus-permute``, ``plus-dpbusd``, ``plus-fma``,
+  ``plus-load``, ``plus-scalar``, ``plus-nop``: the score kernel does PLUS (128) more
+  independent instructions of one kind per 16-token chunk -- 8 per KV token -- whose results
+  nobody reads (``INJECTED``): what one more instruction of that kind costs inside the real
+  kernel. A machine without cycle counters cannot say which of its units binds; the price of
+  an added instruction can: a kind that costs nothing is not on the binding path, a kind that
+  costs what the kernel's average instruction costs is.
 
 On a VNNI build fp16 rows do not go through these kernels: an fp16 spec reads ~1.00 on every
 variant and gives the scale (the ratio a quantized spec must reach, 0.40x fp16's layer in issue
@@ -137,6 +144,46 @@ AVX2_VARIANTS = {  # file -> its edits, per variant
     "no-values": AVX2_NO_VALUES,
     "neither": {AVX2_SCORES: AVX2_ZERO_SCORES + AVX2_NO_VALUES[AVX2_SCORES], AVX2_VALUES: AVX2_NO_VALUES[AVX2_VALUES]},
 }
+KEEP = "        const __mmask16 keep = (__mmask16)((1u << len) - 1);\n"
+PLUS = 128  # instructions added per chunk of 16 tokens and KV head: 8 a KV token
+
+# The plus-* variants add PLUS independent instructions of one kind to every 16-token chunk of
+# the score kernel, in one asm block the compiler cannot drop or move out of the loop: (the
+# instruction, how many accumulators it needs -- 0 for a fresh output each time, else that many
+# read-modify-write registers taken in turn so that no chain is longer than PLUS / n).
+INJECTED = {
+    "plus-valu": ("vpaddd %{x}, %{x}, %{d}", 0),  # a vector integer add
+    "plus-shuffle": ("vpshufb %{x}, %{x}, %{d}", 0),  # an in-lane byte shuffle (the nibble tables)
+    "plus-permute": ("vpermd %{x}, %{x}, %{d}", 0),  # a cross-lane permute (the transpose's kind)
+    "plus-dpbusd": ("vpdpbusd %{x}, %{x}, %{d}", 8),  # the integer dot product
+    "plus-fma": ("vfmadd231ps %{x}, %{x}, %{d}", 8),  # a float multiply-add
+    "plus-load": ("vmovdqu64 (%{p}), %{d}", 0),  # a 64-byte load that hits L1
+    "plus-scalar": ("lea (%{s}, %{s}), %{r}", 0),  # a scalar integer operation
+    "plus-nop": ("nop", 0),  # nothing to execute: only the front end, dispatch and retirement
+}
+
+
+def injected(kind: str) -> tuple[str, str]:
+    """The edit that puts PLUS instructions of `kind` (INJECTED) before the score kernel's heads loop."""
+    form, accumulators = INJECTED[kind]
+    lines = []
+    for j in range(PLUS):
+        d = f"a{j % accumulators}" if accumulators else "d"
+        lines.append(form.format(x="[x]", d=f"[{d}]", p="[p]", s="[s]", r="[r]"))
+    body = "\\n\\t".join(lines)
+    if accumulators:
+        regs = ", ".join(f"a{k} = lo[0]" for k in range(accumulators))
+        outs = ", ".join(f'[a{k}] "+v"(a{k})' for k in range(accumulators))
+        block = f'{{ __m512i {regs}; asm volatile("{body}" : {outs} : [x] "v"(lo[1]) : "memory"); }}'
+    elif form == "nop":
+        block = f'asm volatile("{body}");'
+    elif "%{r}" in form:
+        block = f'{{ int64_t r; asm volatile("{body}" : [r] "=r"(r) : [s] "r"((int64_t)i) : "memory"); }}'
+    else:
+        block = f'{{ __m512i d; asm volatile("{body}" : [d] "=v"(d) : [x] "v"(lo[1]), [p] "r"(st.qw) : "memory"); }}'
+    return KEEP, f"        {block}\n{KEEP}"
+
+
 VARIANTS = {
     "no-scores": [ZERO_SCORES],
     "no-values": [NO_VALUES],
@@ -148,6 +195,7 @@ VARIANTS = {
     "one-fold": [ONE_FOLD],
     "no-prefetch": [NO_PREFETCH],
     "far-prefetch": [FAR_PREFETCH],
+    **{kind: [injected(kind)] for kind in INJECTED},
 }
 
 

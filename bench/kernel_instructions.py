@@ -3,6 +3,7 @@
     python bench/kernel_instructions.py 1024,2048 "fp16;kivi4;hadv2;k4v3hc;k4v3lmc;k3v2lm"
     python bench/kernel_instructions.py 1024,2048 "hadv2;k4v3lmc" tinyllama
     python bench/kernel_instructions.py 2048 hadv2 --lines score_vnni     # that kernel by source line
+    python bench/kernel_instructions.py 1024,2048 "hadv2;k4v3hc" --mix   # each group's instructions by kind
 
 For each spec and context a child process fills one layer's cache (bench/attention_rounds.py:
 ``Layers``, synthetic K/V), calls ``attend_layer`` once to warm up, and calls it again under
@@ -21,7 +22,13 @@ they are the call's total over its tokens. ``madd`` counts the integer multiply-
 beside a kernel's time per KV token (``bench/attention_micro.py``) a count gives instructions
 per nanosecond (docs/speed.md). ``--lines KERNEL`` builds the kernels with line tables (the
 same code, ``MINILLAMA_LINE_TABLES=1``) and charges that kernel's count at the last context to
-its source lines, as bench/kernel_lines.py charges perf's samples.
+its source lines, as bench/kernel_lines.py charges perf's samples. ``--mix`` lists each group's
+instructions per KV token by kind (mnemonic, register width, memory source or destination: what
+the core's rates depend on, ``bench/instruction_rates.py``), everything from 0.05 up, then the
+same by pipe class (``PIPE_CLASSES``: a model of the Zen 5 VMs' vector pipes and load and store
+ports, from what instruction_rates.py measured there) with the fewest cycles a KV token those
+pipes and ports need -- set beside the kernel's measured cycles, the share its instructions'
+issue explains.
 
 Linux x86-64 only: needs ``ptrace`` of one's own child (``kernel.yama.ptrace_scope`` 0 or 1)
 and binutils' ``nm``, ``objdump`` (and ``addr2line`` for ``--lines``). A 2048-token hadv2 layer is
@@ -156,17 +163,41 @@ def symbol_at(syms: list[tuple[int, int, str]], offset: int) -> str | None:
     return syms[i][2] if i >= 0 and offset < syms[i][0] + max(syms[i][1], 1) else None
 
 
-def mnemonics(lib: str) -> dict[int, str]:
-    """Offset -> mnemonic of every instruction in the library's code."""
+def disassembly(lib: str) -> dict[int, tuple[str, str]]:
+    """Offset -> (mnemonic, operands) of every instruction in the library's code."""
     text = subprocess.run(
         ["objdump", "-d", "--no-show-raw-insn", lib], capture_output=True, text=True, check=True
     ).stdout
     out = {}
     for line in text.splitlines():
-        m = re.match(r"\s*([0-9a-f]+):\s+(\S+)", line)
+        m = re.match(r"\s*([0-9a-f]+):\s+(\S+)\s*([^#<]*)", line)
         if m:
-            out[int(m.group(1), 16)] = m.group(2)
+            out[int(m.group(1), 16)] = (m.group(2), m.group(3).strip())
     return out
+
+
+def mnemonics(lib: str) -> dict[int, str]:
+    """Offset -> mnemonic of every instruction in the library's code."""
+    return {off: op for off, (op, _) in disassembly(lib).items()}
+
+
+def kind_of(op: str, operands: str) -> str:
+    """An instruction's kind as --mix counts it: the mnemonic, with its widest register (zmm,
+    ymm, xmm; vector instructions) and whether it reads memory ('load': a memory source, '1toN':
+    a broadcast one) or writes it ('store'), the distinctions bench/instruction_rates.py shows
+    the core's rates depend on."""
+    if not op.startswith("v"):
+        return "scalar " + ("branch" if op.startswith("j") or op in ("call", "ret") else "other")
+    width = next((w for w in ("zmm", "ymm", "xmm") if "%" + w in operands), "")
+    last = re.split(r",(?![^(]*\))", operands)[-1]  # AT&T: the destination last (commas inside (...) kept)
+    memory = "(" in operands
+    if "(" in last:
+        where = " store"
+    elif memory:
+        where = " 1toN" if "1to" in operands else " load"
+    else:
+        where = ""
+    return f"{op} {width}{where}".strip()
 
 
 def group_of(name: str) -> str:
@@ -197,27 +228,102 @@ def by_line(counts: collections.Counter, info: dict, maps: str, want: str) -> co
     return by_source_line(info["lib"], picked)
 
 
-def charge(counts: collections.Counter, info: dict, maps: str) -> dict[str, list[int]]:
-    """Group -> [instructions, multiply-adds, vector instructions]."""
+# The pipes of the Zen 5 VMs' vector side as bench/instruction_rates.py measured them (machine Y,
+# docs/speed.md): four pipes; the multiply kinds, the shuffles and the shifts/conversions/float
+# adds each run 2 a cycle and pairwise share one pipe, integer adds, logic and in-lane immediate
+# shuffles run on all four; a 64-byte load issues 1 a cycle, a narrower one ~1.4, a broadcast 2;
+# a 64-byte store 1. A model of this CPU, not of others.
+PIPE_CLASSES = (
+    ("mul", re.compile(r"^v(pdp|pmadd|fn?m(add|sub)|mul|pmul)")),
+    (
+        "shuffle",
+        re.compile(r"^v(perm(?!il)|pshufb|pmov(?!msk)|p?broadcast|shuf[fi]|insert|extract|p?align|pcompress|pexpand)"),
+    ),
+    ("shift/convert", re.compile(r"^v(ps[rl]|cvt|rndscale|round|add[ps][sd]|sub[ps][sd]|max|min|rcp|rsqrt|cmp[ps])")),
+)
+
+
+CLASSES = ("mul", "shuffle", "shift/convert", "any", "move", "load zmm", "load", "broadcast", "store", "scalar")
+BROADCASTS = ("vpbroadcastd", "vpbroadcastq", "vbroadcastss", "vbroadcastsd")
+
+
+def pipe_class(kind: str) -> str:
+    """The --mix kind's share of the core (PIPE_CLASSES): 'load zmm', 'load', 'broadcast' or
+    'store' for an instruction that only moves data to or from memory, 'move' for a register
+    copy, 'scalar', else its vector class ('any' when no pattern matches). An operation that
+    also reads or writes memory counts here as its class; `pipe_cycles` adds its port's share."""
+    if kind.startswith("scalar"):
+        return "scalar"
+    op, *rest = kind.split()
+    if op.startswith("vmov") or (op in BROADCASTS and "load" in rest):
+        if "store" in rest:
+            return "store"
+        if op in BROADCASTS:
+            return "broadcast"
+        if "load" in rest:
+            return "load zmm" if "zmm" in rest else "load"
+        return "move"
+    return next((name for name, pattern in PIPE_CLASSES if pattern.match(op)), "any")
+
+
+def pipe_cycles(kinds: collections.Counter) -> tuple[float, dict[str, float]]:
+    """Per KV token: the fewest cycles the vector pipes and the load and store ports need for
+    `kinds` (counts per --mix kind) by PIPE_CLASSES' model -- the most any set of pipes must
+    carry over its width -- and the count per class (memory operands added to their port's)."""
+    per: dict[str, float] = collections.defaultdict(float)
+    for kind, n in kinds.items():
+        cls = pipe_class(kind)
+        per[cls] += n
+        if cls in ("load zmm", "load", "broadcast", "store", "move", "scalar"):
+            continue
+        if "1toN" in kind:
+            per["broadcast"] += n
+        elif "load" in kind:
+            per["load zmm" if "zmm" in kind else "load"] += n
+        elif "store" in kind:
+            per["store"] += n
+    mul, shuf, conv, anyk = (per[c] for c in ("mul", "shuffle", "shift/convert", "any"))
+    vector = max(mul / 2, shuf / 2, conv / 2, (mul + shuf) / 3, (shuf + conv) / 3, (mul + shuf + conv + anyk) / 4)
+    ports = per["load zmm"] + per["load"] / 1.4 + per["broadcast"] / 2
+    return max(vector, ports, per["store"]), dict(per)
+
+
+def located(counts: collections.Counter, info: dict, maps: str):
+    """(group, offset in the kernel library or None, count) for every counted address: the
+    kernel library's symbols by group_of, every other library by its file's name."""
     lib = info["lib"]
     real = os.path.realpath(lib)
     regions = mappings(maps)
     base = library_base(info, maps)
-    syms, ops = symbols(lib), mnemonics(lib)
-    out: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    syms = symbols(lib)
     for pc, c in counts.items():
         where = next((path for start, end, _, path in regions if start <= pc < end), "?")
         if os.path.realpath(where) != real:
-            name = os.path.basename(where).split(".so")[0] or "?"
-            out[name][0] += c
+            yield os.path.basename(where).split(".so")[0] or "?", None, c
             continue
-        off = pc - base
-        name = symbol_at(syms, off)
-        group = group_of(name) if name else "driver"
+        name = symbol_at(syms, pc - base)
+        yield (group_of(name) if name else "driver"), pc - base, c
+
+
+def charge(counts: collections.Counter, info: dict, maps: str) -> dict[str, list[int]]:
+    """Group -> [instructions, multiply-adds, vector instructions]."""
+    ops = mnemonics(info["lib"])
+    out: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    for group, off, c in located(counts, info, maps):
         out[group][0] += c
-        op = ops.get(off, "")
+        op = ops.get(off, "") if off is not None else ""
         out[group][1] += c if MADD.match(op) else 0
         out[group][2] += c if op.startswith("v") else 0  # AVX / AVX-512 (VEX, EVEX): the vector units' share
+    return out
+
+
+def by_kind(counts: collections.Counter, info: dict, maps: str) -> dict[str, collections.Counter]:
+    """Group (scores, values, driver) -> instruction kind (kind_of) -> count."""
+    code = disassembly(info["lib"])
+    out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for group, off, c in located(counts, info, maps):
+        if off is not None:
+            out[group][kind_of(*code.get(off, ("?", "")))] += c
     return out
 
 
@@ -238,6 +344,9 @@ def main() -> None:
         os.environ["MINILLAMA_LINE_TABLES"] = "1"  # the same code with -g: addr2line finds its lines
         if shutil.which("addr2line") is None:
             sys.exit("addr2line is missing: install binutils")
+    mix = "--mix" in sys.argv  # --mix: each group's instructions by kind, per KV token (the slope)
+    if mix:
+        sys.argv.remove("--mix")
     line_counts: dict[str, collections.Counter] = {}
     contexts = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "2048,4096").split(",")]
     specs = (sys.argv[2] if len(sys.argv) > 2 else "fp16;hadv2").split(";")
@@ -245,10 +354,12 @@ def main() -> None:
     groups = ["scores", "values", "driver"]
     printed = False
     for kv in specs:
-        per = {}
+        per, kinds = {}, {}
         for n in contexts:
             counts, info, maps = trace(n, kv, shape)
             per[n] = charge(counts, info, maps)
+            if mix:
+                kinds[n] = by_kind(counts, info, maps)
             if lines and n == contexts[-1]:
                 line_counts[kv] = by_line(counts, info, maps, lines)
             heads = info["heads"]
@@ -273,6 +384,18 @@ def main() -> None:
             f"{g} {slope(g, 0):5.1f} ({slope(g, 2):4.1f} vector, {slope(g, 1):4.1f} madd)" for g in groups
         )
         print(f"{kv:10s} {cells}  other {slope('other', 0):.1f}  total {total:5.1f}  fixed {fixed / 1e3:.1f} k")
+        for g in groups if mix else []:
+            grown = collections.Counter(
+                {k: (kinds[hi][g][k] - (kinds[lo][g][k] if hi > lo else 0)) / units for k in kinds[hi][g]}
+            )
+            top = [f"{k} {v:.2f}" for k, v in grown.most_common() if v >= 0.05]
+            print(f"  {g}: " + "; ".join(top))
+            bound, per_class = pipe_cycles(grown)
+            print(
+                f"  {g} by pipe class: "
+                + ", ".join(f"{c} {per_class.get(c, 0):.1f}" for c in CLASSES)
+                + f"; the pipes and ports need >= {bound:.1f} cycles a KV token"
+            )
         if kv in line_counts:
             print(f"  {lines} by source line, instructions per KV token at {hi} tokens (call total, not a slope):")
             for where, c in line_counts[kv].most_common(30):

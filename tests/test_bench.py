@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import subprocess
@@ -383,3 +384,74 @@ def test_kernel_lines_charges_an_inlined_helper_to_the_kernel_line_that_called_i
     assert lines.charge(helper, None) == "/src/native/layer_attention.cpp:99"
     assert lines.charge(helper, "/src/native/rows.h") == "/src/native/rows.h:40"
     assert lines.charge(["??:0"], "/src/native/rows.h") is None
+
+
+def load_bench(name: str):
+    """A bench/ script as a module (its neighbours in bench/ importable while it loads)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def test_kernel_instructions_mix_tells_the_kinds_the_core_prices_apart():
+    """bench/kernel_instructions.py --mix: an instruction's kind is its mnemonic with its widest
+    register and whether it reads memory (a full load or a broadcast) or writes it, from
+    objdump's AT&T operands; scalar ones are branches or the rest."""
+    kind_of = load_bench("kernel_instructions").kind_of
+    assert kind_of("vpdpbusd", "%zmm1,%zmm2,%zmm3") == "vpdpbusd zmm"
+    assert kind_of("vpbroadcastd", "0x40(%rsp),%zmm5") == "vpbroadcastd zmm load"
+    assert kind_of("vfmadd132ps", "0x4(%rax){1to16},%zmm2,%zmm1") == "vfmadd132ps zmm 1toN"
+    assert kind_of("vmovdqu", "%xmm0,0x10(%rdx)") == "vmovdqu xmm store"
+    assert kind_of("vmovups", "%zmm0,(%rax,%rcx,4){%k1}") == "vmovups zmm store"
+    assert kind_of("vpermd", "(%r8),%zmm7,%zmm1") == "vpermd zmm load"
+    assert kind_of("jne", "1234") == "scalar branch"
+    assert kind_of("lea", "(%rsi,%rsi,1),%rax") == "scalar other"
+
+
+def test_attention_bounds_plus_variants_add_their_instructions_to_every_chunk():
+    """bench/attention_bounds.py's plus-* variants: PLUS instructions of the named kind in one
+    asm block before the score kernel's heads loop, read-modify-write kinds over their
+    accumulators in turn."""
+    bounds = attention_bounds()
+    for kind, (form, accumulators) in bounds.INJECTED.items():
+        old, new = bounds.injected(kind)
+        block = new.replace(old, "")
+        mnemonic = form.split()[0]
+        assert block.count(mnemonic) == bounds.PLUS, kind
+        if accumulators:
+            assert block.count(f"%[a{accumulators - 1}]") == bounds.PLUS // accumulators, kind
+
+
+def test_instruction_rates_prints_a_rate_for_every_kind():
+    """bench/instruction_rates.py on a CPU with AVX-512 VNNI: the clock and one row per kind, each
+    a positive rate alone; elsewhere it refuses in one line."""
+    script = Path(__file__).parent.parent / "bench" / "instruction_rates.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    rates = load_bench("instruction_rates")
+    if done.returncode:
+        assert "lacks" in done.stderr or "not this machine" in done.stderr, done.stderr
+        pytest.skip(done.stderr.strip().splitlines()[-1])
+    lines = done.stdout.strip().splitlines()
+    ghz = float(lines[0].split()[1])
+    assert 0.5 < ghz < 8
+    rows = {line[:18].strip(): line[18:].split() for line in lines[2:]}
+    assert set(rows) == set(rates.KINDS)
+    assert all(float(cells[0]) > 0 for cells in rows.values())
+
+
+def test_kernel_instructions_pipe_model_charges_each_class_to_its_pipes():
+    """bench/kernel_instructions.py's pipe model: two multiply kinds a cycle, four vector adds,
+    one 64-byte load; a multiply-add with a broadcast memory operand also takes half a load
+    port's cycle; register moves and scalar instructions cost the vector side nothing."""
+    ki = load_bench("kernel_instructions")
+    assert ki.pipe_cycles(collections.Counter({"vpdpbusd zmm": 8}))[0] == 4
+    assert ki.pipe_cycles(collections.Counter({"vpaddd zmm": 8}))[0] == 2
+    assert ki.pipe_cycles(collections.Counter({"vmovdqu64 zmm load": 3}))[0] == 3
+    bound, per = ki.pipe_cycles(collections.Counter({"vfmadd132ps zmm 1toN": 2, "vmovdqa64 zmm": 5, "scalar other": 9}))
+    assert bound == 1 and per["mul"] == 2 and per["broadcast"] == 2 and per["move"] == 5
+    assert ki.pipe_class("vpermd zmm load") == "shuffle" and ki.pipe_class("vcvtdq2ps zmm") == "shift/convert"
