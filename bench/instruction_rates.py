@@ -10,8 +10,11 @@ cycle of each kind. This measures it: for each kind below, a loop of 32 independ
 then interleaved with three references -- the dot product ``vpdpbusd``, the cross-lane permute
 ``vpermd``, the shift ``vpsrld``, each 2 a cycle on the Zen 5 VMs -- and the pair's rate says
 whether they share pipes: two kinds of 2 a cycle that use different pipes run 4 a cycle together,
-the same pipes 2, one pipe in common ~3. ``--ports`` of ``bench/kernel_instructions.py`` takes
-its table of pipes from what this printed (docs/speed.md). x86-64 with AVX-512 VNNI and g++ only.
+the same pipes 2, one pipe in common ~3. Loads read a static buffer through a general register;
+``load zmm rsp`` reads the stack through ``%rsp`` instead, which the Zen 5 VMs issue at half the
+rate (1 a cycle against 2: the stack's own addressing, what a compiler's spills and locals
+use). ``--mix`` of ``bench/kernel_instructions.py`` takes its model of the pipes (``PIPE_CLASSES``)
+from what this printed (docs/speed.md). x86-64 with AVX-512 BW and VNNI, and gcc, only.
 """
 
 from __future__ import annotations
@@ -41,10 +44,13 @@ KINDS = {
     "vpandd": lambda j: "vpandd %zmm1, %zmm3, %zmm20",
     "vpermilps imm": lambda j: "vpermilps $0xb1, %zmm1, %zmm21",
     "vpunpcklbw": lambda j: "vpunpcklbw %zmm1, %zmm1, %zmm22",
-    "load zmm": lambda j: f"vmovdqu64 {64 * (j % 4)}(%rsp), %zmm23",
-    "load ymm": lambda j: f"vmovdqu64 {32 * (j % 8)}(%rsp), %ymm24",
-    "vpbroadcastd mem": lambda j: "vpbroadcastd (%rsp), %zmm25",
-    "store zmm": lambda j: f"vmovdqu64 %zmm1, {64 * (j % 4)}(%rsp)",
+    "load zmm": lambda j: f"vmovdqu64 {64 * (j % 4)}(BUF), %zmm23",
+    "load zmm rsp": lambda j: (
+        f"vmovdqu64 {64 * (j % 4) - 512}(%rsp), %zmm23"
+    ),  # below the stack pointer: see the docstring
+    "load ymm": lambda j: f"vmovdqu64 {32 * (j % 8)}(BUF), %ymm24",
+    "vpbroadcastd mem": lambda j: "vpbroadcastd (BUF), %zmm25",
+    "store zmm": lambda j: f"vmovdqu64 %zmm1, {64 * (j % 4)}(BUF)",
     "lea": lambda j: "lea (%rsi, %rsi), %rax",
 }
 REFERENCES = ("vpdpbusd", "vpermd", "vpsrld")
@@ -53,14 +59,14 @@ CLOBBERS = ", ".join(f'"xmm{i}"' for i in range(2, 26)) + ', "rax", "memory"'
 
 
 def loop(name: str, kinds: tuple[str, ...]) -> str:
-    """A C function running `kinds` interleaved, COPIES of each, n times (on 512 bytes of stack)."""
+    """A C function running `kinds` interleaved, COPIES of each, n times (memory: a static buffer)."""
     body = []
     for j in range(COPIES):
         body += [KINDS[k](j) for k in kinds]
-    text = "\\n\\t".join(body).replace("\n\t", "\\n\\t").replace("%", "%%")
+    text = "\\n\\t".join(body).replace("\n\t", "\\n\\t").replace("%", "%%").replace("BUF", "%0")
     return (
         f"static void {name}(long n) {{ for (long i = 0; i < n; i++) "
-        f'asm volatile("sub $512, %%rsp\\n\\t{text}\\n\\tadd $512, %%rsp" ::: {CLOBBERS}); }}'
+        f'asm volatile("{text}" :: "r"(buffer) : {CLOBBERS}); }}'
     )
 
 
@@ -68,6 +74,7 @@ def source(runs: list[tuple[str, ...]]) -> str:
     lines = [
         "#include <stdio.h>",
         "#include <time.h>",
+        "static char buffer[4096] __attribute__((aligned(64)));",
         "static double now() { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }",
         "static void chain(long n) { long x = 1; for (long i = 0; i < n; i++) "
         'asm volatile("add %0, %0\\n\\tadd %0, %0\\n\\tadd %0, %0\\n\\tadd %0, %0" : "+r"(x)); }',

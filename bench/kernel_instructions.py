@@ -183,9 +183,9 @@ def mnemonics(lib: str) -> dict[int, str]:
 
 def kind_of(op: str, operands: str) -> str:
     """An instruction's kind as --mix counts it: the mnemonic, with its widest register (zmm,
-    ymm, xmm; vector instructions) and whether it reads memory ('load': a memory source, '1toN':
-    a broadcast one) or writes it ('store'), the distinctions bench/instruction_rates.py shows
-    the core's rates depend on."""
+    ymm, xmm; vector instructions), whether it reads memory ('load': a memory source, '1toN': a
+    broadcast one) or writes it ('store'), and 'stack' when that memory is addressed through
+    %rsp -- the distinctions bench/instruction_rates.py shows the core's rates depend on."""
     if not op.startswith("v"):
         return "scalar " + ("branch" if op.startswith("j") or op in ("call", "ret") else "other")
     width = next((w for w in ("zmm", "ymm", "xmm") if "%" + w in operands), "")
@@ -197,6 +197,8 @@ def kind_of(op: str, operands: str) -> str:
         where = " 1toN" if "1to" in operands else " load"
     else:
         where = ""
+    if memory and "(%rsp" in operands:  # the stack's own addressing: loads issue at half the rate
+        where += " stack"
     return f"{op} {width}{where}".strip()
 
 
@@ -231,8 +233,9 @@ def by_line(counts: collections.Counter, info: dict, maps: str, want: str) -> co
 # The pipes of the Zen 5 VMs' vector side as bench/instruction_rates.py measured them (machine Y,
 # docs/speed.md): four pipes; the multiply kinds, the shuffles and the shifts/conversions/float
 # adds each run 2 a cycle and pairwise share one pipe, integer adds, logic and in-lane immediate
-# shuffles run on all four; a 64-byte load issues 1 a cycle, a narrower one ~1.4, a broadcast 2;
-# a 64-byte store 1. A model of this CPU, not of others.
+# shuffles run on all four; loads issue 2 a cycle (of any width, broadcasts too), but 1 a cycle
+# when addressed through %rsp (the stack: locals and spills); a 64-byte store 1 a cycle. A model
+# of this CPU, not of others.
 PIPE_CLASSES = (
     ("mul", re.compile(r"^v(pdp|pmadd|fn?m(add|sub)|mul|pmul)")),
     (
@@ -243,12 +246,12 @@ PIPE_CLASSES = (
 )
 
 
-CLASSES = ("mul", "shuffle", "shift/convert", "any", "move", "load zmm", "load", "broadcast", "store", "scalar")
+CLASSES = ("mul", "shuffle", "shift/convert", "any", "move", "load", "load stack", "broadcast", "store", "scalar")
 BROADCASTS = ("vpbroadcastd", "vpbroadcastq", "vbroadcastss", "vbroadcastsd")
 
 
 def pipe_class(kind: str) -> str:
-    """The --mix kind's share of the core (PIPE_CLASSES): 'load zmm', 'load', 'broadcast' or
+    """The --mix kind's share of the core (PIPE_CLASSES): 'load', 'load stack', 'broadcast' or
     'store' for an instruction that only moves data to or from memory, 'move' for a register
     copy, 'scalar', else its vector class ('any' when no pattern matches). An operation that
     also reads or writes memory counts here as its class; `pipe_cycles` adds its port's share."""
@@ -261,7 +264,7 @@ def pipe_class(kind: str) -> str:
         if op in BROADCASTS:
             return "broadcast"
         if "load" in rest:
-            return "load zmm" if "zmm" in rest else "load"
+            return "load stack" if "stack" in rest else "load"
         return "move"
     return next((name for name, pattern in PIPE_CLASSES if pattern.match(op)), "any")
 
@@ -274,17 +277,17 @@ def pipe_cycles(kinds: collections.Counter) -> tuple[float, dict[str, float]]:
     for kind, n in kinds.items():
         cls = pipe_class(kind)
         per[cls] += n
-        if cls in ("load zmm", "load", "broadcast", "store", "move", "scalar"):
+        if cls in ("load", "load stack", "broadcast", "store", "move", "scalar"):
             continue
         if "1toN" in kind:
             per["broadcast"] += n
         elif "load" in kind:
-            per["load zmm" if "zmm" in kind else "load"] += n
+            per["load stack" if "stack" in kind else "load"] += n
         elif "store" in kind:
             per["store"] += n
     mul, shuf, conv, anyk = (per[c] for c in ("mul", "shuffle", "shift/convert", "any"))
     vector = max(mul / 2, shuf / 2, conv / 2, (mul + shuf) / 3, (shuf + conv) / 3, (mul + shuf + conv + anyk) / 4)
-    ports = per["load zmm"] + per["load"] / 1.4 + per["broadcast"] / 2
+    ports = per["load stack"] + (per["load"] + per["broadcast"]) / 2
     return max(vector, ports, per["store"]), dict(per)
 
 
