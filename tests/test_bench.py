@@ -478,3 +478,20 @@ def test_vector3_stand_in_beats_the_scalar_book_on_gaussian_rows():
     vector_error = ((decoded - x) ** 2).mean().item()
     assert torch.equal(decoded, parts["values"])
     assert vector_error < 0.95 * ((scalar - x) ** 2).mean().item()
+
+
+def test_transform_keys_spends_the_budget_and_decodes_close():
+    """bench/transform_keys_ppl.py: a head's bits per coefficient add up to lm3h's budget less
+    what its extra scales cost, and the stand-in decodes keys drawn like its calibration keys to
+    within a tenth of their energy at 3 bits."""
+    tk = load_bench("transform_keys_ppl")
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(256, 64, generator=g) * torch.linspace(0.2, 3.0, 64)  # (T, D): uneven channels
+    q = torch.randn(768, 64, generator=g)  # (R T, D)
+    table = tk.head_table(q, k, "kltk", 3, groups=4, scale_bits=8)
+    assert int(table.bits.sum()) == 3 * 64 - (8 * 4 - 16)
+    assert sorted(table.group.bincount().tolist()) == [16, 16, 16, 16]
+    codec = tk.TransformKeys("tk", 3, "stand-in", heads=[table], scale_bits=8)
+    x = k[None, None]  # (1, 1, T, D)
+    decoded = codec.decode(codec.encode(x, 64), 64, 64)
+    assert ((decoded - x) ** 2).sum() < 0.1 * (x**2).sum()
