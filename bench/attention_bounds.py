@@ -38,7 +38,10 @@ the most a change could buy, never to be used. The variants:
   nobody reads (``INJECTED``): what one more instruction of that kind costs inside the real
   kernel. A machine without cycle counters cannot say which of its units binds; the price of
   an added instruction can: a kind that costs nothing is not on the binding path, a kind that
-  costs what the kernel's average instruction costs is.
+  costs what the kernel's average instruction costs is. ``plus-chain`` makes its 128 adds one
+  dependent chain (128 cycles of latency a chunk, 32 of issue): if the core overlapped a chunk's
+  chains with the next chunk's work it would cost about as much as ``plus-valu``; if a chunk's
+  latency shows, up to 128 cycles a chunk.
 
 On a VNNI build fp16 rows do not go through these kernels: an fp16 spec reads ~1.00 on every
 variant and gives the scale (the ratio a quantized spec must reach, 0.40x fp16's layer in issue
@@ -160,6 +163,7 @@ INJECTED = {
     "plus-load": ("vmovdqu64 (%{p}), %{d}", 0),  # a 64-byte load that hits L1
     "plus-scalar": ("lea (%{s}, %{s}), %{r}", 0),  # a scalar integer operation
     "plus-nop": ("nop", 0),  # nothing to execute: only the front end, dispatch and retirement
+    "plus-chain": ("vpaddd %{x}, %{d}, %{d}", 1),  # one chain of dependent adds: 128 cycles of latency a chunk
 }
 
 
