@@ -127,21 +127,25 @@ def block_weights(q: torch.Tensor, k: torch.Tensor, nb: int, keys_only: bool = F
     return heads
 
 
+def greedy_bits(weights: list[float], total: int, eps: list[float]) -> list[int]:
+    """Bits for each weight, summing to `total`, that minimize sum_i weights_i eps[bits_i]: one
+    bit at a time to where it lowers that sum most, none past len(eps) - 1 bits."""
+    most = len(eps) - 1
+    chosen = [0] * len(weights)
+    for _ in range(total):
+        gain = [w * (eps[c] - eps[c + 1]) if c < most else -1.0 for w, c in zip(weights, chosen)]
+        chosen[gain.index(max(gain))] += 1
+    return chosen
+
+
 def choose_bits(seen, nb: int, bits: int, most: int = 5, keys_only: bool = False) -> list[tuple[tuple[int, ...], ...]]:
     """Per layer, per KV head: the bits of each of nb blocks (summing to nb * bits) that minimize
     sum_b Q_b K_b / n * eps(bits_b), one bit at a time to the block it helps most."""
     eps = [lloyd_max_error(b) for b in range(most + 1)]
-    table = []
-    for q, k in seen:
-        heads = []
-        for weight in block_weights(q, k, nb, keys_only):
-            chosen = [0] * nb
-            for _ in range(nb * bits):
-                gain = [weight[i] * (eps[c] - eps[c + 1]) if c < most else -1.0 for i, c in enumerate(chosen)]
-                chosen[gain.index(max(gain))] += 1
-            heads.append(tuple(chosen))
-        table.append(tuple(heads))
-    return table
+    return [
+        tuple(tuple(greedy_bits(weight, nb * bits, eps)) for weight in block_weights(q, k, nb, keys_only))
+        for q, k in seen
+    ]
 
 
 def promised(seen, nb: int, bits: int) -> list[float]:

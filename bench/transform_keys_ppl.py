@@ -38,7 +38,13 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from freq_blocks_ppl import KEYS_ONLY, block_codecs, lloyd_max_error, queries_and_keys  # bench/ is on sys.path
+from freq_blocks_ppl import (  # bench/ is on sys.path
+    KEYS_ONLY,
+    block_codecs,
+    greedy_bits,
+    lloyd_max_error,
+    queries_and_keys,
+)
 
 from minillama.app.default_model import resolve_model
 from minillama.eval.datasets import load as load_text
@@ -58,13 +64,9 @@ def eps(bits: int) -> float:
 
 
 def allocate(weights: torch.Tensor, total: int) -> torch.Tensor:
-    """Bits per coefficient (D,) summing to `total`: one bit at a time to the coefficient whose
-    weighted error it lowers most."""
-    chosen = [0] * len(weights)
-    for _ in range(total):
-        gain = [float(w) * (eps(c) - eps(c + 1)) if c < MOST else -1.0 for w, c in zip(weights, chosen)]
-        chosen[gain.index(max(gain))] += 1
-    return torch.tensor(chosen)
+    """Bits per coefficient (D,) summing to `total`, at most MOST each: one bit at a time to the
+    coefficient whose weighted error it lowers most (freq_blocks_ppl.greedy_bits)."""
+    return torch.tensor(greedy_bits(weights.tolist(), total, [eps(b) for b in range(MOST + 1)]))
 
 
 @dataclass

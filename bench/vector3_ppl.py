@@ -31,7 +31,7 @@ from minillama.app.default_model import resolve_model
 from minillama.eval.datasets import load as load_text
 from minillama.eval.perplexity import evaluate
 from minillama.kv.codecs import CODECS, Codebook, PartSpec
-from minillama.kv.quantize import REFINE, _grouped, _refined_scale, gaussian_codebook
+from minillama.kv.quantize import REFINE, _grouped, _nearest, _refined_scale, gaussian_codebook
 from minillama.kv.spec import parse_kv
 from minillama.model.loader import load_model
 
@@ -55,9 +55,9 @@ def book_of(dim: int, bits: int = 3) -> torch.Tensor:
 
 
 def nearest(x: torch.Tensor, c: torch.Tensor, chunk: int = 1 << 14) -> torch.Tensor:
-    """For each row of x (S, dim) the index of the nearest row of c (n, dim), in chunks of rows."""
-    norms = (c * c).sum(-1)
-    return torch.cat([(norms - 2 * x[i : i + chunk] @ c.T).argmin(-1) for i in range(0, len(x), chunk)])
+    """For each row of x (S, dim) the index of the nearest row of c (n, dim): kv/quantize.py's
+    _nearest in chunks of rows (its (S, n) distances at once would be 2 GiB for the 4096-vector book)."""
+    return torch.cat([_nearest(x[i : i + chunk], c) for i in range(0, len(x), chunk)])
 
 
 @dataclass(frozen=True)
