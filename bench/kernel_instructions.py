@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
+import functools
 import json
 import os
 import re
@@ -146,6 +147,7 @@ def mappings(maps: str) -> list[tuple[int, int, int, str]]:
     return out
 
 
+@functools.cache  # every spec and context runs the same build: nm once per library file
 def symbols(lib: str) -> list[tuple[int, int, str]]:
     """(offset, size, demangled name) of the library's sized text symbols, sorted."""
     text = subprocess.run(["nm", "-C", "-S", "--defined-only", lib], capture_output=True, text=True, check=True).stdout
@@ -163,6 +165,7 @@ def symbol_at(syms: list[tuple[int, int, str]], offset: int) -> str | None:
     return syms[i][2] if i >= 0 and offset < syms[i][0] + max(syms[i][1], 1) else None
 
 
+@functools.cache  # objdump once per library file, for charge and --mix alike
 def disassembly(lib: str) -> dict[int, tuple[str, str]]:
     """Offset -> (mnemonic, operands) of every instruction in the library's code."""
     text = subprocess.run(
