@@ -236,7 +236,7 @@ struct Levels16 {
     }
 };
 
-template <int NC>
+template <int NC, bool PIPELINED>
 bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
     constexpr int D = 8 * NC, NV = D / 16;
     static_assert(sizeof(VnniQuery<NC>) <= sizeof(Prep::bytes), "Prep is too small");
@@ -282,6 +282,28 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     }
     const __m512i nib = _mm512_set1_epi8(15);
     const int words = D / 8;  // 4-byte words per row: one per chunk
+    // 16 consecutive rows from ring slot `first` (of this head) -> the transposed chunk registers
+    auto whole_rows = [&](int64_t first, __m512i* w) __attribute__((always_inline)) {
+        if (narrow) {
+#if MINILLAMA_VBMI
+            const uint8_t* narrow_row[16];
+            for (int t = 0; t < 16; t++) narrow_row[t] = (const uint8_t*)s.data + (first + t) * (int64_t)row_bytes;
+            __m512i x[NC];
+            narrow_rows<NC>(narrow_row, s.bits, x);
+            transpose.apply(x, w);
+#endif
+        } else {
+            transpose((const int32_t*)s.data + first * words, w);
+        }
+    };
+    // Software pipelining (head_dim 64, 2- and 3-bit keys): the next chunk's rows widened and
+    // transposed before this chunk's dot products, so that those find their inputs ready while the
+    // next chunk's long chain of unpacks and permutes runs beside them. For 4-bit rows (a shorter
+    // chain: loads and three permute stages) the eight more live registers cost spills: 1.02-1.04x.
+    static_assert(!PIPELINED || NC == 8, "pipelined at head_dim 64 only");
+    constexpr bool pipelined = PIPELINED;  // a build of its own: the ahead registers change the allocation
+    __m512i ahead[NC];
+    bool have_ahead = false;
     Cursor at(s.start, i0, s.slots);
     for (int i = i0; i < i0 + n;) {
         int len = std::min(16, i0 + n - i);
@@ -348,7 +370,11 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         }
         __m512i lo[NC], hi[NC], rows[NC];
         alignas(64) __m512i bytes[Levels16<NC>::per_head ? 1 : NC][4];  // head_dim 128: a 16-bit codebook's level bytes
-        if (narrow) {  // widened to 4-bit rows first (a short chunk repeats its last row)
+        if (whole && have_ahead) {
+            for (int c = 0; c < NC; c++) rows[c] = ahead[c];
+        } else if (whole) {
+            whole_rows(whole_first, rows);
+        } else if (narrow) {  // widened to 4-bit rows first (a short chunk repeats its last row)
 #if MINILLAMA_VBMI
             const uint8_t* narrow_row[16];
             for (int t = 0; t < 16; t++) narrow_row[t] = (const uint8_t*)s.data + (bh * s.slots + slot[std::min(t, len - 1)]) * (int64_t)row_bytes;
@@ -356,8 +382,13 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
             narrow_rows<NC>(narrow_row, s.bits, x);
             transpose.apply(x, rows);
 #endif
-        } else if (whole) {
-            transpose((const int32_t*)s.data + whole_first * words, rows);
+        }
+        have_ahead = false;  // the next chunk's rows, if it is whole (pipelined, above)
+        if (pipelined && i + len < i0 + n) {
+            const int next = i + len;
+            int next_len = std::min(16, i0 + n - next);
+            if (channel) next_len = std::min(next_len, (next / s.group + 1) * s.group - next);
+            if (next_len == 16 && at.slot + 16 <= s.slots) whole_rows(bh * s.slots + at.slot, ahead), have_ahead = true;
         }
         for (int c = 0; c < NC; c++) {
             const __m512i w = whole || narrow ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
@@ -826,7 +857,8 @@ bool value_vnni(VALUE_ARGS) {
 
 bool score_vnni(SCORE_ARGS, Prep& prep) {
     if (R > 16 || !vnni_keys(s, D)) return false;
-    return D == 64 ? score_vnni<8>(s, bh, R, q, i0, n, out, ls, prep) : score_vnni<16>(s, bh, R, q, i0, n, out, ls, prep);
+    if (D == 64 && s.bits < 4) return score_vnni<8, true>(s, bh, R, q, i0, n, out, ls, prep);
+    return D == 64 ? score_vnni<8, false>(s, bh, R, q, i0, n, out, ls, prep) : score_vnni<16, false>(s, bh, R, q, i0, n, out, ls, prep);
 }
 
 #else
