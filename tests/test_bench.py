@@ -497,3 +497,26 @@ def test_transform_keys_spends_the_budget_and_decodes_close():
     x = k[None, None]  # (1, 1, T, D)
     decoded = codec.decode(codec.encode(x, 64), 64, 64)
     assert ((decoded - x) ** 2).sum() < 0.1 * (x**2).sum()
+
+
+def test_qjl_sketch_is_unbiased_but_adds_score_error():
+    """bench/qjl_keys_ppl.py: the 1-bit sign sketch of lm2's residual takes the shrink out of the
+    scores (their slope on the true ones ~1, lm2's ~0.89) but adds to their squared error (the
+    sketch's variance pi / (2 D) |q|^2 |r|^2 against |q|^2 |r|^2 / D for the residual left out);
+    the unshrunk stand-in is lm2h's decode divided by that slope."""
+    qjl = load_bench("qjl_keys_ppl")
+    g = torch.Generator().manual_seed(9)
+    k, q = torch.randn(4096, 64, generator=g), torch.randn(4096, 64, generator=g)  # (T, D) each
+    plain = CODECS["lm2h"].decode(CODECS["lm2h"].encode(k[None, None], 64), 64, 64)[0, 0]
+    sketched = qjl.Qjl("qjl2", 2, "stand-in", rotate=True).encode(k[None, None], 64)["values"][0, 0]
+    true = (q * k).sum(dim=1)
+
+    def slope_and_error(hat):
+        est = (q * hat).sum(dim=1)
+        return ((est * true).sum() / (true * true).sum()).item(), ((est - true) ** 2).mean().item()
+
+    (s_plain, e_plain), (s_sketch, e_sketch) = slope_and_error(plain), slope_and_error(sketched)
+    assert s_plain < 0.92 and abs(s_sketch - 1) < 0.03
+    assert 1.3 * e_plain < e_sketch < 1.8 * e_plain
+    unshrunk = qjl.Qjl("lm2u", 2, "stand-in", rotate=True, unshrunk=True).encode(k[None, None], 64)["values"][0, 0]
+    assert torch.allclose(unshrunk * qjl.shrink(2), plain, atol=1e-5)
