@@ -78,16 +78,16 @@ NO_VALUES = (
     "    if (R > 16 || !vnni_values(s, D)) return false;\n    return true;\n",
 )
 KEYS_IN_L1 = (
-    "            transpose((const int32_t*)s.data + whole_first * words, rows);",
-    "            transpose((const int32_t*)s.data + bh * s.slots * words, rows);",
+    "            transpose((const int32_t*)s.data + first * words, w);",
+    "            transpose((const int32_t*)s.data + bh * s.slots * words, w);",
 )
 VALUES_IN_L1 = (
     "            const uint8_t* base = (const uint8_t*)s.data + first * RB;",
     "            const uint8_t* base = (const uint8_t*)s.data + bh * s.slots * RB;",
 )
 STRAIGHT = (
-    "            transpose((const int32_t*)s.data + whole_first * words, rows);",
-    "            for (int c = 0; c < NC; c++) rows[c] = _mm512_loadu_si512((const int32_t*)s.data + whole_first * words + 16 * c);",
+    "            transpose((const int32_t*)s.data + first * words, w);",
+    "            for (int c = 0; c < NC; c++) w[c] = _mm512_loadu_si512((const int32_t*)s.data + first * words + 16 * c);",
 )
 ONE_STEP = [
     (
