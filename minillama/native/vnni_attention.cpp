@@ -282,26 +282,32 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     }
     const __m512i nib = _mm512_set1_epi8(15);
     const int words = D / 8;  // 4-byte words per row: one per chunk
+    // 16 rows of 2- or 3-bit codes (row[t]: token t's) -> the transposed chunk registers, as 4-bit rows
+    auto widened = [&](const uint8_t* const* row, __m512i* w) __attribute__((always_inline)) {
+#if MINILLAMA_VBMI
+        __m512i x[NC];
+        narrow_rows<NC>(row, s.bits, x);
+        transpose.apply(x, w);
+#else
+        (void)row, (void)w;  // never called: without VBMI vnni_keys refuses 2- and 3-bit rows
+#endif
+    };
     // 16 consecutive rows from ring slot `first` (of this head) -> the transposed chunk registers
     auto whole_rows = [&](int64_t first, __m512i* w) __attribute__((always_inline)) {
         if (narrow) {
-#if MINILLAMA_VBMI
-            const uint8_t* narrow_row[16];
-            for (int t = 0; t < 16; t++) narrow_row[t] = (const uint8_t*)s.data + (first + t) * (int64_t)row_bytes;
-            __m512i x[NC];
-            narrow_rows<NC>(narrow_row, s.bits, x);
-            transpose.apply(x, w);
-#endif
+            const uint8_t* row[16];
+            for (int t = 0; t < 16; t++) row[t] = (const uint8_t*)s.data + (first + t) * (int64_t)row_bytes;
+            widened(row, w);
         } else {
             transpose((const int32_t*)s.data + first * words, w);
         }
     };
-    // Software pipelining (head_dim 64, 2- and 3-bit keys): the next chunk's rows widened and
-    // transposed before this chunk's dot products, so that those find their inputs ready while the
-    // next chunk's long chain of unpacks and permutes runs beside them. For 4-bit rows (a shorter
-    // chain: loads and three permute stages) the eight more live registers cost spills: 1.02-1.04x.
+    // Software pipelining (PIPELINED: head_dim 64, 2- and 3-bit keys; a build of its own, as the
+    // ahead registers change the allocation): the next chunk's rows widened and transposed before
+    // this chunk's dot products, so that those find their inputs ready while the next chunk's long
+    // chain of unpacks and permutes runs beside them. For 4-bit rows (a shorter chain: loads and
+    // three permute stages) the eight more live registers cost spills: 1.02-1.04x.
     static_assert(!PIPELINED || NC == 8, "pipelined at head_dim 64 only");
-    constexpr bool pipelined = PIPELINED;  // a build of its own: the ahead registers change the allocation
     __m512i ahead[NC];
     bool have_ahead = false;
     Cursor at(s.start, i0, s.slots);
@@ -375,16 +381,12 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         } else if (whole) {
             whole_rows(whole_first, rows);
         } else if (narrow) {  // widened to 4-bit rows first (a short chunk repeats its last row)
-#if MINILLAMA_VBMI
-            const uint8_t* narrow_row[16];
-            for (int t = 0; t < 16; t++) narrow_row[t] = (const uint8_t*)s.data + (bh * s.slots + slot[std::min(t, len - 1)]) * (int64_t)row_bytes;
-            __m512i x[NC];
-            narrow_rows<NC>(narrow_row, s.bits, x);
-            transpose.apply(x, rows);
-#endif
+            const uint8_t* row[16];
+            for (int t = 0; t < 16; t++) row[t] = (const uint8_t*)s.data + (bh * s.slots + slot[std::min(t, len - 1)]) * (int64_t)row_bytes;
+            widened(row, rows);
         }
-        have_ahead = false;  // the next chunk's rows, if it is whole (pipelined, above)
-        if (pipelined && i + len < i0 + n) {
+        have_ahead = false;  // the next chunk's rows, if it is whole (PIPELINED, above)
+        if (PIPELINED && i + len < i0 + n) {
             const int next = i + len;
             int next_len = std::min(16, i0 + n - next);
             if (channel) next_len = std::min(next_len, (next / s.group + 1) * s.group - next);
