@@ -520,3 +520,21 @@ def test_qjl_sketch_is_unbiased_but_adds_score_error():
     assert 1.3 * e_plain < e_sketch < 1.8 * e_plain
     unshrunk = qjl.Qjl("lm2u", 2, "stand-in", rotate=True, unshrunk=True).encode(k[None, None], 64)["values"][0, 0]
     assert torch.allclose(unshrunk * qjl.shrink(2), plain, atol=1e-5)
+
+
+def test_diffused_values_cancel_along_the_tokens_at_a_price_per_row():
+    """bench/diffused_values_ppl.py: coding rows in token order with all of each error carried into
+    the next row makes the error of a mean over many tokens far smaller than lm2h's, while each
+    row's own error about doubles (1 + a^2 for a carry of weight a); the carry persists from one
+    call to the next (a decode flush of one token continues the sequence)."""
+    dv = load_bench("diffused_values_ppl")
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)).to(torch.float16)  # (N, H, T, D)
+    plain = CODECS["lm2h"].decode(CODECS["lm2h"].encode(x, 64), 64, 64) - x.float()
+    codec = dv.Diffused("lm2d100", 2, "stand-in", rotate=True, weight=1.0)
+    diffused = codec.encode(x[:, :, :63], 64)["values"] - x[:, :, :63].float()
+    assert 1.6 < (diffused**2).mean() / (plain[:, :, :63] ** 2).mean() < 2.4
+    assert (diffused.mean(dim=2) ** 2).mean() < 0.1 * (plain[:, :, :63].mean(dim=2) ** 2).mean()
+    carry = codec.carries[(2, 3, 64)].clone()
+    last = codec.encode(x[:, :, 63:], 64)["values"]  # one token: the carry goes on
+    expected = dv.diffuse(x[:, :, 63:], carry, 2, 64, 1.0)
+    assert torch.equal(last, expected)
