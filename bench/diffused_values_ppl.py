@@ -15,9 +15,9 @@ plain code's where it falls on one token alone. Which of the two the model's hea
 the cached path can say. No bit is added: the carry lives in the encoder, not the cache.
 
 ``lm{b}d{a}`` (a: the carry's weight in hundredths, d100 carries all of it, d50 half; default
-100 and 50) is lm{b}h's code
-(Hadamard rotation, Gaussian Lloyd-Max levels, a refined fp16 scale per group of 64) applied to
-x_t + a carry, in the rotated space the cache stores, with carry = that input minus its decode;
+100 and 50) is lm{b}h's code (Hadamard rotation, Gaussian Lloyd-Max levels, a refined fp16
+scale per group of 64) applied to x_t + a carry, in the rotated space the cache stores, with
+carry = that input minus its decode;
 one carry per layer, sequence, head and channel, kept across the encoder's calls (every flush
 codes all layers in one call, in token order; a flush of more than one token, the prefill's,
 starts a new sequence). The stand-in keeps the decoded rows as float32 and no kernel reads it
