@@ -310,12 +310,17 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
     static_assert(!PIPELINED || NC == 8, "pipelined at head_dim 64 only");
     __m512i ahead[NC];
     bool have_ahead = false;
+    // The tokens of the chunk from token `from`: 16, fewer at the end and, for per-channel keys,
+    // at the end of a group of tokens (a chunk never spans two groups' scales)
+    auto chunk_len = [&](int from) {
+        const int len = std::min(16, i0 + n - from);
+        return channel ? std::min(len, (from / s.group + 1) * s.group - from) : len;
+    };
     Cursor at(s.start, i0, s.slots);
     for (int i = i0; i < i0 + n;) {
-        int len = std::min(16, i0 + n - i);
+        const int len = chunk_len(i);
         if (channel) {
             const int g = i / s.group;
-            len = std::min(len, (g + 1) * s.group - i);
             if (g != prep.group) {  // fold this group's scales into the query, its zeros into qz
                 prep.group = g;
                 const int64_t row = (bh * s.sslots + (s.sstart + g) % s.sslots) * D;
@@ -336,15 +341,15 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         }
         prefetch_rows(s, bh, at.slot, 32, 16, row_bytes, channel ? 0 : 1);  // two chunks ahead
         prefetch_rows<_MM_HINT_T1>(s, bh, at.slot, 256, 16, row_bytes, 0);  // and sixteen ahead into L2
-        alignas(64) int32_t slot[16];  // 2- and 3-bit rows: the ring slot of each of the 16 tokens
-        if (narrow) {
+        const bool whole = len == 16 && at.slot + 16 <= s.slots;  // 16 consecutive rows: transposed, not gathered
+        alignas(64) int32_t slot[16];  // 2- and 3-bit rows of a short or wrapping chunk: each token's ring slot
+        if (narrow && !whole) {
             Cursor c = at;
             for (int t = 0; t < len; t++) slot[t] = c.slot, c.next();
         }
         // Where each of the 16 tokens' rows starts, in 4-byte words (a short chunk repeats a row).
         __m512i base = _mm512_setzero_si512();
         alignas(64) float tscale[16] = {0.f}, tzero[16] = {0.f};
-        const bool whole = len == 16 && at.slot + 16 <= s.slots;  // 16 consecutive rows: transposed, not gathered
         const int64_t whole_first = bh * s.slots + at.slot;
         if (whole) {
             if (!channel) {
@@ -387,10 +392,7 @@ bool score_vnni(const RowSource& s, int64_t bh, int R, const float* q, int i0, i
         }
         have_ahead = false;  // the next chunk's rows, if it is whole (PIPELINED, above)
         if (PIPELINED && i + len < i0 + n) {
-            const int next = i + len;
-            int next_len = std::min(16, i0 + n - next);
-            if (channel) next_len = std::min(next_len, (next / s.group + 1) * s.group - next);
-            if (next_len == 16 && at.slot + 16 <= s.slots) whole_rows(bh * s.slots + at.slot, ahead), have_ahead = true;
+            if (chunk_len(i + len) == 16 && at.slot + 16 <= s.slots) whole_rows(bh * s.slots + at.slot, ahead), have_ahead = true;
         }
         for (int c = 0; c < NC; c++) {
             const __m512i w = whole || narrow ? rows[c] : _mm512_i32gather_epi32(_mm512_add_epi32(base, _mm512_set1_epi32(c)), s.data, 4);
