@@ -32,17 +32,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
+from standin import DecodedRows, cached_path_rows, text_of  # bench/ is on sys.path
 
-from minillama.app.default_model import resolve_model
-from minillama.eval.datasets import load as load_text
-from minillama.eval.perplexity import evaluate
-from minillama.kv.codecs import CODECS, Codebook, PartSpec
+from minillama.kv.codecs import CODECS
 from minillama.kv.quantize import dequantize_codebook, quantize_codebook
-from minillama.kv.spec import MIXES, parse_kv
-from minillama.model.loader import load_model
+from minillama.kv.spec import MIXES
 
 TAIL = "group=64,residual=8,sinks=4"
 
@@ -64,24 +60,17 @@ def diffuse(
 
 
 @dataclass(frozen=True)
-class Diffused(Codebook):
+class Diffused(DecodedRows):
     """A stand-in: lm{bits}h values coded in token order with `weight` of the error carried on."""
 
     weight: float = 1.0
     carries: dict = field(default_factory=dict, compare=False, hash=False)  # (N, H, D) shape -> carry
-    row_kind: ClassVar = None  # no kernel reads it: the step takes the PyTorch path
-
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [PartSpec("values", torch.float32, head_dim, 1)]
 
     def encode(self, x, group, params=None):
         key = (x.shape[0], x.shape[1], x.shape[3])
         if x.shape[2] > 1 or key not in self.carries:  # the prefill's flush: a new sequence
             self.carries[key] = torch.zeros(key)
         return {"values": diffuse(x, self.carries[key], self.bits, group, self.weight, self.log_scale)}
-
-    def decode(self, parts, group, head_dim, params=None):
-        return parts["values"].float()
 
 
 def main() -> None:
@@ -104,7 +93,7 @@ def main() -> None:
     if len(args) < 2:
         sys.exit(__doc__)
     windows = int(args[-1])
-    text = open(args[1], encoding="utf-8").read() if args[0] == "--text" else load_text(args[0])
+    text = text_of(args)
     values = []
     for bits in (2, 3):
         values.append(f"lm{bits}h")
@@ -122,9 +111,7 @@ def main() -> None:
             CODECS[name] = Diffused(name, 2, "stand-in", rotate=True, weight=hundredths / 100, log_scale=True)
             specs.append(preset.replace("v=lm2hb,", f"v={name},").replace("/lm2hb", f"/{name}"))
             labels.append(f"{mix}, its 2-bit values as {name}")
-    lm = load_model(resolve_model(None), "float32")
-    with torch.inference_mode():
-        rows = evaluate(lm, lm.tokenizer.encode(text), [parse_kv(s) for s in specs], windows=windows, blind=False)
+    rows = cached_path_rows(specs, text, windows)
     for r, label in zip(rows, labels):
         print(f"  {label:44s} ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}", flush=True)
 

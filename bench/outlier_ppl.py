@@ -24,35 +24,23 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import ClassVar
 
-import torch
 from outlier_gauge import round_trip  # bench/ is the script's folder, so on sys.path
+from standin import DecodedRows, cached_path_rows, text_of
 
-from minillama.app.default_model import resolve_model
-from minillama.eval.datasets import load as load_text
-from minillama.eval.perplexity import evaluate
-from minillama.kv.codecs import CODECS, Codebook, PartSpec
-from minillama.kv.spec import MIXES, parse_kv
-from minillama.model.loader import load_model
+from minillama.kv.codecs import CODECS
+from minillama.kv.spec import MIXES
 
 
 @dataclass(frozen=True)
-class WithOutliers(Codebook):
+class WithOutliers(DecodedRows):
     """A stand-in: lm{bits}h with the k largest |x| of each row kept exact, rows stored decoded."""
 
     outliers: int = 1
-    row_kind: ClassVar = None  # no kernel reads it: the step takes the PyTorch path
-
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [PartSpec("values", torch.float32, head_dim, 1)]
 
     def encode(self, x, group, params=None):
         plain = self.to_space(x.float())  # (B, H, T, D) in the model's space: H is its own inverse
         return {"values": round_trip(CODECS[f"lm{self.bits}h"], plain, self.outliers, group)}
-
-    def decode(self, parts, group, head_dim, params=None):
-        return parts["values"].float()
 
 
 def nominal_bits(bits: int, outliers: int, group: int = 64, head_dim: int = 64) -> float:
@@ -66,7 +54,7 @@ def main() -> None:
     mix = args[0] == "--mix"
     args = args[1:] if mix else args
     windows = int(args[-1])
-    text = open(args[1], encoding="utf-8").read() if args[0] == "--text" else load_text(args[0])
+    text = text_of(args)
     for b in (2, 3, 4):
         for k in (1, 2):
             CODECS[f"lm{b}ho{k}"] = WithOutliers(f"lm{b}ho{k}", b, "stand-in", rotate=True, outliers=k)
@@ -86,10 +74,7 @@ def main() -> None:
             "k4v3lmc": None,
             "k=lm4ho1,v=lm3h,group=64,residual=8,sinks=4,center=1": nominal_bits(4, 1),
         }
-    lm = load_model(resolve_model(None), "float32")
-    ids = lm.tokenizer.encode(text)
-    with torch.inference_mode():
-        rows = evaluate(lm, ids, [parse_kv(s) for s in specs], windows=windows, blind=False)
+    rows = cached_path_rows(list(specs), text, windows)
     mix_bits = next((r.bits_per_element for r in rows if r.kv == "k3v2mix"), 0.0)
     for r, keys in zip(rows, specs.values()):
         if mix and keys:  # the stand-in rows are stored as floats: the mix's own bits plus the outliers'

@@ -32,17 +32,12 @@ import functools
 import math
 import sys
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
+from standin import DecodedRows, cached_path_rows, text_of  # bench/ is on sys.path
 
-from minillama.app.default_model import resolve_model
-from minillama.eval.datasets import load as load_text
-from minillama.eval.perplexity import evaluate
-from minillama.kv.codecs import CODECS, Codebook, PartSpec
+from minillama.kv.codecs import CODECS
 from minillama.kv.quantize import dequantize_codebook, quantize_codebook
-from minillama.kv.spec import parse_kv
-from minillama.model.loader import load_model
 
 KEYS_ONLY = "v=fp16,group=64,residual=8,sinks=4,center=1"
 
@@ -76,24 +71,17 @@ def shrink(bits: int, d: int = 64) -> float:
 
 
 @dataclass(frozen=True)
-class Qjl(Codebook):
+class Qjl(DecodedRows):
     """A stand-in: lm{bits}h keys plus a 1-bit sign sketch of their residual (or, `unshrunk`, no
     sketch but the decoded key divided by shrink(bits): the same mean slope, no bit), stored decoded."""
 
     unshrunk: bool = False
-    row_kind: ClassVar = None  # no kernel reads it: the step takes the PyTorch path
-
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [PartSpec("values", torch.float32, head_dim, 1)]
 
     def encode(self, x, group, params=None):
         if self.unshrunk:
             codes, scale = quantize_codebook(x, self.bits, group)
             return {"values": dequantize_codebook(codes, scale, self.bits, group).float() / shrink(self.bits)}
         return {"values": with_sketch(x, self.bits, group)}
-
-    def decode(self, parts, group, head_dim, params=None):
-        return parts["values"].float()
 
 
 def gauge(d: int = 64, rows: int = 1 << 14) -> None:
@@ -119,7 +107,7 @@ def main() -> None:
     if len(args) < 2:
         sys.exit(__doc__)
     windows = int(args[-1])
-    text = open(args[1], encoding="utf-8").read() if args[0] == "--text" else load_text(args[0])
+    text = text_of(args)
     gauge()
     for bits in (2, 3):
         CODECS[f"qjl{bits}"] = Qjl(f"qjl{bits}", bits, "stand-in", rotate=True)
@@ -127,9 +115,7 @@ def main() -> None:
     print("shrink: " + ", ".join(f"lm{b} {shrink(b):.4f}" for b in (2, 3)))
     keys = {"lm2h": 2.25, "lm2u": 2.25, "qjl2": 3.5, "lm3h": 3.25, "lm3u": 3.25, "qjl3": 4.5, "lm4h": 4.25}
     specs = ["fp16"] + [f"k={k},{KEYS_ONLY}" for k in keys]
-    lm = load_model(resolve_model(None), "float32")
-    with torch.inference_mode():
-        rows = evaluate(lm, lm.tokenizer.encode(text), [parse_kv(s) for s in specs], windows=windows, blind=False)
+    rows = cached_path_rows(specs, text, windows)
     for r, bits in zip(rows, [16.0, *keys.values()]):
         print(
             f"  {r.kv:48s} keys {bits:5.2f} bits  ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}",

@@ -35,7 +35,6 @@ import functools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from freq_blocks_ppl import (  # bench/ is on sys.path
@@ -45,13 +44,12 @@ from freq_blocks_ppl import (  # bench/ is on sys.path
     lloyd_max_error,
     queries_and_keys,
 )
+from standin import DecodedRows, cached_path_rows  # bench/ is on sys.path
 
 from minillama.app.default_model import resolve_model
 from minillama.eval.datasets import load as load_text
-from minillama.eval.perplexity import evaluate
-from minillama.kv.codecs import CODECS, Codebook, PartSpec
+from minillama.kv.codecs import CODECS
 from minillama.kv.quantize import gaussian_codebook
-from minillama.kv.spec import parse_kv
 from minillama.model.loader import load_model
 
 MOST = 6  # the most bits one coefficient gets
@@ -123,15 +121,11 @@ def tables(seen, basis: str, bits: int, groups: int = 1, scale_bits: int = 16) -
 
 
 @dataclass(frozen=True)
-class TransformKeys(Codebook):
+class TransformKeys(DecodedRows):
     """A stand-in: key rows in a per-head basis, coefficient i to b_i bits, stored decoded."""
 
     heads: list = field(default_factory=list, compare=False)  # [HeadTable] of its layer
     scale_bits: int = 16  # a row's scales as fp16, or (8) one byte on the grid 2^(u / 16)
-    row_kind: ClassVar = None  # no kernel reads it: the step takes the PyTorch path
-
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [PartSpec("values", torch.float32, head_dim, 1)]
 
     def encode(self, x, group, params=None):
         out = torch.empty(x.shape, dtype=torch.float32)  # (B, H, T, D)
@@ -159,9 +153,6 @@ class TransformKeys(Codebook):
                 decoded[..., cols] = levels[torch.bucketize(z[..., cols].contiguous(), edges)]
             out[:, h] = (decoded * scale * t.rms) @ t.basis.T
         return {"values": out}
-
-    def decode(self, parts, group, head_dim, params=None):
-        return parts["values"].float()
 
 
 def main() -> None:
@@ -196,8 +187,7 @@ def main() -> None:
             names.append(f"{name}/fp16")
         specs[f"k=lm{args.bits}h,{KEYS_ONLY},layers={';'.join(names)}"] = f"keys {basis}, bits per coefficient"
     text = Path(args.text).read_text(encoding="utf-8") if args.text else load_text(args.dataset)
-    with torch.inference_mode():
-        rows = evaluate(lm, lm.tokenizer.encode(text), [parse_kv(s) for s in specs], windows=args.windows, blind=False)
+    rows = cached_path_rows(list(specs), text, args.windows, lm)
     for r, label in zip(rows, specs.values()):
         print(f"  {label:36s} ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}", flush=True)
 

@@ -23,17 +23,12 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
+from standin import DecodedRows, cached_path_rows, text_of  # bench/ is on sys.path
 
-from minillama.app.default_model import resolve_model
-from minillama.eval.datasets import load as load_text
-from minillama.eval.perplexity import evaluate
-from minillama.kv.codecs import CODECS, Codebook, PartSpec
+from minillama.kv.codecs import CODECS
 from minillama.kv.quantize import REFINE, _grouped, _nearest, _refined_scale, gaussian_codebook
-from minillama.kv.spec import parse_kv
-from minillama.model.loader import load_model
 
 SAMPLES = 2**17  # k-means samples: 32 per vector of the 4096-vector book
 ROUNDS = 20
@@ -61,15 +56,11 @@ def nearest(x: torch.Tensor, c: torch.Tensor, chunk: int = 1 << 14) -> torch.Ten
 
 
 @dataclass(frozen=True)
-class Vector3(Codebook):
+class Vector3(DecodedRows):
     """A stand-in: Hadamard-rotated values, dim coordinates to the nearest of 2**(3 dim) Gaussian
     vectors times a refined fp16 scale per group, stored decoded."""
 
     dim: int = 2
-    row_kind: ClassVar = None  # no kernel reads it: the step takes the PyTorch path
-
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [PartSpec("values", torch.float32, head_dim, 1)]
 
     def encode(self, x, group, params=None):
         book = book_of(self.dim)
@@ -81,9 +72,6 @@ class Vector3(Codebook):
 
         s = _refined_scale(xg, chosen, REFINE).float()  # (..., T, D/G, 1) fp16 values
         return {"values": (chosen(s) * s).reshape(x.shape)}
-
-    def decode(self, parts, group, head_dim, params=None):
-        return parts["values"].float()
 
 
 def book_error(book: torch.Tensor) -> float:
@@ -97,7 +85,7 @@ def main() -> None:
         sys.exit(__doc__)
     args = sys.argv[1:]
     windows = int(args[-1])
-    text = open(args[1], encoding="utf-8").read() if args[0] == "--text" else load_text(args[0])
+    text = text_of(args)
     scalar = gaussian_codebook(3).float().unsqueeze(1)  # (8, 1)
     print(f"N(0,1) error per coordinate: lm3 {book_error(scalar):.4f}", end="")
     for dim in (2, 4):
@@ -106,10 +94,7 @@ def main() -> None:
     print()
     tail = "group=64,residual=8,sinks=4"
     specs = ["fp16"] + [f"k={k},v={v},{tail}" for k in ("fp16", "lm3h") for v in ("lm3h", "vq3d2", "vq3d4")]
-    lm = load_model(resolve_model(None), "float32")
-    ids = lm.tokenizer.encode(text)
-    with torch.inference_mode():
-        rows = evaluate(lm, ids, [parse_kv(s) for s in specs], windows=windows, blind=False)
+    rows = cached_path_rows(specs, text, windows)
     for r in rows:
         print(f"  {r.kv:44s} ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}", flush=True)
 
