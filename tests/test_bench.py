@@ -15,8 +15,10 @@ from click.testing import CliRunner
 
 from minillama.app.cli import cli
 from minillama.eval.bench import weight_bytes_per_token
+from minillama.kv.cache import KVCache
 from minillama.kv.codecs import CODECS
 from minillama.kv.freq_blocks import FrequencyBlocks
+from minillama.kv.layered import LayeredStore
 from minillama.kv.quantize import frequency_block_order
 from minillama.kv.spec import codec_named, parse_kv
 from minillama.native import backend
@@ -538,3 +540,34 @@ def test_diffused_values_cancel_along_the_tokens_at_a_price_per_row():
     last = codec.encode(x[:, :, 63:], 64)["values"]  # one token: the carry goes on
     expected = dv.diffuse(x[:, :, 63:], carry, 2, 64, 1.0)
     assert torch.equal(last, expected)
+
+
+def test_tier_codes_every_residual_row_but_the_newest_once(monkeypatch):
+    """bench/tier_ppl.py: after a prompt and decode tokens the residual holds its newest EXACT rows
+    as an unchanged cache holds them, and every older one as the tier codec codes and decodes
+    the exact row (once, whatever appends it lived through); the sinks stay exact."""
+    tp = load_bench("tier_ppl")
+    monkeypatch.setattr(tp, "EXACT", 3)
+    spec = parse_kv("k=lm2hb,v=lm2hb,group=64,residual=16,sinks=2")
+    g = torch.Generator().manual_seed(0)
+    steps = [20] + [1] * 10  # a prompt of 20 tokens, then ten decode tokens
+    kv = [
+        [(torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g)) for _ in range(2)]
+        for n in steps
+    ]
+    monkeypatch.setattr(LayeredStore, "token_write", lambda self, x: None)  # every write through append
+    plain = KVCache(spec, 2, 2, 64, 128)
+    for step in kv:
+        plain.append(step)
+    monkeypatch.setattr(LayeredStore, "append", tp.append_through_tier)
+    tiered = KVCache(spec, 2, 2, 64, 128)
+    for step in kv:
+        tiered.append(step)
+    for a, b in zip(plain.stores, tiered.stores):
+        held = a.residual.lead.count
+        assert held == b.residual.lead.count == 16
+        exact, coded = a.residual.read(0, held), b.residual.read(0, held)  # (L, B, H, n, D)
+        assert torch.equal(coded[:, :, :, -3:], exact[:, :, :, -3:])
+        assert torch.equal(coded[:, :, :, :-3], tp.tiered(a, exact[:, :, :, :-3]))
+        assert not torch.equal(coded[:, :, :, :-3], exact[:, :, :, :-3])
+        assert torch.equal(b.sinks.read(0, 2), a.sinks.read(0, 2))

@@ -1,0 +1,130 @@
+"""Recent tokens at 4 bits instead of exact: an age tier for the mixes, emulated on the cached path.
+
+    python bench/tier_ppl.py hamlet 4                                    # W 4, N 896
+    python bench/tier_ppl.py --text wikitext-2-raw-test.txt 4
+    python bench/tier_ppl.py --text wikitext-2-raw-test.txt 1 --tokens 2048
+    python bench/tier_ppl.py hamlet 4 --mix k3v2mixb --residuals 32,64 --tier int8
+
+Keeping the last R tokens exact (the spec's ``residual=R``) instead of 8 takes 30-50% off the
+mixes' KLD (docs/quality.md, Frontier XV): the recent tokens carry a large share of the loss,
+because that is where the attention looks. An exact token costs 16 bits an element; a tier of
+recent tokens coded by a codec TIER would cost its body bits (lm4hb: 4 + 1/8, codes and a
+one-byte scale; int8: 8 + 1/2, codes and an fp16 scale and zero per 64). This script measures
+what such a tier keeps of the exact window's gain: every row of the residual but the newest E
+(`--exact E`, default 0) is coded and decoded with TIER (`--tier`, default lm4hb; in the mix's
+own rotated and centered storage space), so the attention reads the tier's values for the R - E
+tokens before the newest E; as a token ages out of the residual it is coded again at its layer's
+codec from those values (the double rounding a real tier that re-codes would pay). The sinks
+stay exact, and the new token's own key and value in its step are exact, as they are today.
+No kernel writes these rows (every append takes the PyTorch path, ``LayeredStore.append``); the
+attention kernels read the residual as they always do. Bits are computed, not counted: the
+cache's own count (the residual at 16 bits) less (R - E) / N x (16 - TIER's body bits).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from standin import text_of  # bench/ is the script's folder, so on sys.path
+
+from minillama.app.default_model import resolve_model
+from minillama.eval.perplexity import evaluate
+from minillama.kv.codecs import CODECS, FloatCodec
+from minillama.kv.layered import LayeredStore
+from minillama.kv.spec import MIXES, parse_kv
+from minillama.model.loader import load_model
+
+TIER = "lm4hb"  # set by --tier
+EXACT = 0  # the newest residual rows kept exact (--exact)
+HEAD_DIM = 64  # the default model's; the mixes' group
+
+
+def tiered(store: LayeredStore, rows: torch.Tensor) -> torch.Tensor:
+    """Rows (L, B, H, n, D) in storage form -> the same rows coded and decoded by TIER."""
+    if isinstance(store.stores[0].codec, FloatCodec):
+        return rows
+    tier = CODECS[TIER]
+    L, B, H, n, D = rows.shape
+    flat = rows.reshape(L * B, H, n, D)
+    back = tier.decode(tier.encode(flat, D), D, D)  # (L*B, H, n, D) float32
+    return back.to(rows.dtype).reshape(L, B, H, n, D)
+
+
+_append = LayeredStore.append
+
+
+def append_through_tier(self: LayeredStore, x: torch.Tensor, evict: int) -> tuple[int, int]:
+    """``LayeredStore.append``, then every residual row but the newest EXACT coded by TIER (once:
+    ``_tiered`` counts the oldest residual rows already coded, across appends)."""
+    ring = self.residual
+    before, tiered_before, pushed = ring.lead.count, getattr(self, "_tiered", 0), [0]
+    push = ring.push
+
+    def counting(rows: torch.Tensor) -> int:
+        pushed[0] += rows.shape[3]
+        return push(rows)
+
+    ring.push = counting
+    try:
+        out = _append(self, x, evict)
+    finally:
+        del ring.push
+    held = ring.lead.count
+    done = max(0, tiered_before - (before + pushed[0] - held))  # the coded rows that are still held
+    want = max(0, held - EXACT)
+    for a, b in ring.lead._spans(done, want - done) if want > done else []:  # ring slots of rows [done, want)
+        ring.buf[:, :, :, a:b] = tiered(self, ring.buf[:, :, :, a:b])
+    self._tiered = max(done, want)
+    return out
+
+
+def main() -> None:
+    global TIER, EXACT
+    args = sys.argv[1:]
+
+    def option(name: str, default: str) -> str:
+        if name not in args:
+            return default
+        at = args.index(name)
+        value = args[at + 1]
+        del args[at : at + 2]
+        return value
+
+    mixes = option("--mix", "k2v2mixb,k3v2mixb").split(",")
+    residuals = [int(r) for r in option("--residuals", "32,64,128").split(",")]
+    tokens = int(option("--tokens", "896"))
+    TIER = option("--tier", TIER)
+    EXACT = int(option("--exact", "0"))
+    if len(args) < 2:
+        sys.exit(__doc__)
+    windows = int(args[-1])
+    text = text_of(args)
+    lm = load_model(resolve_model(None), "float32")
+    ids = lm.tokenizer.encode(text)
+    specs, labels, tier_tokens = ["fp16"], ["fp16"], [0]
+    for mix in mixes:
+        specs.append(MIXES[mix]), labels.append(f"{mix} (residual 8, exact)"), tier_tokens.append(0)
+        for r in residuals:
+            specs.append(MIXES[mix].replace("residual=8", f"residual={r}"))
+            labels.append(f"{mix}, residual {r} exact"), tier_tokens.append(0)
+    exact = evaluate(lm, ids, [parse_kv(s) for s in specs], n=tokens, windows=windows, blind=False)
+    LayeredStore.append = append_through_tier
+    LayeredStore.token_write = lambda self, x: None  # every write through append, and so the tier
+    tier_specs, tier_labels = ["fp16"], []  # fp16 first: each run's perplexity deltas are against its first row
+    for mix in mixes:
+        for r in residuals:
+            tier_specs.append(MIXES[mix].replace("residual=8", f"residual={r}"))
+            (
+                tier_labels.append(f"{mix}, residual {r} as {TIER}" + (f", newest {EXACT} exact" if EXACT else "")),
+                tier_tokens.append(r),
+            )
+    tiers = evaluate(lm, ids, [parse_kv(s) for s in tier_specs], n=tokens, windows=windows, blind=False)[1:]
+    print(f"N {tokens}, W {windows}; bits an element of K and V as a real tier would spend them")
+    for row, label, r in zip(exact + tiers, labels + tier_labels, tier_tokens):
+        bits = row.bits_per_element - max(0, r - EXACT) / tokens * (16 - CODECS[TIER].body_bits(HEAD_DIM, HEAD_DIM))
+        print(f"  {label:40s} bits {bits:5.3f}  ppl {row.ppl:.4f}  Δ {row.delta_pct:+.2f}%  KLD {row.kld_mean:.5f}")
+
+
+if __name__ == "__main__":
+    main()
