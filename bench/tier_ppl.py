@@ -4,6 +4,7 @@
     python bench/tier_ppl.py --text wikitext-2-raw-test.txt 4
     python bench/tier_ppl.py --text wikitext-2-raw-test.txt 1 --tokens 2048
     python bench/tier_ppl.py hamlet 4 --mix k3v2mixb --residuals 32,64 --tier int8
+    python bench/tier_ppl.py hamlet 4 --spec "k2.73=$(minillama kv allocate $M --bits 2.73 --byte-scales | tail -1)"
 
 Keeping the last R tokens exact (the spec's ``residual=R``) instead of 8 takes 30-50% off the
 mixes' KLD (docs/quality.md, Frontier XV): the recent tokens carry a large share of the loss,
@@ -91,7 +92,10 @@ def main() -> None:
         del args[at : at + 2]
         return value
 
-    mixes = option("--mix", "k2v2mixb,k3v2mixb").split(",")
+    mixes = {name: MIXES[name] for name in option("--mix", "k2v2mixb,k3v2mixb").split(",")}
+    if "--spec" in args:  # LABEL=SPEC: a mix of one's own (kv allocate's output) instead of the presets
+        label, spec = option("--spec", "").split("=", 1)
+        mixes = {label: spec}
     residuals = [int(r) for r in option("--residuals", "32,64,128").split(",")]
     tokens = int(option("--tokens", "896"))
     TIER = option("--tier", TIER)
@@ -103,18 +107,18 @@ def main() -> None:
     lm = load_model(resolve_model(None), "float32")
     ids = lm.tokenizer.encode(text)
     specs, labels, tier_tokens = ["fp16"], ["fp16"], [0]
-    for mix in mixes:
-        specs.append(MIXES[mix]), labels.append(f"{mix} (residual 8, exact)"), tier_tokens.append(0)
+    for mix, spec in mixes.items():
+        specs.append(spec), labels.append(f"{mix} (residual 8, exact)"), tier_tokens.append(0)
         for r in residuals:
-            specs.append(MIXES[mix].replace("residual=8", f"residual={r}"))
+            specs.append(spec.replace("residual=8", f"residual={r}"))
             labels.append(f"{mix}, residual {r} exact"), tier_tokens.append(0)
     exact = evaluate(lm, ids, [parse_kv(s) for s in specs], n=tokens, windows=windows, blind=False)
     LayeredStore.append = append_through_tier
     LayeredStore.token_write = lambda self, x: None  # every write through append, and so the tier
     tier_specs, tier_labels = ["fp16"], []  # fp16 first: each run's perplexity deltas are against its first row
-    for mix in mixes:
+    for mix, spec in mixes.items():
         for r in residuals:
-            tier_specs.append(MIXES[mix].replace("residual=8", f"residual={r}"))
+            tier_specs.append(spec.replace("residual=8", f"residual={r}"))
             (
                 tier_labels.append(f"{mix}, residual {r} as {TIER}" + (f", newest {EXACT} exact" if EXACT else "")),
                 tier_tokens.append(r),
