@@ -106,26 +106,24 @@ def main() -> None:
     text = text_of(args)
     lm = load_model(resolve_model(None), "float32")
     ids = lm.tokenizer.encode(text)
-    specs, labels, tier_tokens = ["fp16"], ["fp16"], [0]
+    rows = [("fp16", "fp16", 0)]  # (label, spec, the tier's tokens): the exact windows first
     for mix, spec in mixes.items():
-        specs.append(spec), labels.append(f"{mix} (residual 8, exact)"), tier_tokens.append(0)
-        for r in residuals:
-            specs.append(spec.replace("residual=8", f"residual={r}"))
-            labels.append(f"{mix}, residual {r} exact"), tier_tokens.append(0)
+        rows.append((f"{mix} (residual 8, exact)", spec, 0))
+        rows += [(f"{mix}, residual {r} exact", spec.replace("residual=8", f"residual={r}"), 0) for r in residuals]
+    specs = [spec for _, spec, _ in rows]
     exact = evaluate(lm, ids, [parse_kv(s) for s in specs], n=tokens, windows=windows, blind=False)
     LayeredStore.append = append_through_tier
     LayeredStore.token_write = lambda self, x: None  # every write through append, and so the tier
-    tier_specs, tier_labels = ["fp16"], []  # fp16 first: each run's perplexity deltas are against its first row
-    for mix, spec in mixes.items():
-        for r in residuals:
-            tier_specs.append(spec.replace("residual=8", f"residual={r}"))
-            (
-                tier_labels.append(f"{mix}, residual {r} as {TIER}" + (f", newest {EXACT} exact" if EXACT else "")),
-                tier_tokens.append(r),
-            )
+    newest = f", newest {EXACT} exact" if EXACT else ""
+    tier_rows = [
+        (f"{mix}, residual {r} as {TIER}{newest}", spec.replace("residual=8", f"residual={r}"), r)
+        for mix, spec in mixes.items()
+        for r in residuals
+    ]
+    tier_specs = ["fp16"] + [spec for _, spec, _ in tier_rows]  # fp16 first: the deltas are against a run's first row
     tiers = evaluate(lm, ids, [parse_kv(s) for s in tier_specs], n=tokens, windows=windows, blind=False)[1:]
     print(f"N {tokens}, W {windows}; bits an element of K and V as a real tier would spend them")
-    for row, label, r in zip(exact + tiers, labels + tier_labels, tier_tokens):
+    for row, (label, _, r) in zip(exact + tiers, rows + tier_rows):
         bits = row.bits_per_element - max(0, r - EXACT) / tokens * (16 - CODECS[TIER].body_bits(HEAD_DIM, HEAD_DIM))
         print(f"  {label:40s} bits {bits:5.3f}  ppl {row.ppl:.4f}  Δ {row.delta_pct:+.2f}%  KLD {row.kld_mean:.5f}")
 
