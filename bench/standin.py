@@ -43,9 +43,10 @@ def text_of(args: list[str]) -> str:
     return open(args[1], encoding="utf-8").read() if args[0] == "--text" else load_text(args[0])
 
 
-def cached_path_rows(specs: list[str], text: str, windows: int, lm=None) -> list:
-    """``minillama ppl``'s rows for `specs` on `text` (W `windows`, N 896, P 128; no blind pass), the
-    default model in float32 unless `lm` is given."""
+def cached_path_rows(specs: list[str], text: str, windows: int, lm=None, tokens: int = 896) -> list:
+    """``minillama ppl``'s rows for `specs` on `text` (W `windows`, N `tokens`, P 128; no blind pass),
+    the default model in float32 unless `lm` is given."""
     lm = lm or load_model(resolve_model(None), "float32")
     with torch.inference_mode():
-        return evaluate(lm, lm.tokenizer.encode(text), [parse_kv(s) for s in specs], windows=windows, blind=False)
+        ids = lm.tokenizer.encode(text)
+        return evaluate(lm, ids, [parse_kv(s) for s in specs], n=tokens, windows=windows, blind=False)

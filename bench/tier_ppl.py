@@ -27,18 +27,16 @@ from __future__ import annotations
 import sys
 
 import torch
-from standin import text_of  # bench/ is the script's folder, so on sys.path
+from standin import cached_path_rows, text_of  # bench/ is the script's folder, so on sys.path
 
 from minillama.app.default_model import resolve_model
-from minillama.eval.perplexity import evaluate
 from minillama.kv.codecs import CODECS, FloatCodec
 from minillama.kv.layered import LayeredStore
-from minillama.kv.spec import MIXES, parse_kv
+from minillama.kv.spec import MIXES
 from minillama.model.loader import load_model
 
 TIER = "lm4hb"  # set by --tier
 EXACT = 0  # the newest residual rows kept exact (--exact)
-HEAD_DIM = 64  # the default model's; the mixes' group
 
 
 def tiered(store: LayeredStore, rows: torch.Tensor) -> torch.Tensor:
@@ -105,13 +103,13 @@ def main() -> None:
     windows = int(args[-1])
     text = text_of(args)
     lm = load_model(resolve_model(None), "float32")
-    ids = lm.tokenizer.encode(text)
+    tier_bits = CODECS[TIER].body_bits(lm.config.head_dim, lm.config.head_dim)  # the mixes' group is a head
     rows = [("fp16", "fp16", 0)]  # (label, spec, the tier's tokens): the exact windows first
     for mix, spec in mixes.items():
         rows.append((f"{mix} (residual 8, exact)", spec, 0))
         rows += [(f"{mix}, residual {r} exact", spec.replace("residual=8", f"residual={r}"), 0) for r in residuals]
     specs = [spec for _, spec, _ in rows]
-    exact = evaluate(lm, ids, [parse_kv(s) for s in specs], n=tokens, windows=windows, blind=False)
+    exact = cached_path_rows(specs, text, windows, lm, tokens)
     LayeredStore.append = append_through_tier
     LayeredStore.token_write = lambda self, x: None  # every write through append, and so the tier
     newest = f", newest {EXACT} exact" if EXACT else ""
@@ -121,10 +119,10 @@ def main() -> None:
         for r in residuals
     ]
     tier_specs = ["fp16"] + [spec for _, spec, _ in tier_rows]  # fp16 first: the deltas are against a run's first row
-    tiers = evaluate(lm, ids, [parse_kv(s) for s in tier_specs], n=tokens, windows=windows, blind=False)[1:]
+    tiers = cached_path_rows(tier_specs, text, windows, lm, tokens)[1:]
     print(f"N {tokens}, W {windows}; bits an element of K and V as a real tier would spend them")
     for row, (label, _, r) in zip(exact + tiers, rows + tier_rows):
-        bits = row.bits_per_element - max(0, r - EXACT) / tokens * (16 - CODECS[TIER].body_bits(HEAD_DIM, HEAD_DIM))
+        bits = row.bits_per_element - max(0, r - EXACT) / tokens * (16 - tier_bits)
         print(f"  {label:40s} bits {bits:5.3f}  ppl {row.ppl:.4f}  Δ {row.delta_pct:+.2f}%  KLD {row.kld_mean:.5f}")
 
 
