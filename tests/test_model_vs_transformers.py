@@ -121,13 +121,16 @@ def test_fused_projections_share_memory_and_change_nothing(tmp_path):
     assert torch.allclose(lm.model(tokens), fused, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", ["sdpa", "kernels"])
 @pytest.mark.parametrize("spec", ["fp32", "hadv2", "k4v3hc"])
 @pytest.mark.parametrize("t,past", [(1, 0), (7, 0), (5, 40), (1100, 0), (1030, 20)])
-def test_fused_chunk_attention_equals_the_explicit_reference(spec, t, past):
-    """attend(fast=True) (PyTorch's scaled_dot_product_attention) == the explicit masked
-    softmax, with and without a (rotated, centered) past, across query blocks."""
+def test_fused_chunk_attention_equals_the_explicit_reference(fused, spec, t, past):
+    """attend with a fused function -- PyTorch's scaled_dot_product_attention, or the kernels
+    backend's choice (the native causal kernel) -- == the explicit masked softmax, with and
+    without a (rotated, centered) past, across query blocks."""
     from minillama.kv.spec import parse_kv
-    from minillama.model.attention import attend
+    from minillama.model import step
+    from minillama.model.attention import attend, sdpa
 
     s = parse_kv(spec)
     g = torch.Generator().manual_seed(t + past)
@@ -135,8 +138,8 @@ def test_fused_chunk_attention_equals_the_explicit_reference(spec, t, past):
     stored = (torch.randn(2, 2, past, 64, generator=g), torch.randn(2, 2, past, 64, generator=g)) if past else None
     center = torch.randn(2, 2, 1, 64, generator=g) if s.center and past else None
     reference = attend(q, k, v, stored, s.k, s.v, center)
-    fast = attend(q, k, v, stored, s.k, s.v, center, fast=True)
-    assert torch.allclose(fast, reference, atol=1e-5, rtol=1e-4)
+    fast = attend(q, k, v, stored, s.k, s.v, center, sdpa if fused == "sdpa" else step.chunk_attention())
+    assert torch.allclose(fast, reference, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -11,16 +11,19 @@ query length, so K and V are never copied per query head. Long prompts are atten
 blocks of QUERY_BLOCK queries, so a no-cache forward over 8k tokens never holds an
 8k x 8k score matrix per head.
 
-Plain PyTorch throughout: with ``fast=True`` (every backend but ``reference``) chunks go to
-PyTorch's fused ``scaled_dot_product_attention`` (no score matrix in memory, and several times
-faster for long chunks); tests hold it to the explicit path. On the kernels backend a decode
-token never comes here: the native step (model/step.py) attends over the packed cache in C++
-(native/layer_attention.cpp), and this file is the specification those kernels are tested against.
+Plain PyTorch throughout. A chunk may instead go to a ``fused`` function of (q, k, v) that
+attends causally with no score matrix in memory: ``sdpa`` here (PyTorch's fused
+``scaled_dot_product_attention``), or the native kernel the kernels backend chooses
+(model/step.py: chunk_attention; native/prefill_attention.cpp); tests hold both to the explicit
+path. On the kernels backend a decode token never comes here: the native step (model/step.py)
+attends over the packed cache in C++ (native/layer_attention.cpp), and this file is the
+specification those kernels are tested against.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +52,18 @@ def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
     return j <= i + t_past
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (B, Hq, T, D), k and v (B, Hkv, P+T, D) -> (B, Hq, T, D): each query attends the whole past
+    and its chunk causally, by PyTorch's fused attention. A first chunk needs no mask in memory:
+    SDPA's own causal one (top-left aligned) is the same when P is 0."""
+    t, t_past = q.shape[2], k.shape[2] - q.shape[2]
+    mask = causal_mask(t, t_past, q.device) if t_past else None  # (T, P+T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+
+Fused = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # sdpa's signature
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,12 +72,13 @@ def attend(
     k_codec: Codec | None,
     v_codec: Codec | None,
     k_center: torch.Tensor | None = None,
-    fast: bool = False,
+    fused: Fused | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, T, D) and new k, v (B, Hkv, T, D) -> output (B, Hq, T, D).
 
     ``past`` is the cache's (keys, values), each (B, Hkv, P, D) in the codecs' storage space;
     ``k_center`` (B, Hkv, 1, D) is subtracted from the new keys when the stored ones are centered.
+    ``fused`` (``sdpa``'s signature) attends in place of the explicit masked softmax below.
     """
     b, hq, t, d = q.shape
     hkv = k.shape[1]
@@ -81,11 +97,8 @@ def attend(
         k = torch.cat([past[0], k], dim=2)  # (B, Hkv, P+T, D)
         v = torch.cat([past[1], v_codec.to_space(v)], dim=2)  # (B, Hkv, P+T, D)
     t_past = k.shape[2] - t
-    if fast:  # a first chunk needs no mask in memory: SDPA's own causal one is the same
-        mask = causal_mask(t, t_past, q.device) if t_past else None  # (T, P+T)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-        )  # (B, Hq, T, D)
+    if fused is not None:
+        out = fused(q, k, v)  # (B, Hq, T, D)
         if rotated:
             out = v_codec.from_space(out)
         return out.to(out_dtype)
@@ -111,7 +124,7 @@ def attend_cache(
     v: torch.Tensor,
     view: LayerView,
     rotary: RotaryTable | None = None,
-    fast: bool = False,
+    fused: Fused | None = None,
 ) -> torch.Tensor:
     """New tokens' q (B, Hq, T, D) and k (after RoPE), v (B, Hkv, T, D) against one layer of the
     cache (``cache.layer(i)``). ``rotary`` is given when keys are stored before RoPE.
@@ -120,11 +133,11 @@ def attend_cache(
     RoPE are first turned back into plain keys and rotated for their positions (``rotary``:
     model/rope.py: RotaryTable)."""
     if isinstance(view, GroupView):  # several caches as one batch: each attended alone (kv/group.py)
-        return torch.cat([attend_cache(q[rows], k[rows], v[rows], sub, rotary, fast) for rows, sub in view.splits()])
+        return torch.cat([attend_cache(q[rows], k[rows], v[rows], sub, rotary, fused) for rows, sub in view.splits()])
     past_k, past_v = view.read(q.dtype)  # read the past before this step writes anything
     k_codec, v_codec, center = view.k_codec, view.v_codec, view.key_center
     if rotary is not None:  # stored before RoPE: back to plain keys, then rotated for their positions
         cos_k, sin_k = rotary.at(view.positions(q.device))  # (held, D) each
         past_k = apply_rope(plain_keys(past_k, k_codec, center), cos_k, sin_k).to(q.dtype)
         k_codec, center = PLAIN, None
-    return attend(q, k, v, (past_k, past_v), k_codec, v_codec, center, fast=fast)
+    return attend(q, k, v, (past_k, past_v), k_codec, v_codec, center, fused)

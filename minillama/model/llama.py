@@ -45,10 +45,10 @@ class Attention(nn.Module):
 
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
-    def forward(self, x, cos, sin, cache: Cache | None, layer: int, rotary: RotaryTable | None = None, fast=False):
+    def forward(self, x, cos, sin, cache: Cache | None, layer: int, rotary: RotaryTable | None = None, fused=None):
         """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output and the
-        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``fast``:
-        PyTorch's fused attention for the new tokens where it applies (model/attention.py)."""
+        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``fused``:
+        the fused attention for the new tokens, or None for the explicit math (model/attention.py)."""
         b, t, _ = x.shape
         if self.qkv is not None:  # one matrix product for q, k and v (their weights are views of it)
             qkv = project(x, *self.qkv)  # (B, T, (Hq + 2 Hkv) D)
@@ -62,9 +62,9 @@ class Attention(nn.Module):
         q, k_rope = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         stored = k if pre else k_rope
         if cache is None:
-            out = attend(q, k_rope, v, None, None, None, fast=fast)
+            out = attend(q, k_rope, v, None, None, None, fused=fused)
         else:
-            out = attend_cache(q, k_rope, v, cache.layer(layer), rotary if pre else None, fast)
+            out = attend_cache(q, k_rope, v, cache.layer(layer), rotary if pre else None, fused)
         out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
         return self.o_proj(out), (stored, v)
 
@@ -93,8 +93,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, layer, rotary=None, fast=False):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fast)
+    def forward(self, x, cos, sin, cache, layer, rotary=None, fused=None):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fused)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
@@ -202,10 +202,10 @@ class Llama(nn.Module):
         x = self.model.embed_tokens(tokens)  # (B, T, hidden)
         positions = torch.arange(first, first + t, device=tokens.device)  # (T,)
         cos, sin = rope_tables(self.inv_freq, positions, self.dtype)  # (T, D) each
-        fast = step.fast_paths()
+        fused = step.chunk_attention()
         new_kv = []
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, cache, i, rotary, fast)
+            x, kv = layer(x, cos, sin, cache, i, rotary, fused)
             new_kv.append(kv)
         if cache is not None:
             cache.append(new_kv)  # the one place the cache grows

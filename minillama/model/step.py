@@ -26,6 +26,7 @@ from minillama.kv.cache import KVCache
 from minillama.kv.fused_attention import layer_plan
 from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache
+from minillama.model.attention import Fused, sdpa
 from minillama.model.rope import rope_tables
 from minillama.native import backend, ops
 from minillama.native.abi import DTYPE_CODE, LayerPlan, LayerStep, NotSupported, StepEnds
@@ -204,10 +205,23 @@ def kernels(device=None):
     return backend.library(device)
 
 
-def fast_paths() -> bool:
-    """Whether the PyTorch layers may use PyTorch's fused attention for prefill chunks (every
-    backend but ``reference``, which is the plain math throughout)."""
-    return backend.fast_paths()
+def chunk_attention() -> Fused | None:
+    """How the PyTorch layers attend a chunk of new tokens (model/attention.py: attend's ``fused``):
+    None on the reference backend (the explicit masked softmax, the plain math throughout), else
+    ``_fused_chunk``: the native causal kernel where the kernels run, PyTorch's SDPA elsewhere."""
+    return _fused_chunk if backend.fast_paths() else None
+
+
+def _fused_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """attention.sdpa's contract, by native/prefill_attention.cpp when the kernels run on q's device
+    and take its shape (float32, head_dim 64 or 128), else by sdpa (the reason recorded)."""
+    lib = kernels(q.device)
+    if lib is not None:
+        try:
+            return ops.causal_attention(lib, q, k, v)
+        except NotSupported as e:
+            backend.fallback(f"prefill attention: {e}")
+    return sdpa(q, k, v)
 
 
 def decode(
@@ -219,7 +233,7 @@ def decode(
     (B, 1, hidden); the cache grown. None when the PyTorch layers run instead: not a decode step,
     the reference backend, a dtype or layout the step does not take, or a cache part no kernel
     reads (recorded as a fallback; nothing ran)."""
-    if tokens.shape[1] != 1:  # a prefill chunk: the PyTorch layers, fused attention (fast_paths)
+    if tokens.shape[1] != 1:  # a prefill chunk: the PyTorch layers, fused attention (chunk_attention)
         return None
     lib = kernels(tokens.device)
     if lib is None:  # the reference backend, or no kernels on this machine (describe() says why)

@@ -3,8 +3,8 @@
     reference       plain PyTorch everywhere: the readable specification, on any device
     kernels         the compiled kernels wherever they apply (the default): decode projections
                     and small ops, cache writes, decode attention straight over packed codes
-                    (integer-domain dot products where a codec allows), PyTorch's fused
-                    attention for prefill chunks
+                    (integer-domain dot products where a codec allows), causal attention
+                    for prefill chunks (PyTorch's fused attention where no kernel applies)
     kernels-exact   the same, with decode attention in exact float arithmetic
 
 Set it from Python (``set_backend("reference")``, or ``with using("kernels-exact"): ...``),
@@ -89,7 +89,7 @@ def library(device: torch.device | str | None = None) -> ctypes.CDLL | None:
 
 def fast_paths() -> bool:
     """Whether the fast paths run at all (kernels, kernels-exact): besides the compiled kernels,
-    PyTorch's fused attention for prefill chunks, on any device."""
+    fused attention for prefill chunks on any device (model/step.py: chunk_attention)."""
     return name() != "reference"
 
 

@@ -181,6 +181,13 @@ int route_supported(int route, int values, const RowSource* src, int R, int D);
 // 1 when the exact kernels read `src` faster than the integer route would on this build, else 0.
 int exact_is_faster(int values, const RowSource* src, int D);
 
+// A prefill chunk's causal attention (prefill_attention.cpp), float32: q (B, Hq, T, D), k and v
+// (B, Hkv, L, D), out (B, Hq, T, D), each by its strides in elements (batch, head, token; channels
+// contiguous). Query t sees keys 0 .. L - T + t. D 64 or 128.
+int causal_attention(const float* q, const int64_t* q_strides, const float* k, const int64_t* k_strides,
+                     const float* v, const int64_t* v_strides, int B, int Hq, int Hkv, int T, int L, int D,
+                     float* out, const int64_t* out_strides);
+
 // Projections (linear.cpp): y (M, N) float32 = x (M, K) @ W (N, K)^T; x and W float32 or bfloat16
 // (dtype codes), any M (the weights stream once per 16 rows).
 int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y);

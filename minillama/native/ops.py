@@ -42,6 +42,23 @@ def gemm_rows(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def causal_attention(lib, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (B, Hq, T, D), k and v (B, Hkv, P+T, D), float32 -> (B, Hq, T, D) float32: query t attends
+    keys 0 .. P+t, i.e. ``F.scaled_dot_product_attention`` with the bottom-right causal mask and
+    ``enable_gqa`` (native/prefill_attention.cpp). Any strides with contiguous channels; the
+    output is laid out (B, T, Hq, D) in memory, as the output projection reads it."""
+    for t, what in ((q, "q"), (k, "k"), (v, "v")):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise NotSupported(f"causal_attention: {what} is {t.dtype} on {t.device.type}, not float32 on the CPU")
+    b, hq, t, d = q.shape
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    out = torch.empty(b, t, hq, d).transpose(1, 2)  # (B, Hq, T, D) viewing (B, T, Hq, D) memory
+    (qs, ks, vs, os_) = ((ctypes.c_int64 * 3)(*x.stride()[:3]) for x in (q, k, v, out))
+    status = lib.causal_attention(_p(q), qs, _p(k), ks, _p(v), vs, b, hq, k.shape[1], t, k.shape[2], d, _p(out), os_)
+    check(status, "causal_attention")
+    return out
+
+
 def silu_mul(lib, gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up from a fused (M, 2I) gate|up row block, float32 or bfloat16, rounded where
     model/llama.py's MLP rounds (the step's own SiLU, native/decode_ops.cpp)."""
