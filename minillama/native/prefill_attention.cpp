@@ -23,6 +23,7 @@
 
 #include "minillama.h"
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -37,15 +38,15 @@ namespace {
 // W floats a vector, the width of the target's registers; the tiles keep their sums in registers:
 // MR x 2 for scores, RV x CV for values (32 registers with AVX-512, 16 with AVX2 or SSE).
 #if defined(__AVX512F__)
-constexpr int W = 16, MR = 8, RV = 4;
+constexpr int W = 16, NK = 2, MR = 8, RV = 4;
 #elif defined(__AVX__)
-constexpr int W = 8, MR = 6, RV = 2;
+constexpr int W = 8, NK = 2, MR = 6, RV = 2;
 #else
-constexpr int W = 4, MR = 6, RV = 2;
+constexpr int W = 4, NK = 2, MR = 6, RV = 2;
 #endif
 typedef float vec __attribute__((vector_size(W * 4)));
 typedef int ivec __attribute__((vector_size(W * 4)));
-constexpr int KB = 2 * W;     // keys per block: two vectors
+constexpr int KB = NK * W;    // keys per block: NK vectors
 constexpr int CV = 4;         // value channels at a time, in vectors
 constexpr int MAX_ROWS = 64;  // rows per task (R query heads x QB tokens, then rounded up to MR)
 
@@ -84,9 +85,17 @@ inline vec exp2v(vec x) {
 }
 
 inline float hmax(vec v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)v);
+#elif defined(__AVX__)
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+#else
     float m = v[0];
     for (int i = 1; i < W; i++) m = std::max(m, v[i]);
     return m;
+#endif
 }
 
 inline float hsum(vec v) {
@@ -98,20 +107,19 @@ inline float hsum(vec v) {
 // s[r][0..KB) = q[r] . k_j for MR rows of D channels, the keys packed d-major: kT[d * KB + j].
 template <int D>
 inline void scores_tile(const float* q, const float* kT, float* s) {
-    vec acc[MR][2];
-    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = vec{};
+    vec acc[MR][NK];
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < NK; c++) acc[r][c] = vec{};
     for (int d = 0; d < D; d++) {
-        const vec k0 = load(kT + d * KB), k1 = load(kT + d * KB + W);
+        vec keys[NK];
+        for (int c = 0; c < NK; c++) keys[c] = load(kT + d * KB + c * W);
         for (int r = 0; r < MR; r++) {
             const float x = q[r * D + d];
-            acc[r][0] += x * k0;
-            acc[r][1] += x * k1;
+            for (int c = 0; c < NK; c++) acc[r][c] += x * keys[c];
         }
     }
-    for (int r = 0; r < MR; r++) {
-        store(s + r * KB, acc[r][0]);
-        store(s + r * KB + W, acc[r][1]);
-    }
+    for (int r = 0; r < MR; r++)
+        for (int c = 0; c < NK; c++) store(s + r * KB + c * W, acc[r][c]);
 }
 
 // o[r] += sum_j p[r][j] v_j for RV rows of D channels (CV vectors at a time), over n <= KB value
@@ -168,7 +176,8 @@ void causal_attention_impl(const float* q, Strides qs, const float* k, Strides k
         alignas(64) float qt[MAX_ROWS + MR][D];   // the task's queries, scaled; padding rows zero
         alignas(64) float ot[MAX_ROWS + MR][D];   // its output sums
         alignas(64) float st[MAX_ROWS + MR][KB];  // a block's scores, then weights
-        float m[MAX_ROWS + MR], l[MAX_ROWS + MR];
+        float m[MAX_ROWS + MR];                   // a row's running max
+        vec l[MAX_ROWS + MR];                     // its running sums of weights, W lanes (summed at the end)
         int last[MAX_ROWS + MR];  // a row's last visible key
         // the longest tasks (the last query blocks) first, the rest as threads come free
 #pragma omp for schedule(dynamic, 1)
@@ -189,7 +198,7 @@ void causal_attention_impl(const float* q, Strides qs, const float* k, Strides k
                 }
                 std::memset(ot[row], 0, sizeof ot[row]);
                 m[row] = -INFINITY;
-                l[row] = 0.f;
+                l[row] = vec{};
             }
             const int keys = P + t0 + nt;  // the task's last row sees keys [0, keys)
             const float* kpack = kp.data() + (size_t)bh * nblocks * D * KB;
@@ -205,13 +214,20 @@ void causal_attention_impl(const float* q, Strides qs, const float* k, Strides k
                         continue;
                     }
                     for (int j = visible; j < KB; j++) s[j] = -INFINITY;
-                    const vec s0 = load(s), s1 = load(s + W);
-                    const float mnew = std::max(m[row], hmax(s0 > s1 ? s0 : s1));
+                    vec top = load(s);
+                    for (int c = 1; c < NK; c++) {
+                        const vec x = load(s + c * W);
+                        top = x > top ? x : top;
+                    }
+                    const float mnew = std::max(m[row], hmax(top));
                     const float alpha = exp2v(splat(m[row] - mnew))[0];  // 0 on the first block
-                    const vec p0 = exp2v(s0 - mnew), p1 = exp2v(s1 - mnew);
-                    store(s, p0);
-                    store(s + W, p1);
-                    l[row] = l[row] * alpha + hsum(p0 + p1);
+                    vec sum = l[row] * alpha;
+                    for (int c = 0; c < NK; c++) {
+                        const vec p = exp2v(load(s + c * W) - mnew);
+                        store(s + c * W, p);
+                        sum += p;
+                    }
+                    l[row] = sum;
                     m[row] = mnew;
                     if (alpha != 1.f)
                         for (int c = 0; c < D; c += W) store(ot[row] + c, load(ot[row] + c) * alpha);
@@ -221,7 +237,7 @@ void causal_attention_impl(const float* q, Strides qs, const float* k, Strides k
             for (int row = 0; row < rows; row++) {
                 const int t = t0 + row / R, h = g * R + row % R;
                 float* dst = out + b * os.b + h * os.h + t * os.t;
-                const float inv = 1.f / l[row];
+                const float inv = 1.f / hsum(l[row]);
                 for (int d = 0; d < D; d++) dst[d] = ot[row][d] * inv;
             }
         }
