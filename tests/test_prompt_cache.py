@@ -46,6 +46,9 @@ def greedy(lm, cache, ids, held=0, logits=None, n=24):
     return [t for t, _ in generate(lm.model, ids, cache, GenerateOptions(n, GREEDY), held=held, logits=logits)]
 
 
+TIERED = "k=lm3hb,v=lm2hb,group=32,residual=4,sinks=2,center=1,tier=24:lm4hb"  # an age tier (kv/store.py): its rings travel in the file too
+
+
 def saved_file(lm, tmp_path, spec: str, ids: list[int], capacity: int = 256):
     """Prefill ids into a fresh cache, save it; returns (path, the cache, its last logits)."""
     cache = KVCache.for_model(lm.config, parse_kv(spec), capacity)
@@ -56,7 +59,8 @@ def saved_file(lm, tmp_path, spec: str, ids: list[int], capacity: int = 256):
 
 
 @pytest.mark.parametrize(
-    "spec, capacity", [(s, 256) for s in FAMILIES] + [("hadv2", 96), ("k=fp16,v=fp16,sinks=4", 64)]
+    "spec, capacity",
+    [(s, 256) for s in FAMILIES] + [("hadv2", 96), ("k=fp16,v=fp16,sinks=4", 64), (TIERED, 256), (TIERED, 96)],
 )
 def test_save_load_continues_token_for_token_like_the_uninterrupted_run(tiny, tmp_path, spec, capacity):
     ids = prompt(200)
@@ -115,7 +119,7 @@ def test_a_prefix_the_ring_evicted_restarts_empty(tiny, tmp_path):
     assert reused == 0 and cache.held == 0
 
 
-@pytest.mark.parametrize("spec", ["hadv2", "k4v3lmc", "k=nuq3,v=int3cs,residual=5,sinks=2"])
+@pytest.mark.parametrize("spec", ["hadv2", "k4v3lmc", "k=nuq3,v=int3cs,residual=5,sinks=2", TIERED])
 def test_the_file_is_the_cache_bytes_plus_a_small_header(tiny, tmp_path, spec):
     """file bytes = the cache's live bytes + token ids and positions (8 bytes each) + the last
     logits (4 x vocab) + the safetensors header, which stays under 4 KiB + 512 bytes per tensor."""

@@ -16,7 +16,7 @@ from minillama.kv.spec import KVSpec
 
 def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tokens: int) -> str:
     """A printable budget of `spec` for a model of these sizes at `tokens` tokens, measured from a real cache."""
-    cache = KVCache(spec, n_layers, n_kv_heads, head_dim, capacity=max(tokens, spec.sinks + spec.residual + spec.unit))
+    cache = KVCache(spec, n_layers, n_kv_heads, head_dim, capacity=max(tokens, spec.sinks + spec.residual + spec.tier + spec.unit))
     fill_synthetic(cache, tokens)
     live = cache.live_bytes()
     fp16 = n_layers * 2 * n_kv_heads * head_dim * tokens * 2
@@ -28,6 +28,7 @@ def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tok
         + (" rope=pre" if spec.rope == "pre" else "")
         + (" positions=cache" if spec.positions == "cache" else "")
         + (f" start={spec.start}" if spec.start else "")
+        + (f" tier={spec.tier}:{spec.tier_codec.name}" if spec.tier else "")
         + (f"; layers: {spec.layer_mix()}" if spec.layer_codecs else ""),
         f"model: {n_layers} layers x {n_kv_heads} KV heads x head_dim {head_dim}; {tokens} tokens",
         *(f"  {k:<9}{v:>14,d} bytes" for k, v in live.items()),
@@ -56,6 +57,7 @@ def inspect_file(path: str) -> dict:
                 "body": live["codes"] + live["scales"],
                 "residual": live["residual"],
                 "body_tokens": store.n_body,
+                "tier_tokens": store.n_tier,
             }
         layers.append(row)
     positions = saved.tensors["positions"].tolist()

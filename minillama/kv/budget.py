@@ -19,11 +19,21 @@ def store_live_bytes(
     sinks = min(spec.sinks, tokens)
     rest = tokens - sinks
     unit = codec.unit(group)
-    body = max(0, (rest - spec.residual) // unit * unit) if tokens >= spec.start else 0
-    out = {"codes": 0.0, "scales": 0.0, "residual": (rest - body) * head_dim * exact, "sinks": sinks * head_dim * exact}
-    for p in codec.parts(head_dim, group):
+    tier_len, tier_codec = spec.tier_of(codec)
+    # the body takes whole units of what is older than the residual and the tier
+    body = max(0, (rest - spec.residual - tier_len) // unit * unit) if tokens >= spec.start else 0
+    tier = max(0, rest - spec.residual - body) if tier_len else 0
+    out = {
+        "codes": 0.0,
+        "scales": 0.0,
+        "residual": (rest - body - tier) * head_dim * exact,
+        "sinks": sinks * head_dim * exact,
+    }
+    coded = [(p, body) for p in codec.parts(head_dim, group)]
+    coded += [(p, tier) for p in tier_codec.parts(head_dim, head_dim)] if tier_len else []
+    for p, n in coded:
         key = "codes" if p.name in ("codes", "values") else "scales"
-        out[key] += body // p.tokens_per_row * p.width * p.dtype.itemsize
+        out[key] += n // p.tokens_per_row * p.width * p.dtype.itemsize
     if centered and tokens:
         out["scales"] += head_dim * exact  # the per-channel key mean, one row per head
     if body:

@@ -1,8 +1,8 @@
 """The KV cache: a fixed-capacity ring buffer of (possibly quantized) keys and values.
 
 Per layer and per tensor (K or V) a ``TensorStore`` (``store.py``) holds
-``[ sinks | quantized body | full-precision residual ]``. Only KV heads are stored (GQA
-expands after the read). By default keys are stored after RoPE, so each keeps the position
+``[ sinks | quantized body | tier | full-precision residual ]`` (a tier only with ``tier=``).
+Only KV heads are stored (GQA expands after the read). By default keys are stored after RoPE, so each keeps the position
 it was written at and positions keep increasing when the ring evicts; with ``rope=pre``
 keys are stored before RoPE and the cache says which position each held token has
 (``part_positions``): its original one, or with ``positions=cache`` its slot.
@@ -63,9 +63,10 @@ class KVCache:
         on_full: str = "evict",
     ):
         spec.validate(head_dim, n_layers)
-        if capacity - spec.sinks - spec.residual < spec.unit:
+        if capacity - spec.sinks - spec.residual - spec.tier < spec.unit:
+            tier = f" + tier={spec.tier}" if spec.tier else ""
             raise UserError(
-                f"cache capacity {capacity} is too small for sinks={spec.sinks} + residual={spec.residual} "
+                f"cache capacity {capacity} is too small for sinks={spec.sinks} + residual={spec.residual}{tier} "
                 f"+ one group of {spec.unit}: raise --ctx"
             )
         if on_full not in ("evict", "stop"):

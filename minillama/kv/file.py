@@ -31,6 +31,7 @@ from minillama.errors import UserError
 from minillama.kv.cache import KVCache
 from minillama.kv.quantize import uniform_levels
 from minillama.kv.spec import parse_kv
+from minillama.kv.store import TIER
 
 FORMAT = "minillama-kv-cache/1"
 
@@ -68,7 +69,9 @@ _FIELDS = {
 
 
 def _rings(store) -> dict:
-    return {"sinks": store.sinks, "residual": store.residual, **store.body}
+    """Every ring of a store by the name the file gives it (the tier's as ``tier:codes``, ...)."""
+    tier = {TIER + name: ring for name, ring in store.tier.items()}
+    return {"sinks": store.sinks, "residual": store.residual, **store.body, **tier}
 
 
 def encode(
@@ -358,6 +361,8 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
             per_row = {name: store.tokens_per_row[name] for name in store.body}
             if any(store.body[name].count * n != store.n_body for name, n in per_row.items()):
                 raise bad(f"{prefix}body rows do not cover its {store.n_body} tokens")
+            if len({ring.count for ring in store.tier.values()}) > 1:
+                raise bad(f"{prefix}tier parts hold different numbers of tokens")
             if store.held != held:
                 raise bad(f"{prefix}rings hold {store.held} tokens, the header says {held}")
             names = set(entry["params"])

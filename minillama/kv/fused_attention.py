@@ -4,7 +4,7 @@ The same math as ``model/attention.py: attend`` (the reference and test oracle) 
 but every part of the cache is read in place by the C++ kernels, and the whole layer's
 attention is one call (``native/layer_attention.cpp``), because on a small CPU each
 PyTorch call costs tens of microseconds. This module only describes the layer to it: each
-held part of K and V (``LayerView.parts()``: sinks, quantized body, residual) becomes a
+held part of K and V (``LayerView.parts()``: sinks, quantized body, tier, residual) becomes a
 ``RowSource`` (where its rows live, how to decode them, native/minillama.h) and a route, the
 kernel that reads it:
 
@@ -40,7 +40,7 @@ import torch
 
 from minillama.kv.interface import LayerView, PartView
 from minillama.native import backend, ops
-from minillama.native.abi import DTYPE_CODE, STATUS, LayerPlan, NotSupported, Route, RowKind, RowSource
+from minillama.native.abi import DTYPE_CODE, MAX_PARTS, STATUS, LayerPlan, NotSupported, Route, RowKind, RowSource
 
 
 def row_source(
@@ -214,7 +214,7 @@ class CachePlans:
     lives (rings never move), so it is described once; what a step changes is each part's token
     count, the slot of its oldest row and its first position, the same numbers for every layer
     that shares a codec (kv/layered.py). A group's plans are made again only when its parts
-    appear (sinks, body, residual start out empty), a calibrated codec fits its ranges, the key
+    appear (sinks, body, tier, residual start out empty), a calibrated codec fits its ranges, the key
     center is set or the cache is cleared: ``_shape`` names all of that. `keep` holds alive every
     tensor the plans point into."""
 
@@ -224,11 +224,11 @@ class CachePlans:
         self.keep: list[list] = [[] for _ in range(cache.n_layers)]
         self.shapes: list[tuple | None] = [None] * len(cache.stores)
         self.members: list = [None] * len(cache.stores)  # per group: its layers' plan pointers (set_parts)
-        self.live = (ctypes.c_int * 12)()  # a group's (n, start, scale start, first position) per part
+        self.live = (ctypes.c_int * (4 * MAX_PARTS))()  # a group's (n, start, scale start, first position) per part
 
     def _shape(self, shared, rope_tables) -> tuple:
         lead = shared.stores[0]
-        present = (lead.sinks.count > 0, lead.n_body > 0, lead.residual.count > 0)
+        present = (lead.sinks.count > 0, lead.n_body > 0, lead.n_tier > 0, lead.residual.count > 0)
         return present, lead.center, lead.params, rope_tables, backend.exact_attention()
 
     @staticmethod
@@ -267,6 +267,7 @@ class CachePlans:
             for name, n, rings in (
                 ("sinks", lead.sinks.count, {"values": lead.sinks}),
                 ("body", lead.n_body, lead.body),
+                ("tier", lead.n_tier, lead.tier),
                 ("residual", lead.residual.count, {"values": lead.residual}),
             ):
                 if n:

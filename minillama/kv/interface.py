@@ -11,7 +11,7 @@ gpt-fast's model uses ``KVCache.update`` and mlx-lm's ``offset``/``update_and_fe
 
 A ``LayerView`` gives the codecs of keys and values (their storage spaces), the key center,
 the held tokens' positions, ``read(dtype)`` for the reference attention (dequantized, counted
-as read) and ``parts()`` for the kernels: each held part (sinks, quantized body, residual) of
+as read) and ``parts()`` for the kernels: each held part (sinks, quantized body, tier, residual) of
 each tensor, its rings as ``RingView`` (a buffer and the slot of its oldest row); a kernel that
 has read them says so with ``count_kernel_read()``. Nothing else of the cache's insides (rings,
 stores, counters) reaches the model.
@@ -42,7 +42,7 @@ class RingView:
 class PartView:
     """One held part of one tensor of one layer: n consecutive tokens at positions first_position..."""
 
-    name: str  # "sinks" | "body" | "residual"
+    name: str  # "sinks" | "body" | "tier" | "residual"
     n: int  # tokens held in this part
     first_position: int  # position of its first token (positions are consecutive inside a part)
     codec: Codec  # how its rows are stored: the tensor's codec for the body, an exact float codec otherwise

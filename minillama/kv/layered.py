@@ -27,7 +27,7 @@ from minillama.kv.codecs import Affine, Codebook, FloatCodec
 from minillama.kv.freq_blocks import FrequencyBlocks, block_books, block_widths
 from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.kv.ring import Ring, ring_buffer
-from minillama.kv.store import TensorStore, layout
+from minillama.kv.store import TIER, TensorStore, layout
 from minillama.kv.write import encode, native_encoding, storage_form
 from minillama.native.abi import DTYPE_CODE, RingRef, TokenWrite
 
@@ -116,6 +116,11 @@ class LayeredStore:
         ]
         self.sinks = SharedRing(bufs.pop("sinks"), [s.sinks for s in self.stores])
         self.residual = SharedRing(bufs.pop("residual"), [s.residual for s in self.stores])
+        self.tier = {  # the tier's parts (kv/store.py), by the tier codec's part names
+            name[len(TIER) :]: SharedRing(bufs.pop(name), [s.tier[name[len(TIER) :]] for s in self.stores])
+            for name in list(bufs)
+            if name.startswith(TIER)
+        }
         self.body = {name: SharedRing(buf, [s.body[name] for s in self.stores]) for name, buf in bufs.items()}
         self._centers: tuple[list, torch.Tensor] | None = None  # centered keys: the members' centers, stacked
 
@@ -146,9 +151,15 @@ class LayeredStore:
             from_body = min(evict, lead.n_body)
             for store in stores:
                 store._drop_body(from_body)
-            from_res = min(evict - from_body, lead.residual.count)
+            from_tier = min(evict - from_body, lead.n_tier)
+            for ring in self.tier.values():
+                ring.drop_oldest(from_tier)
+            from_res = min(evict - from_body - from_tier, lead.residual.count)
             self.residual.drop_oldest(from_res)
-            x = x[:, :, :, evict - from_body - from_res :]
+            x = x[:, :, :, evict - from_body - from_tier - from_res :]
+        if self.tier:
+            w, r = self._through_tier(x)
+            return written + w, read + r
         n_flush = self._flush_count(lead.residual.count + x.shape[3])
         if n_flush:
             r = min(n_flush, lead.residual.count)
@@ -163,6 +174,49 @@ class LayeredStore:
         if x.shape[3]:
             written += self.residual.push(x)
         return written, read
+
+    def _through_tier(self, x: torch.Tensor) -> tuple[int, int]:
+        """``append``'s flush with a tier (kv/store.py): new non-sink vectors x (L, B, H, n, D) in
+        storage form. The tokens leaving the exact residual (its oldest, then the oldest new ones)
+        go to the tier; once ``tier + unit`` wait there, whole units of its oldest go to the body,
+        decoded from the tier and coded again; leaving tokens the body takes in the same append
+        are coded once, from their exact values. Returns (bytes written, bytes read)."""
+        lead = self.stores[0]
+        res, n_layers, unit = lead.residual, len(self.stores), lead.unit
+        leave = max(0, res.count + x.shape[3] - lead.residual_len)  # tokens leaving the residual
+        n_flush = max(0, (lead.n_tier + leave - lead.tier_len) // unit * unit)  # tokens into the body
+        from_tier = min(n_flush, lead.n_tier)
+        from_res = min(leave, res.count)
+        old, new = self.residual.read(0, from_res), x[:, :, :, : leave - from_res]
+        leaving = torch.cat([old, new], dim=3)  # (L, B, H, leave, D): the oldest exact tokens
+        written = read = from_res * res.row_bytes * n_layers
+        if n_flush:
+            block = leaving[:, :, :, : n_flush - from_tier]  # (L, B, H, n, D): exact, straight to the body
+            if from_tier:
+                block = torch.cat([self._decode_tier(from_tier).to(block.dtype), block], dim=3)
+                read += sum(ring.lead.row_bytes * from_tier * n_layers for ring in self.tier.values())
+                for ring in self.tier.values():
+                    ring.drop_oldest(from_tier)
+            written += self._encode(block, block[:, :, :, :0], n_flush)
+        to_tier = leaving[:, :, :, n_flush - from_tier :]  # (L, B, H, m, D)
+        if to_tier.shape[3]:
+            l_, b, h, m, d = to_tier.shape
+            parts = encode(lead.tier_codec, to_tier.reshape(l_ * b, h, m, d), d)  # (L*B, H, m, width) each
+            for name, part in parts.items():
+                written += self.tier[name].push(part.reshape(l_, b, *part.shape[1:]))
+        self.residual.drop_oldest(from_res)
+        stay = x[:, :, :, leave - from_res :]
+        if stay.shape[3]:
+            written += self.residual.push(stay)
+        return written, read
+
+    def _decode_tier(self, n: int) -> torch.Tensor:
+        """The oldest n tier tokens of every layer, decoded: (L, B, H, n, D) float32, storage space."""
+        lead = self.stores[0]
+        parts = {name: ring.read(0, n) for name, ring in self.tier.items()}  # (L, B, H, n, width) each
+        l_, b, h = next(iter(parts.values())).shape[:3]
+        flat = {name: p.reshape(l_ * b, h, *p.shape[3:]) for name, p in parts.items()}
+        return lead.tier_codec.decode(flat, lead.head_dim, lead.head_dim).reshape(l_, b, h, n, lead.head_dim)
 
     def _flush_count(self, waiting: int) -> int:
         """Tokens to encode into the body now, with `waiting` non-sink tokens past the body (the
@@ -204,12 +258,12 @@ class LayeredStore:
         write_tokens takes it: the same decisions as ``append``, taken here from the counters, and
         the same bytes (a test holds them equal). Nothing changes until the cache has made the
         write and called ``finish``. None where the kernel does not write this codec (vector codes,
-        calibrated ranges, non-float16 rows, the first append of centered keys): ``append`` then
-        does it."""
+        calibrated ranges, non-float16 rows, the first append of centered keys, a tier): ``append``
+        then does it."""
         lead, stores = self.stores[0], self.stores
         codec, n_layers = lead.codec, len(stores)
         kind = _token_kind(codec)
-        if kind is None or x.dtype not in DTYPE_CODE or lead.residual.buf.dtype != torch.float16:
+        if kind is None or x.dtype not in DTYPE_CODE or lead.residual.buf.dtype != torch.float16 or self.tier:
             return None
         if lead.centered and lead.center is None:
             return None

@@ -19,6 +19,10 @@ A spec is plain data; the cache (``cache.py``) and its stores (``store.py``) act
   bits: the first layers of Llama models are the most sensitive to key error).
 * ``layers=K/V;K/V;...``: every layer's (K, V) codecs, overriding ``k=`` and ``v=`` (mixed
   precision by layer; ``minillama kv allocate`` writes one from sensitivity maps, kv/allocate.py).
+* ``tier=N:CODEC``: the N tokens just older than the exact residual are kept in a finer codec
+  than the body (an age tier, kv/store.py): ``residual=8,tier=56:lm4hb`` keeps the newest 8
+  exact and the 56 before them at 4 bits, the rest in each layer's body codec. The recent
+  tokens are where attention looks most (docs/quality.md, Frontier XV).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class KVSpec:
     # Every layer's (K, V) codecs, overriding k, v and kfirst: mixed precision by layer (the
     # sensitivity map quantizes one tensor of one layer; eval/sensitivity.py). Not in the grammar.
     layer_codecs: tuple[tuple[Codec, Codec], ...] = ()
+    tier: int = 0  # tokens kept in tier_codec between the body and the exact residual
+    tier_codec: Codec | None = None
 
     @property
     def quantized(self) -> bool:
@@ -62,6 +68,10 @@ class KVSpec:
         keys = [self.k] + ([self.kfirst] if self.kfirst else []) + [k for k, _ in self.layer_codecs]
         values = [self.v] + [v for _, v in self.layer_codecs]
         return max(*(v.unit(self.vgroup) for v in values), *(k.unit(self.kgroup) for k in keys))
+
+    def tier_of(self, codec: Codec) -> tuple[int, Codec | None]:
+        """(tokens, codec) of the age tier of a tensor stored with `codec`: none for exact tensors."""
+        return (self.tier, self.tier_codec) if self.tier and codec.quantized else (0, None)
 
     def tensors(self, layer: int = -1) -> list[tuple[Codec, int, bool]]:
         """(codec, group, centered) for K, then V, of this layer (-1: past the first layers)."""
@@ -114,6 +124,21 @@ class KVSpec:
                 )
         if head_dim % 2:
             raise UserError(f"head_dim {head_dim} is odd: RoPE pairs channels")
+        if self.tier:
+            self.tier_codec.validate(head_dim, head_dim)
+            if self.start:
+                raise UserError("--kv tier= and start= do not go together: give one of them")
+            bodies = {c for pair in [(self.k, self.v), *self.layer_codecs] for c in pair if c.quantized}
+            bodies |= {self.kfirst} if self.kfirst is not None and self.kfirst.quantized else set()
+            for body in sorted(bodies, key=lambda c: c.name):
+                if body.rotate != self.tier_codec.rotate:
+                    twin = "an unrotated" if body.rotate is False else "a Hadamard (h)"
+                    raise UserError(
+                        f"--kv tier={self.tier}:{self.tier_codec.name} codes in the space of the body codec {body.name}, "
+                        f"which is {'' if body.rotate else 'not '}rotated: give the tier {twin} codec"
+                    )
+                if body.per_sequence:
+                    raise UserError(f"--kv tier= cannot sit beside {body.name}: its ranges are fitted per sequence")
 
     def __str__(self) -> str:
         return self.name or self.canonical()
@@ -130,6 +155,7 @@ class KVSpec:
             (f"start={self.start}", self.start > 0),
             (f"kfirst={self.kfirst.name if self.kfirst else ''},first={self.first}", self.kfirst is not None),
             ("layers=" + ";".join(f"{k.name}/{v.name}" for k, v in self.layer_codecs), bool(self.layer_codecs)),
+            (f"tier={self.tier}:{self.tier_codec.name if self.tier_codec else ''}", self.tier > 0),
         ]
         return text + "".join("," + e for e, on in extras if on)
 
@@ -220,7 +246,7 @@ PRESET_NOTES: dict[str, str] = {
 GRAMMAR = (
     "k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
     "[,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]"
-    "[,layers=K/V;K/V;...]"
+    "[,layers=K/V;K/V;...][,tier=N:CODEC]"
 )
 NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start", "first")
 WORDS = {"rope": ("post", "pre"), "positions": ("absolute", "cache")}
@@ -251,7 +277,7 @@ def parse_kv(text: str) -> KVSpec:
     fields: dict[str, str] = {}
     for item in text.split(","):
         m = _FIELD.match(item.strip())
-        if not m or m.group(1) not in ("k", "v", "kfirst", "layers", *NUMBERS, *WORDS):
+        if not m or m.group(1) not in ("k", "v", "kfirst", "layers", "tier", *NUMBERS, *WORDS):
             raise UserError(  # the grammar alone: with every preset and codec the line outgrew a terminal's screen
                 f"malformed --kv item {shown(item)}: expected {GRAMMAR} (`minillama kv --list` shows the presets and codecs)"
             )
@@ -303,6 +329,7 @@ def parse_kv(text: str) -> KVSpec:
     quantized = k.quantized or v.quantized or (kfirst is not None and kfirst.quantized)
     quantized = quantized or any(c.quantized for pair in layers for c in pair)
     residual = nums.get("residual", 32 if quantized else 0)
+    tier, tier_codec = _tier(fields["tier"], quantized) if "tier" in fields else (0, None)
     return KVSpec(
         k,
         v,
@@ -318,7 +345,28 @@ def parse_kv(text: str) -> KVSpec:
         kfirst=kfirst,
         first=nums.get("first", 0),
         layer_codecs=layers,
+        tier=tier,
+        tier_codec=tier_codec,
     )
+
+
+def _tier(text: str, quantized: bool) -> tuple[int, Codec]:
+    """``N:CODEC`` -> (N, the codec): N >= 1 tokens in a quantized per-token codec."""
+    n, _, name = text.partition(":")
+    if not n.strip().isdigit() or int(n) < 1 or not name.strip():
+        raise UserError(f"--kv tier={shown(text)}: write tier=N:CODEC, N tokens of at least 1 (e.g. tier=56:lm4hb)")
+    codec = codec_named(name.strip())
+    if codec is None:
+        raise UserError(f"unknown codec {shown(name.strip())} for tier= ({_choices()})")
+    per_channel = codec.unit(2) != 1  # unit(G) is G for codecs that quantize along time
+    if not codec.quantized or per_channel or codec.per_sequence or codec.row_kind is None:
+        raise UserError(
+            f"--kv tier={shown(text)}: the tier needs a per-token quantized codec the kernels read "
+            "(lm4hb, lm4h, int4h, int8, ...)"
+        )
+    if not quantized:
+        raise UserError(f"--kv tier={shown(text)} needs a quantized body: every codec here keeps tokens exact")
+    return int(n), codec
 
 
 def _layers(text: str) -> tuple[tuple[Codec, Codec], ...]:

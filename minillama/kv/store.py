@@ -1,8 +1,8 @@
-"""One tensor (K or V) of one layer in the cache: sinks, quantized body and residual.
+"""One tensor (K or V) of one layer in the cache: sinks, quantized body, tier and residual.
 
 Layout, in age order:
 
-    [ sinks | quantized body (ring) | full-precision residual (ring) ]
+    [ sinks | quantized body (ring) | tier (ring) | full-precision residual (ring) ]
 
 * **sinks**: the first ``sinks`` tokens, kept exact forever (attention sinks, StreamingLLM).
 * **body**: packed codes + fp16 scales/zeros written by the codec (``codecs.py``).
@@ -10,6 +10,13 @@ Layout, in age order:
   when ``residual + unit`` tokens wait there, and then ``unit`` of them are quantized at
   once (unit = the group size for KIVI per-channel keys, 1 otherwise), so the residual
   holds between ``residual`` and ``residual + unit - 1`` tokens.
+* **tier** (``tier=N:CODEC`` in the spec; none by default): the N tokens just older than the
+  residual, in a finer per-token codec than the body (e.g. 4-bit ``lm4hb`` beside a 2-3-bit
+  body). With a tier, a token leaving the residual is coded into the tier (the residual then
+  holds exactly ``residual`` tokens), and once ``N + unit`` wait in the tier its oldest whole
+  units are decoded and coded again into the body: they are rounded twice, the price of
+  holding the recent tokens finer without keeping them exact. Tokens that go straight to the
+  body in one append (a prefill) are coded once, from their exact values.
 
 Everything is kept in the codec's storage space (Hadamard-rotated for ``*h`` codecs;
 attention undoes that once per query). With ``center=1`` in the spec, keys are stored
@@ -57,16 +64,24 @@ def residual_slots(codec: Codec, group: int, spec: KVSpec) -> int:
     return max(spec.residual + codec.unit(group) - 1, spec.start)
 
 
+TIER = "tier:"  # the prefix of the tier's rings in a layout (its codec's parts: "tier:codes", "tier:scale")
+
+
 def layout(codec: Codec, group: int, spec: KVSpec, capacity: int, head_dim: int) -> dict[str, RingShape]:
-    """The rings one tensor of one layer preallocates: sinks, residual and the body's parts.
+    """The rings one tensor of one layer preallocates: sinks, residual, the tier's parts (named
+    ``tier:<part>``, one row a token, room for N + unit - 1) and the body's parts.
 
     The body holds the rest of the capacity, in rows of ``tokens_per_row`` tokens per part."""
     exact = codec.exact_dtype
+    tier, tier_codec = spec.tier_of(codec)
     shapes = {
         "sinks": RingShape(spec.sinks, head_dim, exact),
-        "residual": RingShape(residual_slots(codec, group, spec), head_dim, exact),
+        "residual": RingShape(spec.residual if tier else residual_slots(codec, group, spec), head_dim, exact),
     }
-    body_tokens = capacity - spec.sinks - spec.residual
+    if tier:
+        for p in tier_codec.parts(head_dim, head_dim):  # one scale (group) per token row
+            shapes[TIER + p.name] = RingShape(tier + codec.unit(group) - 1, p.width, p.dtype)
+    body_tokens = capacity - spec.sinks - spec.residual - tier
     for p in codec.parts(head_dim, group):
         shapes[p.name] = RingShape(body_tokens // p.tokens_per_row, p.width, p.dtype)
     return shapes
@@ -79,7 +94,7 @@ def allocation_bytes(codec: Codec, group: int, spec: KVSpec, capacity: int, head
 
 
 class TensorStore:
-    """Sinks, quantized body and residual for one tensor (K or V) of one layer."""
+    """Sinks, quantized body, tier and residual for one tensor (K or V) of one layer."""
 
     def __init__(
         self,
@@ -111,14 +126,25 @@ class TensorStore:
             }
         rings = {name: Ring(bufs[name]) for name in shapes}  # each (B, H, slots, width)
         self.sinks = rings.pop("sinks")  # (B, H, S, D)
-        self.residual = rings.pop("residual")  # (B, H, R+unit-1, D)
+        self.residual = rings.pop("residual")  # (B, H, R+unit-1, D), or (B, H, R, D) with a tier
+        self.tier_len, self.tier_codec = spec.tier_of(codec)
+        self.tier = {name[len(TIER) :]: rings.pop(name) for name in list(rings) if name.startswith(TIER)}
         self.body = rings  # part name -> (B, H, rows, width)
         self.tokens_per_row = {p.name: p.tokens_per_row for p in codec.parts(head_dim, group)}
         self.n_body = 0  # tokens in the body
 
     @property
     def held(self) -> int:
-        return self.sinks.count + self.n_body + self.residual.count
+        return self.sinks.count + self.n_body + self.n_tier + self.residual.count
+
+    @property
+    def n_tier(self) -> int:
+        """Tokens in the tier (one row each)."""
+        return self.tier["codes"].count if self.tier else 0
+
+    def _drop_tier(self, n: int, newest: bool = False) -> None:
+        for ring in self.tier.values():
+            ring.drop_newest(n) if newest else ring.drop_oldest(n)
 
     def _drop_body(self, n: int, newest: bool = False) -> None:
         for name, ring in self.body.items():
@@ -135,10 +161,10 @@ class TensorStore:
         return sum(t.numel() * t.element_size() for t in stored.values())
 
     def live_read_bytes(self) -> int:
-        """Bytes a full read of the held tokens touches (sinks, body parts, residual, key center)."""
+        """Bytes a full read of the held tokens touches (sinks, body and tier parts, residual, key center)."""
         return (
             self.sinks.live_bytes
-            + sum(r.live_bytes for r in self.body.values())
+            + sum(r.live_bytes for r in [*self.body.values(), *self.tier.values()])
             + self.residual.live_bytes
             + self.center_bytes
         )
@@ -155,6 +181,8 @@ class TensorStore:
                 if "values" in parts
                 else self.codec.decode(parts, self.group, self.head_dim, self.params)
             )
+        if self.n_tier:
+            pieces.append(self.decode_tier(0, self.n_tier))
         if self.residual.count:
             pieces.append(self.residual.read())
         nbytes = self.live_read_bytes()
@@ -164,19 +192,25 @@ class TensorStore:
             return self.sinks.buf[:, :, :0].to(dtype), 0
         return torch.cat([p.to(dtype) for p in pieces], dim=2), nbytes
 
+    def decode_tier(self, first: int, n: int) -> torch.Tensor:
+        """Tier tokens [first, first + n) in age order, decoded: (B, H, n, D) float32, storage space."""
+        parts = {name: ring.read()[:, :, first : first + n] for name, ring in self.tier.items()}
+        return self.tier_codec.decode(parts, self.head_dim, self.head_dim)
+
     def parts(self, first_rest: int) -> list[PartView]:
-        """The held parts in age order (sinks, body, residual), each with the position of its first
-        token: sinks from 0, the rest consecutive from `first_rest` (the cache knows it)."""
-        positions = (0, first_rest, first_rest + self.n_body)
+        """The held parts in age order (sinks, body, tier, residual), each with the position of its
+        first token: sinks from 0, the rest consecutive from `first_rest` (the cache knows it)."""
+        positions = (0, first_rest, first_rest + self.n_body, first_rest + self.n_body + self.n_tier)
         exact = exact_codec(self.residual.buf.dtype)
         held = [
-            ("sinks", self.sinks.count, exact, {"values": self.sinks.view()}, None),
-            ("body", self.n_body, self.codec, {name: ring.view() for name, ring in self.body.items()}, self.params),
-            ("residual", self.residual.count, exact, {"values": self.residual.view()}, None),
+            ("sinks", self.sinks.count, exact, self.group, {"values": self.sinks.view()}, None),
+            ("body", self.n_body, self.codec, self.group, {k: r.view() for k, r in self.body.items()}, self.params),
+            ("tier", self.n_tier, self.tier_codec, self.head_dim, {k: r.view() for k, r in self.tier.items()}, None),
+            ("residual", self.residual.count, exact, self.group, {"values": self.residual.view()}, None),
         ]
         return [
-            PartView(name, n, first, codec, self.group, rings, params)
-            for (name, n, codec, rings, params), first in zip(held, positions)
+            PartView(name, n, first, codec, group, rings, params)
+            for (name, n, codec, group, rings, params), first in zip(held, positions)
             if n
         ]
 
@@ -187,23 +221,29 @@ class TensorStore:
         return n_nonsink // self.unit * self.unit  # a per-channel group cannot be cut
 
     def truncate_nonsink(self, m: int) -> None:
-        """Keep only the oldest m non-sink tokens (m from keep_newest_limit)."""
-        drop = self.n_body + self.residual.count - m
+        """Keep only the oldest m non-sink tokens (m from keep_newest_limit): the newest go first,
+        from the residual, then the tier, then the body."""
+        drop = self.n_body + self.n_tier + self.residual.count - m
         from_res = min(drop, self.residual.count)
         self.residual.drop_newest(from_res)
-        self._drop_body(drop - from_res, newest=True)
+        from_tier = min(drop - from_res, self.n_tier)
+        self._drop_tier(from_tier, newest=True)
+        self._drop_body(drop - from_res - from_tier, newest=True)
 
     def clear(self) -> None:
-        for ring in [self.sinks, self.residual, *self.body.values()]:
+        for ring in [self.sinks, self.residual, *self.body.values(), *self.tier.values()]:
             ring.clear()
         self.n_body = 0
         self.center = None
         self.params = None
 
     def live_bytes(self) -> dict[str, int]:
-        codes = sum(r.live_bytes for n, r in self.body.items() if n in ("codes", "values"))
-        scales = sum(r.live_bytes for n, r in self.body.items() if n in ("scale", "zero")) + self.center_bytes
+        """Held bytes by component: codes and scales of the body and the tier, residual, sinks."""
+        coded = [*self.body.items(), *self.tier.items()]
+        codes = sum(r.live_bytes for n, r in coded if n in ("codes", "values"))
+        scales = sum(r.live_bytes for n, r in coded if n in ("scale", "zero")) + self.center_bytes
         return {"codes": codes, "scales": scales, "residual": self.residual.live_bytes, "sinks": self.sinks.live_bytes}
 
     def allocated_bytes(self) -> int:
-        return sum(r.allocated_bytes for r in [self.sinks, self.residual, *self.body.values()]) + self.center_bytes
+        rings = [self.sinks, self.residual, *self.body.values(), *self.tier.values()]
+        return sum(r.allocated_bytes for r in rings) + self.center_bytes

@@ -45,6 +45,8 @@ STATUS = {  # minillama.h: enum MinillamaStatus
     6: "values that are not finite",
 }
 
+MAX_PARTS = 4  # minillama.h: MINILLAMA_MAX_PARTS (sinks, body, tier, residual)
+
 FEATURES = {1: "avx2", 2: "bmi2", 4: "avx512", 8: "avx512_bf16", 16: "avx512_vnni", 32: "avx512_vbmi"}
 
 
@@ -93,8 +95,8 @@ class LayerPlan(ctypes.Structure):
         ("k_center", ctypes.c_void_p),
         ("nk", ctypes.c_int),
         ("nv", ctypes.c_int),
-        ("kparts", Part * 3),
-        ("vparts", Part * 3),
+        ("kparts", Part * MAX_PARTS),
+        ("vparts", Part * MAX_PARTS),
         ("out", ctypes.c_void_p),
     ]
 

@@ -1,7 +1,7 @@
 // One decode step's attention for one layer in a single call: every part of the cache,
 // the new token itself, the softmax and the Hadamard rotations.
 //
-// kv/fused_attention.py describes each part of the cache (sinks, body, residual of K and of
+// kv/fused_attention.py describes each part of the cache (sinks, body, tier, residual of K and of
 // V) as a RowSource plus a route (which block kernel reads it). The held tokens, in age
 // order, are one sequence whatever part holds them; the driver here splits that sequence,
 // not the heads, across the threads (flash-decoding / split-K): with 3 KV heads on 2 cores a
@@ -263,7 +263,7 @@ struct Partial {
 struct Segments {
     const Part* parts;
     int count;
-    int first[3];  // index of each part's first token in the held sequence
+    int first[MINILLAMA_MAX_PARTS];  // index of each part's first token in the held sequence
 };
 
 // Scores (values = 0) or values (values = 1) of the held tokens [a, b) of head bh: each part
@@ -295,12 +295,13 @@ extern "C" int attend_layer(const LayerPlan* plan) {
     const int B = P.B, H = P.H, R = P.R, D = P.D, BH = B * H;
     // Check every part before anything is written: a plan the kernels cannot read changes nothing.
     if (P.dtype < 0 || P.dtype > 2) return MINILLAMA_E_DTYPE;
-    if (B < 1 || H < 1 || P.nk < 0 || P.nk > 3 || P.nv < 0 || P.nv > 3) return MINILLAMA_E_SHAPE;
+    if (B < 1 || H < 1 || P.nk < 0 || P.nk > MINILLAMA_MAX_PARTS || P.nv < 0 || P.nv > MINILLAMA_MAX_PARTS)
+        return MINILLAMA_E_SHAPE;
     if (R < 1 || R > 16) return MINILLAMA_E_GQA;
     if ((P.rotate_k || P.rotate_v) && (D & (D - 1))) return MINILLAMA_E_HEAD_DIM;
     if (P.rotate_k < 0 || P.rotate_v < 0 || P.rotate_v > 1 || (P.rotate_k > 1 && (D % (2 * P.rotate_k) || D > 512)))
         return MINILLAMA_E_HEAD_DIM;
-    Segments ks{P.kparts, P.nk, {0, 0, 0}}, vs{P.vparts, P.nv, {0, 0, 0}};
+    Segments ks{P.kparts, P.nk, {}}, vs{P.vparts, P.nv, {}};
     int held = 0, held_v = 0;
     for (int i = 0; i < P.nk; i++) {
         if (const int status = route_supported(P.kparts[i].route, 0, &P.kparts[i].src, R, D)) return status;
@@ -355,7 +356,7 @@ extern "C" int attend_layer(const LayerPlan* plan) {
         const int a = std::min(held, (int)((int64_t)splits * t / nt) * SPLIT);
         const int b = std::min(held, (int)((int64_t)splits * (t + 1) / nt) * SPLIT);
         alignas(64) float tile[TILE];  // (R, block): scores, then p
-        static thread_local Prep preps[3];   // per K part: what its kernel derived from this head's queries
+        static thread_local Prep preps[MINILLAMA_MAX_PARTS];  // per K part: what its kernel derived from this head's queries
         for (int bh = 0; bh < BH; bh++) {
             for (Prep& p : preps) p.ready = false;
             Partial st = partial(t, bh);

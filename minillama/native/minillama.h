@@ -39,6 +39,9 @@ enum RowKind {
     ROW_BLOCKS = 5,      // nb frequency blocks (nlevels), per head each at its own width (levels), a byte scale each
 };
 
+// The parts a layer's K (or V) can hold, in age order: sinks, quantized body, tier, exact residual.
+#define MINILLAMA_MAX_PARTS 4
+
 // Which kernel reads a part of the cache (kv/fused_attention.py: route()).
 enum Route { ROUTE_FLOAT = 0, ROUTE_TOKEN = 1, ROUTE_CHANNEL = 2, ROUTE_INTEGER = 3, ROUTE_ROWS = 4 };
 
@@ -117,8 +120,8 @@ struct LayerPlan {
     int rotate_k;              // keys stored rotated: q and the new key by H (1) or in rotate_k frequency blocks
     int rotate_v;              // values stored rotated: rotate the new value and, once, the output
     const float* k_center;     // (B*H, D) float32, subtracted from the new key (centered keys), or null
-    int nk, nv;                // parts of K and of V (at most 3 each: sinks, body, residual)
-    Part kparts[3], vparts[3];
+    int nk, nv;                // parts of K and of V (at most MINILLAMA_MAX_PARTS each: sinks, body, tier, residual)
+    Part kparts[MINILLAMA_MAX_PARTS], vparts[MINILLAMA_MAX_PARTS];
     void* out;
 };
 
@@ -237,7 +240,7 @@ static_assert(sizeof(RowSource) == 136, "RowSource layout changed: update native
 static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56 && offsetof(RowSource, vdim) == 92,
               "RowSource layout");
 static_assert(sizeof(Part) == 144, "Part layout changed: update native/abi.py");
-static_assert(sizeof(LayerPlan) == 72 + 6 * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
+static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8, "StepEnds layout changed: update native/abi.py");
 static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 200, "TokenWrite layout changed: update native/abi.py");
