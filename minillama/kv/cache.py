@@ -215,7 +215,7 @@ class KVCache:
                 return None
             pending.append(p)
         try:
-            ops.write_tokens(lib, [p.write for p in pending])
+            ops.write_tokens(lib, [w for p in pending for w in p.writes])
         except NotSupported:
             return None
         written = read = 0

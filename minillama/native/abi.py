@@ -165,6 +165,11 @@ class TokenWrite(ctypes.Structure):
         ("blocks", ctypes.c_int),
         ("widths", ctypes.c_void_p),
         ("heads", ctypes.c_int),
+        ("src_codes", RingRef),
+        ("src_scale", RingRef),
+        ("src_levels", ctypes.c_void_p),
+        ("src_bits", ctypes.c_int),
+        ("src_log_scale", ctypes.c_int),
     ]
 
 

@@ -249,6 +249,8 @@ int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G
 static int check_write(const TokenWrite& w) {
     if (w.flush < 0 || w.flush > 256 || w.from_res < 0 || w.from_res > w.flush || w.flush - w.from_res > 1)
         return MINILLAMA_E_SHAPE;
+    if (w.src_codes.buf && (!w.src_scale.buf || !w.src_levels || w.src_bits < 2 || w.src_bits > 4 || w.D > 512))
+        return MINILLAMA_E_CODES;
     if (w.blocks) {  // every head's widths fill the row's bytes; one-byte scales, no zeros
         const int n = w.blocks > 0 ? w.D / w.blocks : 0;
         if (w.blocks < 0 || w.D % w.blocks || n % 8 || w.bits < 1 || w.bits > 8 || w.axis || !w.levels || !w.widths ||
@@ -301,6 +303,32 @@ static void encode_block_keys(const TokenWrite& w, const uint16_t* heads_widths,
     }
 }
 
+// Unpack one row of n codes at `bits` bits (pack_row's inverse).
+static inline void unpack_row(const uint8_t* in, int n, int bits, uint8_t* c) {
+    if (bits == 4) {
+        for (int i = 0; i < n / 2; i++) c[2 * i] = in[i] & 15, c[2 * i + 1] = in[i] >> 4;
+    } else if (bits == 2) {
+        for (int i = 0; i < n / 4; i++)
+            for (int j = 0; j < 4; j++) c[4 * i + j] = (in[i] >> (2 * j)) & 3;
+    } else {  // 3 bits: eight codes in a little-endian word of three bytes
+        for (int i = 0; i < n / 8; i++) {
+            uint64_t w = 0;
+            for (int b = 0; b < bits; b++) w |= (uint64_t)in[bits * i + b] << (8 * b);
+            for (int j = 0; j < 8; j++) c[8 * i + j] = (w >> (bits * j)) & ((1 << bits) - 1);
+        }
+    }
+}
+
+// A tier's row (codebook codes, one scale) decoded as kv/quantize.py's dequantize_codebook
+// decodes it -- level x scale in float32 -- then rounded to float16, as the PyTorch append rounds
+// a tier row that moves to the body (kv/layered.py: _through_tier).
+static void decode_tier_row(const TokenWrite& w, const char* codes, const char* scale, uint16_t* out) {
+    uint8_t c[512];
+    unpack_row((const uint8_t*)codes, w.D, w.src_bits, c);
+    const float s = w.src_log_scale ? log_scales.t[*(const uint8_t*)scale] : half_to_float(*(const uint16_t*)scale);
+    for (int d = 0; d < w.D; d++) out[d] = float_to_half(w.src_levels[c[d]] * s);
+}
+
 static void commit(const TokenWrite& w, const uint16_t* fresh) {
     const int D = w.D, rows = w.L * w.BH;
     const size_t row_bytes = (size_t)D * 2;
@@ -319,7 +347,13 @@ static void commit(const TokenWrite& w, const uint16_t* fresh) {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t* row = fresh + r * D;
         if (w.flush) {
-            for (int i = 0; i < w.from_res; i++) std::memcpy(&block[(size_t)i * D], at(w.res, r, w.res_first + i), row_bytes);
+            for (int i = 0; i < w.from_res; i++) {
+                if (w.src_codes.buf)
+                    decode_tier_row(w, at(w.src_codes, r, w.res_first + i), at(w.src_scale, r, w.res_first + i),
+                                    &block[(size_t)i * D]);
+                else
+                    std::memcpy(&block[(size_t)i * D], at(w.res, r, w.res_first + i), row_bytes);
+            }
             if (w.flush > w.from_res) std::memcpy(&block[(size_t)w.from_res * D], row, row_bytes);
             if (w.bits == 0) {  // a float16 body: the rows themselves
                 for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &block[(size_t)i * D], row_bytes);

@@ -107,6 +107,12 @@ struct TokenWrite {
                              // then holds the books of widths 1-8 at 2^w - 2, `bits` the row's average width
     const uint16_t* widths;  // (heads, blocks): each head's block widths (0-8)
     int heads;               // row r (L * BH order) is head r % heads
+    // A tier (kv/store.py) as the block's source: with src_codes.buf the from_res rows are decoded
+    // from codebook codes (src_bits wide, one scale a row: fp16, or one log byte with
+    // src_log_scale) and rounded to float16, instead of read from the float16 ring `res`.
+    RingRef src_codes, src_scale;
+    const float* src_levels;  // the tier codebook's 2^src_bits levels
+    int src_bits, src_log_scale;
 };
 
 // One layer's decode attention: q (B, H*R, D) against every held part of K and V plus the new
@@ -243,4 +249,4 @@ static_assert(sizeof(Part) == 144, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8, "StepEnds layout changed: update native/abi.py");
-static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 200, "TokenWrite layout changed: update native/abi.py");
+static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 248, "TokenWrite layout changed: update native/abi.py");
