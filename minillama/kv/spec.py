@@ -220,6 +220,12 @@ MIXES: dict[str, str] = {
     "lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;"
     "lm4hb/lm3hb;lm4hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;"
     "lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm3hb",
+    # --bits 2.73 --byte-scales, then the 56 tokens before the newest 8 in lm4hb (tier=56:lm4hb): 3.00
+    # bits an element at N 896 (2.85 at 2048); keys lm2hb x13 / lm3hb x7 / lm4hb x10, values lm2hb x21 / lm3hb x9
+    "k3v2mixt": "k=lm4h,v=lm4h,group=64,residual=8,sinks=4,center=1,tier=56:lm4hb,layers="
+    "lm2hb/lm3hb;lm3hb/lm3hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;lm3hb/lm3hb;lm3hb/lm2hb;lm3hb/lm2hb;lm4hb/lm3hb;lm3hb/lm2hb;"
+    "lm4hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;"
+    "lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb",
 }
 
 PRESET_NOTES: dict[str, str] = {
@@ -241,6 +247,7 @@ PRESET_NOTES: dict[str, str] = {
     "k2v2mixb": "~2.5 bits: k2v2mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
     "k3v2mixb": "~3.0 bits: k3v2mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
     "k4v3mixb": "~4.0 bits: k4v3mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
+    "k3v2mixt": "~3.0 bits: a 2.73-bit allocation with one-byte scales, the 56 tokens before the newest 8 at 4 bits",
 }
 
 GRAMMAR = (

@@ -335,15 +335,20 @@ static void commit(const TokenWrite& w, const uint16_t* fresh) {
     auto at = [](const RingRef& r, int64_t row, int slot) {  // row (L * BH order) of a ring, slot wrapped
         return (char*)r.buf + ((size_t)row * r.slots + (size_t)(slot % r.slots)) * r.width;
     };
-    std::vector<uint16_t> block((size_t)std::max(w.flush, 1) * D);
     const int W = w.bits ? D * w.bits / 8 : 0;
     const int srows = w.axis ? 1 : w.flush, swidth = w.blocks ? w.blocks : w.axis ? D : (w.group > 0 ? D / w.group : 0);
+    const size_t scale_bytes = w.levels && w.log_scale ? 1 : 2;
+    // Rows are independent: the threads split them when there is coding to do (a copy alone is
+    // cheaper than waking a thread).
+#pragma omp parallel if (w.flush > 0 && w.bits > 0 && rows >= 16)
+    {
+    std::vector<uint16_t> block((size_t)std::max(w.flush, 1) * D);
     std::vector<uint8_t> codes((size_t)std::max(w.flush, 1) * std::max(W, 1));
     std::vector<uint16_t> scale((size_t)std::max(srows * swidth, 1)), zero(scale.size());  // one-byte scales use its bytes
-    const size_t scale_bytes = w.levels && w.log_scale ? 1 : 2;
     std::vector<uint8_t> unpacked((size_t)std::max(w.flush, 1) * D);
     std::vector<uint16_t> xb(w.blocks ? (size_t)std::max(w.flush, 1) * D : 0);  // block keys: one block's channels
     std::vector<uint8_t> cb(w.blocks ? (size_t)std::max(w.flush, 1) * D : 0);   // ... and its packed codes
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t* row = fresh + r * D;
         if (w.flush) {
@@ -376,6 +381,7 @@ static void commit(const TokenWrite& w, const uint16_t* fresh) {
             }
         }
         if (w.to.buf) std::memcpy(at(w.to, r, w.to_slot), row, row_bytes);
+    }
     }
 }
 
