@@ -148,9 +148,12 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
     if (rotate < 0 || (rotate && (D % (2 * nb) || (n & (n - 1))))) return -MINILLAMA_E_HEAD_DIM;
     int64_t bad = 0;
     const float norm = (float)(1.0 / std::sqrt((double)n));
-#pragma omp parallel for schedule(static) reduction(+ : bad)
+    // A decode token's few dozen rows take less time than waking a thread: one thread below 256.
+#pragma omp parallel reduction(+ : bad) if (rows >= 256)
+    {
+    std::vector<float> v(D);
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        std::vector<float> v(D);
         for (int d = 0; d < D; d++) v[d] = load_value(x, r * D + d, dtype);
         if (rotate > 1) {  // the channels in frequency-block order (hadamard.h)
             const std::vector<float> row = v;
@@ -166,6 +169,7 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
             bad += !std::isfinite(y);
             out[r * D + d] = float_to_half(y);
         }
+    }
     }
     return bad;
 }
@@ -350,7 +354,7 @@ static void commit(const TokenWrite& w, const uint16_t* fresh) {
     std::vector<uint8_t> cb(w.blocks ? (size_t)std::max(w.flush, 1) * D : 0);   // ... and its packed codes
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t* row = fresh + r * D;
+        const uint16_t* row = fresh ? fresh + r * D : nullptr;  // null: the write stores no new row
         if (w.flush) {
             for (int i = 0; i < w.from_res; i++) {
                 if (w.src_codes.buf)
@@ -395,8 +399,10 @@ int write_tokens(const TokenWrite* writes, int n) {
         if (const int status = check_write(writes[i])) return status;
     std::vector<std::vector<uint16_t>> fresh(n);
     for (int i = 0; i < n; i++) {
-        fresh[i].resize((size_t)writes[i].L * writes[i].BH * writes[i].D);
-        if (const int status = fresh_rows(writes[i], fresh[i].data())) return status;
+        const TokenWrite& w = writes[i];
+        if (!w.to.buf && w.flush == w.from_res) continue;  // stores no new row (a tier's unit into the body)
+        fresh[i].resize((size_t)w.L * w.BH * w.D);
+        if (const int status = fresh_rows(w, fresh[i].data())) return status;
     }
     for (int i = 0; i < n; i++) commit(writes[i], fresh[i].data());
     return MINILLAMA_OK;
