@@ -10,6 +10,7 @@
     python bench/freq_blocks_ppl.py --equal --text FILE 4    # blocks at equal bits: rotation and scales alone
     python bench/freq_blocks_ppl.py --by-keys --text FILE 4  # bits chosen without the queries
     python bench/freq_blocks_ppl.py --table 2 0              # print the 2-block keys' spec for minillama ppl
+    python bench/freq_blocks_ppl.py --frontier 2.73 --vq --tier 56:lm4hb 4   # every row with an age tier
 
 Issue 28, item 2 ("each KV head's or frequency block's" bits; KVTuner, Block-GTQ). A Hadamard
 rotation over the whole head spreads a key's quantization error evenly over its 64 channels,
@@ -49,6 +50,10 @@ that K and V average BITS; and for 2 and 4 blocks the joint answer: ``kv allocat
 with every key choice of the maps offered also as the block codec of its code bits, priced
 at the map's KLD times the score error the blocks promise on the choice text (``promised``:
 an estimate, as Frontier VI priced byte scales). ``--vq`` adds the vq2hs values' map.
+
+``--tier N:CODEC`` adds ``tier=N:CODEC`` (kv/store.py: the N tokens before the exact residual in
+a finer codec) to every row but fp16; the rows then also print the effective bits the cache
+counted at the end of a window (the residual, sinks, key center and tier included).
 """
 
 from __future__ import annotations
@@ -298,6 +303,7 @@ def main() -> None:
     ap.add_argument("--equal", action="store_true", help="keys only: blocks at equal bits, lm*hb at group 32")
     ap.add_argument("--by-keys", action="store_true", help="keys only: bits chosen from the keys' energy alone")
     ap.add_argument("--table", type=int, choices=(2, 4), metavar="NB", help="print the keys-only spec of NB blocks")
+    ap.add_argument("--tier", metavar="N:CODEC", help="an age tier in every row but fp16 (tier=N:CODEC)")
     args = ap.parse_args()
     choice_text = Path(args.choose).read_text(encoding="utf-8") if args.choose else load_text("hamlet")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else load_text(args.dataset)
@@ -318,6 +324,8 @@ def main() -> None:
         specs = keys_choice_specs(seen, args.bits)
     else:
         specs = mix_specs(seen, n_layers) if args.mix else keys_only_specs(seen, args.bits)
+    if args.tier:
+        specs = {s if s == "fp16" else f"{s},tier={args.tier}": v for s, v in specs.items()}
     with torch.inference_mode():
         rows = evaluate(
             lm,
@@ -329,7 +337,10 @@ def main() -> None:
         )
     for r, (label, bits) in zip(rows, specs.values()):
         what = "body" if args.mix or args.frontier else "keys"
-        print(f"  {label:36s} {what} {bits:6.3f} bits  ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}")
+        counted = f" ({r.bits_per_element:.3f} counted)" if args.tier else ""
+        print(
+            f"  {label:36s} {what} {bits:6.3f} bits{counted}  ppl {r.ppl:.4f}  Δ {r.delta_pct:+.2f}%  KLD {r.kld_mean:.5f}"
+        )
 
 
 if __name__ == "__main__":
