@@ -22,6 +22,7 @@
 // kv/quantize.py); the output is rotated back once per query for *h value codecs.
 // model/attention.py is the specification; tests hold every route to it.
 
+#include "exp2.h"
 #include "hadamard.h"
 #include "rows.h"
 
@@ -205,13 +206,7 @@ static inline void rotate_blocks(float* x, int D, int nb) {
 static inline float exp_one(float x) {
     x = std::max(x, -87.3f);
     const float t = x * 1.44269504f, k = std::nearbyint(t), f = t - k;
-    float p = 1.535336188e-4f;
-    p = p * f + 1.339887440e-3f;
-    p = p * f + 9.618437357e-3f;
-    p = p * f + 5.550332471e-2f;
-    p = p * f + 2.402264791e-1f;
-    p = p * f + 6.931472028e-1f;
-    p = p * f + 1.0f;
+    float p = exp2_fraction(f);
     int32_t bits;
     std::memcpy(&bits, &p, 4);
     bits += (int32_t)k << 23;

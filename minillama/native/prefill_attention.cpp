@@ -21,6 +21,7 @@
 // specification is model/attention.py's explicit path (attend with no fused function);
 // tests/test_prefill_attention.py holds this file to it.
 
+#include "exp2.h"
 #include "minillama.h"
 
 #include <immintrin.h>
@@ -60,22 +61,16 @@ inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 
 inline vec splat(float x) { return vec{} + x; }
 
-// 2^x for W floats: x = n + f (n the nearest integer, |f| <= 1/2), 2^f by its Taylor series to
-// f^6 (relative error about 1e-7, a float's own rounding), n added to the exponent bits. x below
-// -125 gives 0 (a masked score, -inf, among them).
+// 2^x for W floats: x = n + f (n the nearest integer, |f| <= 1/2), 2^f by exp2.h's polynomial
+// (relative error about 2e-7), n added to the exponent bits. x below -125 gives 0 (a masked
+// score, -inf, among them).
 inline vec exp2v(vec x) {
     const vec lo = splat(-125.f);
     const vec xc = (x < lo ? lo : x) + 0.5f;
     ivec n = __builtin_convertvector(xc, ivec);  // toward zero: floor(x + 1/2) for x + 1/2 >= 0
     n += __builtin_convertvector(n, vec) > xc;      // one less below zero ("true" lanes are -1)
     const vec f = xc - 0.5f - __builtin_convertvector(n, vec);
-    vec p = splat(1.540353039e-4f);  // ln(2)^i / i!, i = 6 .. 0
-    p = p * f + 1.333355815e-3f;
-    p = p * f + 9.618129108e-3f;
-    p = p * f + 5.550410866e-2f;
-    p = p * f + 2.402265070e-1f;
-    p = p * f + 6.931471806e-1f;
-    p = p * f + 1.f;
+    const vec p = exp2_fraction(f);
     ivec bits;
     std::memcpy(&bits, &p, sizeof bits);
     bits += n << 23;
