@@ -66,6 +66,7 @@ import torch
 
 import minillama.model.llama as llama_module
 from minillama.app.default_model import resolve_model
+from minillama.errors import UserError
 from minillama.eval.allocation import allocate_from_maps, choices_from_maps
 from minillama.eval.datasets import load as load_text
 from minillama.eval.perplexity import evaluate
@@ -271,11 +272,15 @@ def frontier_specs(
     values = choices[1::2]  # per layer, its V's priced codecs
     b = int(bits)
     key_bits = b + 8 * 2 / HEAD_DIM
-    chosen = [options[i] for options, i in zip(values, allocate(values, 2 * bits - key_bits))]
-    value_bits = sum(c.bits for c in chosen) / n_layers
-    pairs = ";".join(f"{k}/{c.codec.name}" for k, c in zip(block_codecs(seen, 2, b), chosen))
-    spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
-    specs[spec] = (f"keys 2 blocks at {b}, values {value_bits:.3f}", (key_bits + value_bits) / 2)
+    try:
+        chosen = [options[i] for options, i in zip(values, allocate(values, 2 * bits - key_bits))]
+    except UserError as e:  # the fixed keys leave the values less than their cheapest codecs
+        print(f"  (no row for keys 2 blocks at {b}: {e})")
+    else:
+        value_bits = sum(c.bits for c in chosen) / n_layers
+        pairs = ";".join(f"{k}/{c.codec.name}" for k, c in zip(block_codecs(seen, 2, b), chosen))
+        spec = f"k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers={pairs}"
+        specs[spec] = (f"keys 2 blocks at {b}, values {value_bits:.3f}", (key_bits + value_bits) / 2)
     for nb in (2, 4):
         spec, got = joint(seen, maps, n_layers, bits, nb)
         specs[spec] = (f"joint, {nb} blocks", got)
