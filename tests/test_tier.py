@@ -52,12 +52,17 @@ def plain_tier_rule(rows: torch.Tensor, appends: list[int], residual: int, tier:
     return torch.cat([t.float() for t in in_body + in_tier + exact], dim=2)
 
 
-def fill(spec: str, appends: list[int], layers: int = 2, seed: int = 0) -> tuple[KVCache, list]:
+def fill(
+    spec: str, appends: list[int], layers: int = 2, seed: int = 0, heads: int = 2, d: int = 64
+) -> tuple[KVCache, list]:
     g = torch.Generator().manual_seed(seed)
-    cache = KVCache(parse_kv(spec), n_layers=layers, n_kv_heads=2, head_dim=64, capacity=256)
+    cache = KVCache(parse_kv(spec), n_layers=layers, n_kv_heads=heads, head_dim=d, capacity=256)
     fed = []
     for n in appends:
-        kv = [(torch.randn(1, 2, n, 64, generator=g) + 3, torch.randn(1, 2, n, 64, generator=g)) for _ in range(layers)]
+        kv = [
+            (torch.randn(1, heads, n, d, generator=g) + 3, torch.randn(1, heads, n, d, generator=g))
+            for _ in range(layers)
+        ]
         cache.append(kv)
         fed.append(kv)
     return cache, fed
@@ -123,12 +128,14 @@ def lib(request):
 
 
 @pytest.mark.parametrize("spec", [TIERED, "k=int4c,v=int2,group=16,residual=4,tier=8:int4"])
-def test_the_decode_kernels_read_the_tier_like_the_reference(lib, spec):
-    """Four parts a layer (sinks, body, tier, residual) through the fused decode attention."""
-    cache, _ = fill(spec, APPENDS)
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 64), (2, 2, 64), (16, 1, 64), (8, 2, 128), (4, 4, 128)])
+def test_the_decode_kernels_read_the_tier_like_the_reference(lib, spec, hq, hkv, d):
+    """Four parts a layer (sinks, body, tier, residual) through the fused decode attention, for
+    1 to 16 query heads per KV head and head_dim 64 and 128."""
+    cache, _ = fill(spec, APPENDS, heads=hkv, d=d)
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(1, 6, 1, 64, generator=g)  # 3 query heads per KV head
-    k, v = torch.randn(1, 2, 1, 64, generator=g), torch.randn(1, 2, 1, 64, generator=g)
+    q = torch.randn(1, hq, 1, d, generator=g)
+    k, v = torch.randn(1, hkv, 1, d, generator=g), torch.randn(1, hkv, 1, d, generator=g)
     view = cache.layer(1)
     assert [p.name for p in view.parts()[0]][-2:] == ["tier", "residual"]
     reference = attend(q, k, v, view.read(torch.float32), view.k_codec, view.v_codec, view.key_center)
