@@ -24,7 +24,9 @@
 #include "exp2.h"
 #include "minillama.h"
 
-#include <immintrin.h>
+#if defined(__AVX__)
+#include <immintrin.h>  // hmax's reductions; other targets (SSE, aarch64) take the plain loop
+#endif
 #include <omp.h>
 
 #include <algorithm>
