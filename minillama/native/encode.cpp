@@ -342,9 +342,8 @@ static void commit(const TokenWrite& w, const uint16_t* fresh) {
     const int W = w.bits ? D * w.bits / 8 : 0;
     const int srows = w.axis ? 1 : w.flush, swidth = w.blocks ? w.blocks : w.axis ? D : (w.group > 0 ? D / w.group : 0);
     const size_t scale_bytes = w.levels && w.log_scale ? 1 : 2;
-    // Rows are independent: the threads split them when there is coding to do (a copy alone is
-    // cheaper than waking a thread).
-#pragma omp parallel if (w.flush > 0 && w.bits > 0 && rows >= 16)
+    // Rows are independent: inside write_tokens' parallel region (when a write codes anything)
+    // the threads split them; called outside one, this loop runs on the calling thread.
     {
     std::vector<uint16_t> block((size_t)std::max(w.flush, 1) * D);
     std::vector<uint8_t> codes((size_t)std::max(w.flush, 1) * std::max(W, 1));
@@ -404,6 +403,13 @@ int write_tokens(const TokenWrite* writes, int n) {
         fresh[i].resize((size_t)w.L * w.BH * w.D);
         if (const int status = fresh_rows(w, fresh[i].data())) return status;
     }
+    // One parallel region for every group's writes (waking the threads once, not once a write);
+    // each commit's rows are split between them, and its implicit barrier keeps the writes in
+    // order (a tier's unit leaves it before the next row takes its slot). A step that only
+    // copies rows stays on this thread.
+    bool codes = false;
+    for (int i = 0; i < n; i++) codes = codes || (writes[i].flush > 0 && writes[i].bits > 0);
+#pragma omp parallel if (codes)
     for (int i = 0; i < n; i++) commit(writes[i], fresh[i].data());
     return MINILLAMA_OK;
 }
