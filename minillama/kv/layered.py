@@ -113,7 +113,7 @@ class LayeredStore:
         self.sinks = SharedRing(bufs.pop("sinks"), [s.sinks for s in self.stores])
         self.residual = SharedRing(bufs.pop("residual"), [s.residual for s in self.stores])
         self.tier = {  # the tier's parts (kv/store.py), by the tier codec's part names
-            name[len(TIER) :]: SharedRing(bufs.pop(name), [s.tier[name[len(TIER) :]] for s in self.stores])
+            name.removeprefix(TIER): SharedRing(bufs.pop(name), [s.tier[name.removeprefix(TIER)] for s in self.stores])
             for name in list(bufs)
             if name.startswith(TIER)
         }
@@ -148,8 +148,7 @@ class LayeredStore:
             for store in stores:
                 store._drop_body(from_body)
             from_tier = min(evict - from_body, lead.n_tier)
-            for ring in self.tier.values():
-                ring.drop_oldest(from_tier)
+            self._drop_tier(from_tier)
             from_res = min(evict - from_body - from_tier, lead.residual.count)
             self.residual.drop_oldest(from_res)
             x = x[:, :, :, evict - from_body - from_tier - from_res :]
@@ -178,9 +177,9 @@ class LayeredStore:
         decoded from the tier and coded again; leaving tokens the body takes in the same append
         are coded once, from their exact values. Returns (bytes written, bytes read)."""
         lead = self.stores[0]
-        res, n_layers, unit = lead.residual, len(self.stores), lead.unit
+        res, n_layers = lead.residual, len(self.stores)
         leave = max(0, res.count + x.shape[3] - lead.residual_len)  # tokens leaving the residual
-        n_flush = max(0, (lead.n_tier + leave - lead.tier_len) // unit * unit)  # tokens into the body
+        n_flush = self._tier_flush_count(leave)  # tokens into the body
         from_tier = min(n_flush, lead.n_tier)
         from_res = min(leave, res.count)
         old, new = self.residual.read(0, from_res), x[:, :, :, : leave - from_res]
@@ -190,9 +189,7 @@ class LayeredStore:
             block = leaving[:, :, :, : n_flush - from_tier]  # (L, B, H, n, D): exact, straight to the body
             if from_tier:
                 block = torch.cat([self._decode_tier(from_tier).to(block.dtype), block], dim=3)
-                read += sum(ring.lead.row_bytes * from_tier * n_layers for ring in self.tier.values())
-                for ring in self.tier.values():
-                    ring.drop_oldest(from_tier)
+                read += self._drop_tier(from_tier)
             written += self._encode(block, block[:, :, :, :0], n_flush)
         to_tier = leaving[:, :, :, n_flush - from_tier :]  # (L, B, H, m, D)
         if to_tier.shape[3]:
@@ -205,6 +202,18 @@ class LayeredStore:
         if stay.shape[3]:
             written += self.residual.push(stay)
         return written, read
+
+    def _tier_flush_count(self, leave: int) -> int:
+        """With a tier: tokens to move from the tier into the body now, as `leave` tokens leave the
+        exact residual -- whole units once ``tier + unit`` would wait there."""
+        lead = self.stores[0]
+        return max(0, (lead.n_tier + leave - lead.tier_len) // lead.unit * lead.unit)
+
+    def _drop_tier(self, n: int) -> int:
+        """Drop the n oldest tier tokens of every layer; returns their bytes (read, when they move on)."""
+        for ring in self.tier.values():
+            ring.drop_oldest(n)
+        return sum(ring.lead.row_bytes * n * len(self.stores) for ring in self.tier.values())
 
     def _decode_tier(self, n: int) -> torch.Tensor:
         """The oldest n tier tokens of every layer, decoded: (L, B, H, n, D) float32, storage space."""

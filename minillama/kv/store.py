@@ -128,7 +128,7 @@ class TensorStore:
         self.sinks = rings.pop("sinks")  # (B, H, S, D)
         self.residual = rings.pop("residual")  # (B, H, R+unit-1, D), or (B, H, R, D) with a tier
         self.tier_len, self.tier_codec = spec.tier_of(codec)
-        self.tier = {name[len(TIER) :]: rings.pop(name) for name in list(rings) if name.startswith(TIER)}
+        self.tier = {name.removeprefix(TIER): rings.pop(name) for name in list(rings) if name.startswith(TIER)}
         self.body = rings  # part name -> (B, H, rows, width)
         self.tokens_per_row = {p.name: p.tokens_per_row for p in codec.parts(head_dim, group)}
         self.n_body = 0  # tokens in the body
@@ -182,7 +182,8 @@ class TensorStore:
                 else self.codec.decode(parts, self.group, self.head_dim, self.params)
             )
         if self.n_tier:
-            pieces.append(self.decode_tier(0, self.n_tier))
+            parts = {name: ring.read() for name, ring in self.tier.items()}
+            pieces.append(self.tier_codec.decode(parts, self.head_dim, self.head_dim))  # one scale a row
         if self.residual.count:
             pieces.append(self.residual.read())
         nbytes = self.live_read_bytes()
@@ -191,11 +192,6 @@ class TensorStore:
         if not pieces:
             return self.sinks.buf[:, :, :0].to(dtype), 0
         return torch.cat([p.to(dtype) for p in pieces], dim=2), nbytes
-
-    def decode_tier(self, first: int, n: int) -> torch.Tensor:
-        """Tier tokens [first, first + n) in age order, decoded: (B, H, n, D) float32, storage space."""
-        parts = {name: ring.read()[:, :, first : first + n] for name, ring in self.tier.items()}
-        return self.tier_codec.decode(parts, self.head_dim, self.head_dim)
 
     def parts(self, first_rest: int) -> list[PartView]:
         """The held parts in age order (sinks, body, tier, residual), each with the position of its

@@ -115,12 +115,11 @@ def _tier_token_write(shared: LayeredStore, x: torch.Tensor, kind) -> PendingWri
     sinks, res = lead.sinks, lead.residual
     to_sinks = sinks.count < sinks.slots
     leave = 0 if to_sinks else max(0, res.count + 1 - lead.residual_len)  # 0 or 1 row leaves the residual
-    n_flush = max(0, (lead.n_tier + leave - lead.tier_len) // lead.unit * lead.unit) if leave else 0
+    n_flush = shared._tier_flush_count(leave) if leave else 0
     writes = []
     if n_flush:  # the tier's oldest unit, decoded, into the body
         w = _write(shared, x, center)
-        w.flush, w.from_res, w.res_first = n_flush, n_flush, shared.tier["codes"].lead.start
-        w.res = shared.tier["codes"].ref  # (the rows come from src_codes)
+        w.flush, w.from_res, w.res_first = n_flush, n_flush, shared.tier["codes"].lead.start  # rows of src_*
         _into_body(shared, w, kind)
         w.src_codes, w.src_scale = shared.tier["codes"].ref, shared.tier["scale"].ref
         w.src_levels, w.src_bits = tier_kind[2].data_ptr(), lead.tier_codec.bits
@@ -144,13 +143,8 @@ def _after_tier_token(shared: LayeredStore, n_flush: int, leave: int, r: int, to
     lead, n_layers = shared.stores[0], len(shared.stores)
     written = read = 0
     if n_flush:
-        for name, ring in shared.body.items():
-            written += ring.advance(n_flush // lead.tokens_per_row[name])
-        read += sum(ring.lead.row_bytes * n_flush * n_layers for ring in shared.tier.values())
-        for ring in shared.tier.values():
-            ring.drop_oldest(n_flush)
-        for store in shared.stores:
-            store.n_body += n_flush
+        written += _advance_body(shared, n_flush)
+        read += shared._drop_tier(n_flush)
     if leave:
         read += r * lead.residual.row_bytes * n_layers
         shared.residual.drop_oldest(r)
@@ -164,15 +158,21 @@ def _after_token(shared: LayeredStore, n_flush: int, r: int, to: SharedRing | No
     lead = shared.stores[0]
     written = read = 0
     if n_flush:
-        for name, ring in shared.body.items():
-            written += ring.advance(n_flush // lead.tokens_per_row[name])
+        written += _advance_body(shared, n_flush)
         read += r * lead.residual.row_bytes * len(shared.stores)
         shared.residual.drop_oldest(r)
-        for store in shared.stores:
-            store.n_body += n_flush
     if to is not None:
         written += to.advance(1)
     return written, read
+
+
+def _advance_body(shared: LayeredStore, n: int) -> int:
+    """n tokens were coded into every layer's body (by the kernel): count them; bytes written."""
+    lead = shared.stores[0]
+    written = sum(ring.advance(n // lead.tokens_per_row[name]) for name, ring in shared.body.items())
+    for store in shared.stores:
+        store.n_body += n
+    return written
 
 
 @dataclass
