@@ -24,6 +24,7 @@
 #include "dtypes.h"
 #include "hadamard.h"
 #include "minillama.h"
+#include "rows.h"
 
 // Pack one row of n codes at `bits` bits (kv/packing.py's layouts).
 static inline void pack_row(const uint8_t* c, int n, int bits, uint8_t* out) {
@@ -307,30 +308,15 @@ static void encode_block_keys(const TokenWrite& w, const uint16_t* heads_widths,
     }
 }
 
-// Unpack one row of n codes at `bits` bits (pack_row's inverse).
-static inline void unpack_row(const uint8_t* in, int n, int bits, uint8_t* c) {
-    if (bits == 4) {
-        for (int i = 0; i < n / 2; i++) c[2 * i] = in[i] & 15, c[2 * i + 1] = in[i] >> 4;
-    } else if (bits == 2) {
-        for (int i = 0; i < n / 4; i++)
-            for (int j = 0; j < 4; j++) c[4 * i + j] = (in[i] >> (2 * j)) & 3;
-    } else {  // 3 bits: eight codes in a little-endian word of three bytes
-        for (int i = 0; i < n / 8; i++) {
-            uint64_t w = 0;
-            for (int b = 0; b < bits; b++) w |= (uint64_t)in[bits * i + b] << (8 * b);
-            for (int j = 0; j < 8; j++) c[8 * i + j] = (w >> (bits * j)) & ((1 << bits) - 1);
-        }
-    }
-}
-
 // A tier's row (codebook codes, one scale) decoded as kv/quantize.py's dequantize_codebook
-// decodes it -- level x scale in float32 -- then rounded to float16, as the PyTorch append rounds
-// a tier row that moves to the body (kv/layered.py: _through_tier).
+// decodes it -- level x scale in float32, the levels by rows.h's decode_row as the attention
+// kernels read them -- then rounded to float16, as the PyTorch append rounds a tier row that
+// moves to the body (kv/layered.py: _through_tier).
 static void decode_tier_row(const TokenWrite& w, const char* codes, const char* scale, uint16_t* out) {
-    uint8_t c[512];
-    unpack_row((const uint8_t*)codes, w.D, w.src_bits, c);
+    float levels[512];
+    decode_row((const uint8_t*)codes, w.src_bits, w.D, w.src_levels, levels);
     const float s = w.src_log_scale ? log_scales.t[*(const uint8_t*)scale] : half_to_float(*(const uint16_t*)scale);
-    for (int d = 0; d < w.D; d++) out[d] = float_to_half(w.src_levels[c[d]] * s);
+    for (int d = 0; d < w.D; d++) out[d] = float_to_half(levels[d] * s);
 }
 
 static void commit(const TokenWrite& w, const uint16_t* fresh) {
