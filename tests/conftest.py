@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from minillama.native.build import TARGETS, build
+
 TINY = dict(
     vocab_size=300,
     hidden_size=256,
@@ -69,6 +71,22 @@ def each_backend(request) -> str:
         if request.param == "kernels" and backend.library() is None:
             pytest.skip(f"the kernels are not available here: {backend.describe()}")
         yield request.param
+
+
+@pytest.fixture(params=list(TARGETS))
+def lib(request):
+    """The kernel library of one build target (native/build.py: TARGETS), on the kernels-exact
+    backend for that target, so the AVX2 and plain-C paths are tested on an AVX-512 machine too;
+    targets this CPU cannot run are skipped with the reason. These tests hold the exact float
+    kernels to the reference (the integer-domain ones, approximate by design, are held to their
+    bound in test_integer_attention.py, whose own ``lib`` picks the builds that have them)."""
+    from minillama.native import backend
+
+    library, why = build(request.param)
+    if library is None:
+        pytest.skip(f"no {request.param} build: {why}")
+    with backend.using("kernels-exact", request.param):
+        yield backend.library()
 
 
 @pytest.fixture(scope="session")

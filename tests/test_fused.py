@@ -17,19 +17,6 @@ from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import PRESETS, parse_kv
 from minillama.model.attention import attend
 from minillama.native import backend, ops
-from minillama.native.build import TARGETS, build
-
-
-@pytest.fixture(params=list(TARGETS))
-def lib(request):
-    """The library of one build target, with the kernels-exact backend on that target: these tests
-    hold the exact float kernels to the reference (the integer-domain ones, approximate by design,
-    are held to their bound in test_integer_attention.py)."""
-    library, why = build(request.param)
-    if library is None:
-        pytest.skip(f"no {request.param} build: {why}")
-    with backend.using("kernels-exact", request.param):
-        yield backend.library()
 
 
 def reference_attention(q, k, v, cache, layer=0):

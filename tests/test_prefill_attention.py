@@ -1,5 +1,5 @@
 """The prefill chunk's causal attention kernel (native/prefill_attention.cpp) equals the explicit
-masked softmax of model/attention.py, on every build this CPU can run.
+masked softmax of model/attention.py, on every build this CPU can run (conftest.py: ``lib``).
 
 A chunk of T new queries attends its past of P keys and itself causally: query t sees keys
 0 .. P + t. The kernel takes grouped-query attention (R query heads per KV head), head_dim 64
@@ -16,18 +16,6 @@ from minillama.model import step
 from minillama.model.attention import PLAIN, attend, sdpa
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
-from minillama.native.build import TARGETS, build
-
-
-@pytest.fixture(params=list(TARGETS))
-def lib(request):
-    """The library of one build target (the AVX2 and plain-C builds are tested on an AVX-512
-    machine too; targets this CPU cannot run are skipped with the reason)."""
-    library, why = build(request.param)
-    if library is None:
-        pytest.skip(f"no {request.param} build: {why}")
-    with backend.using("kernels", request.param):
-        yield backend.library()
 
 
 def explicit(q, k, v):
@@ -94,7 +82,7 @@ def test_inputs_the_kernel_does_not_take_are_refused_with_the_reason(lib, change
 
 
 def test_the_layers_take_sdpa_where_the_kernel_refuses_and_say_why(lib):
-    """chunk_attention on the kernels backend: the native kernel where it applies, PyTorch's SDPA
+    """chunk_attention on a kernels backend: the native kernel where it applies, PyTorch's SDPA
     (recorded as a fallback) where it does not; None on the reference backend."""
     fused = step.chunk_attention()
     q, k, v = tensors(1, 4, 2, 9, 3, 64)

@@ -23,7 +23,6 @@ from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import parse_kv
 from minillama.model.attention import attend
 from minillama.native import backend
-from minillama.native.build import TARGETS, build
 
 TIERED = "k=lm3hb,v=lm2hb,group=32,residual=4,sinks=2,center=1,tier=12:lm4hb"
 APPENDS = [30] + [1] * 20 + [5, 17] + [1] * 9  # a prefill, decode steps, short chunks
@@ -116,15 +115,6 @@ def test_the_tier_is_cheaper_than_exact_tokens_and_dearer_than_the_body():
     elements = 2 * 2 * 64  # K and V, two heads
     assert sum(tiered.live_bytes().values()) * 8 == elements * (body * 2.125 + 40 * 4.125 + 4 * 16)
     assert sum(exact.live_bytes().values()) * 8 == elements * (body * 2.125 + 44 * 16)
-
-
-@pytest.fixture(params=list(TARGETS))
-def lib(request):
-    library, why = build(request.param)
-    if library is None:
-        pytest.skip(f"no {request.param} build: {why}")
-    with backend.using("kernels-exact", request.param):
-        yield backend.library()
 
 
 @pytest.mark.parametrize("spec", [TIERED, "k=int4c,v=int2,group=16,residual=4,tier=8:int4"])
