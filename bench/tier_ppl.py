@@ -20,6 +20,10 @@ stay exact, and the new token's own key and value in its step are exact, as they
 No kernel writes these rows (every append takes the PyTorch path, ``LayeredStore.append``); the
 attention kernels read the residual as they always do. Bits are computed, not counted: the
 cache's own count (the residual at 16 bits) less (R - E) / N x (16 - TIER's body bits).
+
+The tier is built since (``tier=N:CODEC`` in a spec, kv/store.py; docs/quality.md, Frontier
+XVI, compares the two); this emulation stays as what Frontier XV measured with, and for tiers a
+spec cannot hold (an unrotated ``int8`` tier beside rotated bodies).
 """
 
 from __future__ import annotations
