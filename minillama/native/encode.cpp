@@ -101,17 +101,26 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const
     float mids[L - 1];  // the boundaries between neighbouring levels, as torch.bucketize takes them
     for (int l = 0; l + 1 < L; l++) mids[l] = (levels[l + 1] + levels[l]) / 2;
     std::vector<float> x(G), l(G);  // a group's values and its chosen levels
+    std::vector<uint8_t> prev(G);   // the codes of the round before
     for (int64_t g = 0; g < (int64_t)n * (D / G); g++) {
         const uint16_t* xg = xb + g * G;
         for (int e = 0; e < G; e++) x[e] = half_to_float(xg[e]);
         typename Scale::T stored = Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
         uint8_t* cg = c + g * G;
+        // A round's scale is a function of its codes alone, so once a round picks the codes the
+        // round before picked, every later round repeats it: stopping there is the same fixed
+        // point, the same bytes, in fewer rounds (most groups settle in two or three).
+        bool settled = false;
         for (int round = 0; round < refine; round++) {
             nearest_levels<L, typename Scale::Div>(x.data(), G, (typename Scale::Div)Scale::value(stored), mids, cg);
+            settled = round > 0 && std::memcmp(cg, prev.data(), G) == 0;
+            if (settled) break;  // stored is this round's scale again, and cg the codes it picks
+            std::memcpy(prev.data(), cg, G);
             for (int e = 0; e < G; e++) l[e] = levels[cg[e]];
             stored = Scale::store(dot(x.data(), l.data(), G) / std::max(dot(l.data(), l.data(), G), 1e-12));
         }
-        nearest_levels<L, typename Scale::Div>(x.data(), G, (typename Scale::Div)Scale::value(stored), mids, cg);
+        if (!settled)
+            nearest_levels<L, typename Scale::Div>(x.data(), G, (typename Scale::Div)Scale::value(stored), mids, cg);
         scale[g] = stored;
     }
     for (int t = 0; t < n; t++) pack_row(&c[(size_t)t * D], D, BITS, codes + (int64_t)t * W);
