@@ -210,7 +210,7 @@ class KVCache:
             return None
         pending = []
         for shared, t in zip(self.stores, self.tensor_of):
-            p = shared.token_write(self._members(shared, v if t else k))
+            p = shared.token_write(v if t else k)  # every layer's rows: the write picks its group's
             if p is None:
                 return None
             pending.append(p)
@@ -245,16 +245,14 @@ class KVCache:
             self.reset()
             return 0
         m = min(store.keep_newest_limit(n - oldest) for pair in self.layers for store in pair)
-        for pair in self.layers:
-            for store in pair:
-                store.truncate_nonsink(m)
+        for shared in self.stores:
+            shared.truncate_nonsink(m)
         self.position = oldest + m
         return self.position
 
     def reset(self) -> None:
-        for pair in self.layers:
-            for store in pair:
-                store.clear()
+        for shared in self.stores:
+            shared.clear()
         self.position = self.evicted = 0
 
     # -- accounting -------------------------------------------------------------------

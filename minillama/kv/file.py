@@ -344,11 +344,19 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
     stores = {(s["layer"], s["tensor"]): s for s in h["stores"]}
     if set(stores) != {(i, x) for i in range(cache.n_layers) for x in "kv"}:
         raise bad("the header does not describe every layer's keys and values")
+    # The layers that share a codec share their rings' cursors (kv/layered.py): each restores
+    # its own rows, and all must hold as many as the first.
+    group = {(i, "kv"[t]): shared for shared, t in zip(cache.stores, cache.tensor_of) for i in shared.layers}
+    group_rows: dict[int, dict[str, int]] = {}  # id(shared) -> the rows of its first layer, by ring
     for i, pair in enumerate(cache.layers):
         for tensor, store in zip("kv", pair):
             entry, prefix = stores[(i, tensor)], f"layers.{i}.{tensor}."
+            rings = {part: int(entry["rings"].get(part, {}).get("rows", 0)) for part in _rings(store)}
+            shared = group[(i, tensor)]
+            if group_rows.setdefault(id(shared), rings) != rings:
+                raise bad(f"layers {shared.layers} share a codec but hold different rows in their rings")
             for part, ring in _rings(store).items():
-                rows = int(entry["rings"].get(part, {}).get("rows", 0))
+                rows = rings[part]
                 if not 0 <= rows <= ring.slots:
                     raise bad(f"{prefix}{part} holds {rows} rows, more than its ring's {ring.slots}")
                 if rows:
@@ -356,11 +364,10 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
                     want = (cache.batch, cache.n_kv_heads, rows, ring.buf.shape[-1])
                     if x is None or tuple(x.shape) != want or x.dtype != ring.buf.dtype:
                         raise bad(f"{prefix}{part} is not a {ring.buf.dtype} tensor of shape {want}")
-                    ring.push(x.to(ring.buf.device))
-            store.n_body = int(entry["n_body"])
+                    ring.restore(x.to(ring.buf.device))
             per_row = {name: store.tokens_per_row[name] for name in store.body}
-            if any(store.body[name].count * n != store.n_body for name, n in per_row.items()):
-                raise bad(f"{prefix}body rows do not cover its {store.n_body} tokens")
+            if any(store.body[name].count * n != int(entry["n_body"]) for name, n in per_row.items()):
+                raise bad(f"{prefix}body rows do not cover its {int(entry['n_body'])} tokens")
             if len({ring.count for ring in store.tier.values()}) > 1:
                 raise bad(f"{prefix}tier parts hold different numbers of tokens")
             if store.held != held:
@@ -390,8 +397,4 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
                 store.params = params
             elif store.codec.per_sequence and store.n_body:
                 raise bad(f"{prefix} lacks the ranges its codec {store.codec.name} was fitted with")
-    for shared in cache.stores:  # layers that share a codec are written together: they hold alike
-        counts = {tuple(ring.count for ring in _rings(store).values()) for store in shared.stores}
-        if len(counts) > 1:
-            raise bad(f"layers {shared.layers} share a codec but hold different rows in their rings")
     cache.position, cache.evicted = position, evicted

@@ -13,17 +13,18 @@ call, all or nothing.
 The bytes are the ones a layer-by-layer write leaves (tests/test_cache.py holds them equal):
 codecs work per row and per group of tokens, never across layers.
 
-The members' counters are kept equal by construction: every change to them (an append here;
-``truncate``, ``clear`` and a cache file's restore in the cache) is applied to every layer.
+The members' rings share one cursor each (kv/ring.py: Cursor), so they hold alike by
+construction: an append, an eviction, ``truncate_nonsink`` and ``clear`` move it once, here,
+for every layer (a cache file's restore sets it, kv/file.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from minillama.kv.ring import Ring, ring_buffer
+from minillama.kv.ring import Cursor, Ring, ring_buffer
 from minillama.kv.store import TIER, TensorStore, layout
-from minillama.kv.token_write import PendingWrite, token_write
+from minillama.kv.token_write import GroupWrites, PendingWrite, token_write
 from minillama.kv.write import encode, storage_form
 from minillama.native.abi import RingRef
 
@@ -34,7 +35,8 @@ class SharedRing:
     def __init__(self, buf: torch.Tensor, members: list[Ring]):
         self.buf = buf  # (L, B, H, slots, width)
         self.members = members
-        self.lead = members[0]  # every member has its counters
+        self.lead = members[0]  # a member, whose cursor every member shares
+        assert all(m.cursor is self.lead.cursor for m in members)
         # As write_tokens addresses it: (L * B * H) rows of slots x width bytes (the buffer never moves).
         self.ref = RingRef(buf.data_ptr(), buf.shape[3], buf.shape[4] * buf.element_size())
 
@@ -61,14 +63,17 @@ class SharedRing:
 
     def advance(self, n: int) -> int:
         """n rows were written after the newest of every layer (by a kernel): count them; bytes written."""
-        for ring in self.members:
-            ring.count += n
+        self.lead.count += n
         return n * self.lead.row_bytes * len(self.members)
 
     def drop_oldest(self, n: int) -> None:
-        if n:  # most decode tokens drop nothing: no pass over every layer's ring for it
-            for ring in self.members:
-                ring.drop_oldest(n)
+        self.lead.drop_oldest(n)
+
+    def drop_newest(self, n: int) -> None:
+        self.lead.drop_newest(n)
+
+    def clear(self) -> None:
+        self.lead.clear()
 
 
 class LayeredStore:
@@ -95,6 +100,7 @@ class LayeredStore:
             name: ring_buffer((n, batch, heads, shape.slots, shape.width), shape.dtype, device)
             for name, shape in layout(codec, group, spec, capacity, head_dim).items()
         }  # name -> (L, B, H, slots, width)
+        cursors = {name: Cursor() for name in bufs}  # every layer's ring of a name shares one
         self.stores = [
             TensorStore(
                 codec,
@@ -107,6 +113,7 @@ class LayeredStore:
                 device,
                 centered,
                 {k: b[i] for k, b in bufs.items()},
+                cursors,
             )
             for i in range(n)
         ]
@@ -119,6 +126,7 @@ class LayeredStore:
         }
         self.body = {name: SharedRing(buf, [s.body[name] for s in self.stores]) for name, buf in bufs.items()}
         self._centers: tuple[list, torch.Tensor] | None = None  # centered keys: the members' centers, stacked
+        self.writes: GroupWrites | None = None  # a decode token's native write, described on the first
 
     def append(self, x: torch.Tensor, evict: int) -> tuple[int, int]:
         """Store new vectors x (L, B, H, n, D) in the model's dtype, after evicting `evict` oldest non-sink
@@ -145,8 +153,7 @@ class LayeredStore:
             x = x[:, :, :, take:]
         if evict:
             from_body = min(evict, lead.n_body)
-            for store in stores:
-                store._drop_body(from_body)
+            self._drop_body(from_body)
             from_tier = min(evict - from_body, lead.n_tier)
             self._drop_tier(from_tier)
             from_res = min(evict - from_body - from_tier, lead.residual.count)
@@ -209,6 +216,32 @@ class LayeredStore:
         lead = self.stores[0]
         return max(0, (lead.n_tier + leave - lead.tier_len) // lead.unit * lead.unit)
 
+    def _drop_body(self, n: int, newest: bool = False) -> None:
+        """Drop the n oldest (or newest) body tokens of every layer."""
+        lead = self.stores[0]
+        for name, ring in self.body.items():
+            rows = n // lead.tokens_per_row[name]
+            ring.drop_newest(rows) if newest else ring.drop_oldest(rows)
+
+    def truncate_nonsink(self, m: int) -> None:
+        """Keep only the oldest m non-sink tokens of every layer (m from ``keep_newest_limit``): the
+        newest go first, from the residual, then the tier, then the body."""
+        lead = self.stores[0]
+        drop = lead.n_body + lead.n_tier + lead.residual.count - m
+        from_res = min(drop, lead.residual.count)
+        self.residual.drop_newest(from_res)
+        from_tier = min(drop - from_res, lead.n_tier)
+        for ring in self.tier.values():
+            ring.drop_newest(from_tier)
+        self._drop_body(drop - from_res - from_tier, newest=True)
+
+    def clear(self) -> None:
+        """Forget every token and each layer's per-sequence parameters (key center, ranges)."""
+        for ring in [self.sinks, self.residual, *self.body.values(), *self.tier.values()]:
+            ring.clear()
+        for store in self.stores:
+            store.center, store.params = None, None
+
     def _drop_tier(self, n: int) -> int:
         """Drop the n oldest tier tokens of every layer; returns their bytes (read, when they move on)."""
         for ring in self.tier.values():
@@ -254,13 +287,12 @@ class LayeredStore:
         written = 0
         for name, part in parts.items():
             written += self.body[name].push(part.reshape(n_layers, b, *part.shape[1:]))  # (L, B, H, rows, width)
-        for store in stores:
-            store.n_body += n_flush
         return written
 
     def token_write(self, x: torch.Tensor) -> PendingWrite | None:
         """This group's share of one decode token as native/encode.cpp's write_tokens takes it, or
-        None where ``append`` must write it (kv/token_write.py)."""
+        None where ``append`` must write it (kv/token_write.py). x (L, B, H, 1, D): every layer's
+        new vectors, the cache's layers (the write picks the group's)."""
         return token_write(self, x)
 
     def _center16(self) -> torch.Tensor:

@@ -35,16 +35,43 @@ def ring_buffer(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
     return buf.zero_()
 
 
+class Cursor:
+    """Where a ring's rows are: the slot of the oldest and how many are held. The rings of the
+    layers that share a codec hold the same rows (kv/layered.py), so they share one cursor: a
+    step moves it once for all of them."""
+
+    __slots__ = ("start", "count")
+
+    def __init__(self):
+        self.start = 0  # slot of the oldest row
+        self.count = 0  # rows held
+
+
 class Ring:
-    def __init__(self, buf: torch.Tensor):
+    def __init__(self, buf: torch.Tensor, cursor: Cursor | None = None):
         """buf (B, H, slots, width): zeros the ring owns, or a view of a buffer rings of several
-        layers share (kv/layered.py)."""
+        layers share (kv/layered.py), with their shared `cursor`."""
         self.buf = buf  # (B, H, slots, width)
         batch, heads, slots, width = buf.shape
         self.slots = slots
         self.row_bytes = batch * heads * width * self.buf.element_size()  # one row across the batch and heads
-        self.start = 0  # slot of the oldest row
-        self.count = 0  # rows held
+        self.cursor = cursor if cursor is not None else Cursor()
+
+    @property
+    def start(self) -> int:
+        return self.cursor.start
+
+    @start.setter
+    def start(self, slot: int) -> None:
+        self.cursor.start = slot
+
+    @property
+    def count(self) -> int:
+        return self.cursor.count
+
+    @count.setter
+    def count(self, n: int) -> None:
+        self.cursor.count = n
 
     def _spans(self, first: int, n: int) -> list[tuple[int, int]]:
         """Slot ranges [a, b) holding n rows starting at logical row `first` (at most two spans)."""
@@ -75,6 +102,12 @@ class Ring:
         if not spans:
             return self.buf[:, :, :0]
         return torch.cat([self.buf[:, :, a:b] for a, b in spans], dim=2)
+
+    def restore(self, x: torch.Tensor) -> None:
+        """An empty ring's rows as a cache file holds them: x (B, H, n, width) into slots 0..n-1.
+        Sets the cursor rather than moving it, so every layer sharing it may restore its own rows."""
+        self.buf[:, :, : x.shape[2]] = x
+        self.start, self.count = 0, x.shape[2]
 
     def view(self) -> RingView:
         """The buffer and the slot of its oldest row, as kernels that read rows in place need them."""

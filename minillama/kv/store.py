@@ -40,7 +40,7 @@ import torch
 
 from minillama.kv.codecs import Codec, exact_codec
 from minillama.kv.interface import PartView
-from minillama.kv.ring import Ring, ring_buffer
+from minillama.kv.ring import Cursor, Ring, ring_buffer
 from minillama.kv.spec import KVSpec
 
 
@@ -108,9 +108,12 @@ class TensorStore:
         device,
         centered: bool = False,
         bufs: dict[str, torch.Tensor] | None = None,
+        cursors: dict[str, Cursor] | None = None,
     ):
         """`bufs`: each ring's buffer (B, H, slots, width) by name, views into buffers several layers
-        share (kv/layered.py: LayeredStore); zeros of the layout's shapes when None."""
+        share (kv/layered.py: LayeredStore), and `cursors` the rings' cursors they share; zeros of
+        the layout's shapes and cursors of their own when None. The group moves the cursors
+        (LayeredStore: append, truncate_nonsink, clear); a store reads them."""
         self.codec, self.group, self.head_dim = codec, group, head_dim
         self.centered = centered
         self.center: torch.Tensor | None = (
@@ -124,14 +127,19 @@ class TensorStore:
                 name: ring_buffer((batch, heads, shape.slots, shape.width), shape.dtype, device)
                 for name, shape in shapes.items()
             }
-        rings = {name: Ring(bufs[name]) for name in shapes}  # each (B, H, slots, width)
+        rings = {name: Ring(bufs[name], (cursors or {}).get(name)) for name in shapes}  # each (B, H, slots, width)
         self.sinks = rings.pop("sinks")  # (B, H, S, D)
         self.residual = rings.pop("residual")  # (B, H, R+unit-1, D), or (B, H, R, D) with a tier
         self.tier_len, self.tier_codec = spec.tier_of(codec)
         self.tier = {name.removeprefix(TIER): rings.pop(name) for name in list(rings) if name.startswith(TIER)}
         self.body = rings  # part name -> (B, H, rows, width)
         self.tokens_per_row = {p.name: p.tokens_per_row for p in codec.parts(head_dim, group)}
-        self.n_body = 0  # tokens in the body
+
+    @property
+    def n_body(self) -> int:
+        """Tokens in the body: a part's rows times the tokens a row holds (every part's alike)."""
+        name, ring = next(iter(self.body.items()))
+        return ring.count * self.tokens_per_row[name]
 
     @property
     def held(self) -> int:
@@ -141,16 +149,6 @@ class TensorStore:
     def n_tier(self) -> int:
         """Tokens in the tier (one row each)."""
         return self.tier["codes"].count if self.tier else 0
-
-    def _drop_tier(self, n: int, newest: bool = False) -> None:
-        for ring in self.tier.values():
-            ring.drop_newest(n) if newest else ring.drop_oldest(n)
-
-    def _drop_body(self, n: int, newest: bool = False) -> None:
-        for name, ring in self.body.items():
-            rows = n // self.tokens_per_row[name]
-            ring.drop_newest(rows) if newest else ring.drop_oldest(rows)
-        self.n_body -= n
 
     @property
     def center_bytes(self) -> int:
@@ -215,23 +213,6 @@ class TensorStore:
         if n_nonsink >= self.n_body:
             return n_nonsink
         return n_nonsink // self.unit * self.unit  # a per-channel group cannot be cut
-
-    def truncate_nonsink(self, m: int) -> None:
-        """Keep only the oldest m non-sink tokens (m from keep_newest_limit): the newest go first,
-        from the residual, then the tier, then the body."""
-        drop = self.n_body + self.n_tier + self.residual.count - m
-        from_res = min(drop, self.residual.count)
-        self.residual.drop_newest(from_res)
-        from_tier = min(drop - from_res, self.n_tier)
-        self._drop_tier(from_tier, newest=True)
-        self._drop_body(drop - from_res - from_tier, newest=True)
-
-    def clear(self) -> None:
-        for ring in [self.sinks, self.residual, *self.body.values(), *self.tier.values()]:
-            ring.clear()
-        self.n_body = 0
-        self.center = None
-        self.params = None
 
     def live_bytes(self) -> dict[str, int]:
         """Held bytes by component: codes and scales of the body and the tier, residual, sinks."""

@@ -21,7 +21,7 @@ from minillama.kv.codecs import Affine, Codebook, FloatCodec
 from minillama.kv.freq_blocks import FrequencyBlocks, block_books, block_widths
 from minillama.kv.quantize import REFINE, gaussian_codebook
 from minillama.kv.write import native_encoding
-from minillama.native.abi import DTYPE_CODE, TokenWrite
+from minillama.native.abi import DTYPE_CODE, RingRef, TokenWrite
 
 if TYPE_CHECKING:
     from minillama.kv.layered import LayeredStore, SharedRing
@@ -30,112 +30,152 @@ if TYPE_CHECKING:
 def token_write(shared: LayeredStore, x: torch.Tensor) -> PendingWrite | None:
     """This group's share of one decode token (nothing to evict) as native/encode.cpp's
     write_tokens takes it: the same decisions as ``append``, taken here from the counters, and
-    the same bytes (a test holds them equal). Nothing changes until the cache has made the
-    write and called ``finish``. None where the kernel does not write this codec (vector codes,
-    calibrated ranges, non-float16 rows, the first append of centered keys, a tier whose codec
-    is not a codebook): ``append`` then does it."""
-    lead = shared.stores[0]
-    codec = lead.codec
-    kind = _token_kind(codec)
-    if kind is None or x.dtype not in DTYPE_CODE or lead.residual.buf.dtype != torch.float16:
+    the same bytes (a test holds them equal). x (L, B, H, 1, D) holds every layer's new vectors
+    (the cache's layers, not only the group's: the kernel picks the group's rows). Nothing
+    changes until the cache has made the write and called ``finish``. None where the kernel does
+    not write this codec (``GroupWrites.reason``), the dtype, or the first append of centered keys:
+    ``append`` then does it."""
+    if shared.writes is None:
+        shared.writes = GroupWrites(shared)
+    g, lead = shared.writes, shared.stores[0]
+    if g.reason is not None or x.dtype not in DTYPE_CODE or (lead.centered and lead.center is None):
         return None
+    x = x.contiguous()  # (L, B, H, 1, D)
+    center = shared._center16() if lead.centered else None  # (L_group, B, H, 1, D) float16
     if shared.tier:
-        return _tier_token_write(shared, x, kind)
-    if lead.centered and lead.center is None:
-        return None
-    if isinstance(codec, FrequencyBlocks) and len(codec.widths) != x.shape[2]:
-        return None  # a widths table for another head count: ``append`` says so
+        return _tier_token_write(shared, g, x, center)
     sinks, res = lead.sinks, lead.residual
     to_sinks = sinks.count < sinks.slots
     n_flush = shared._flush_count(res.count + (0 if to_sinks else 1))
     r = min(n_flush, res.count)
     encoded = n_flush - r  # 1: the new token is the block's last row
-    x = x.contiguous()  # (L, B, H, 1, D)
-    center = shared._center16() if lead.centered else None  # (L, B, H, 1, D) float16
-    w = _write(shared, x, center)
+    w = g.source(g.main, x, center)
     to = shared.sinks if to_sinks else None if encoded else shared.residual
-    if to is not None:
-        w.to, w.to_slot = to.ref, (to.lead.start + to.lead.count) % to.lead.slots
+    g.send(w, to)
+    w.flush, w.from_res, w.res_first = n_flush, r, res.start
     if n_flush:
-        w.flush, w.from_res, w.res, w.res_first = n_flush, r, shared.residual.ref, res.start
-        _into_body(shared, w, kind)
-    widths = None
-    if isinstance(codec, FrequencyBlocks):  # each head's blocks at their own widths, one-byte scales
-        widths = block_widths(codec.widths)  # (H, nb)
-        w.blocks, w.widths, w.heads = codec.blocks, widths.data_ptr(), widths.shape[0]
-    return PendingWrite([w], [x, center, kind[2], widths], lambda: _after_token(shared, n_flush, r, to))
+        _next_body_rows(shared, w)
+    return PendingWrite([w], [x, center], lambda: _after_token(shared, n_flush, r, to))
 
 
-def _write(shared: LayeredStore, x: torch.Tensor, center: torch.Tensor | None) -> TokenWrite:
-    """A TokenWrite of x (L, B, H, 1, D) that stores nothing yet (the fields say where)."""
-    codec = shared.stores[0].codec
-    w = TokenWrite(L=x.shape[0], BH=x.shape[1] * x.shape[2], D=x.shape[-1], dtype=DTYPE_CODE[x.dtype])
-    w.x, w.rotate, w.center = x.data_ptr(), codec.rotation, center.data_ptr() if center is not None else None
-    return w
+class GroupWrites:
+    """A group's decode-token writes as TokenWrite structs, built on its first decode token: the
+    rings' addresses, the codec's tables and the group's layers never change, so a token sets
+    only what moves -- the new rows' address, the ring slots and how many rows move. ``main``
+    stores the new row (sinks or residual) and codes the row leaving the residual (into the body,
+    or the tier); ``flush``, with a tier, decodes the tier's oldest unit and codes it into the
+    body. ``reason`` says why the kernel does not write the group (then every field is unset)."""
+
+    def __init__(self, shared: LayeredStore):
+        lead = shared.stores[0]
+        self.layers = shared.layer_index.to(torch.int32)  # (L,) each member's layer in a step's rows
+        self.kind, self.tier_kind = _token_kind(lead.codec), _token_kind(lead.tier_codec) if shared.tier else None
+        self.reason = _unwritten(shared, self.kind, self.tier_kind)
+        if self.reason is not None:
+            return
+        self.nowhere, self.to = RingRef(), None  # where main's new row goes now (None: nowhere)
+        self.main = self._struct(shared)
+        if shared.tier:
+            self._into_tier(shared, self.main)
+            self.flush = self._struct(shared)
+            self._into_body(shared, self.flush)
+            f, t = self.flush, lead.tier_codec
+            f.src_codes, f.src_scale = shared.tier["codes"].ref, shared.tier["scale"].ref
+            f.src_levels, f.src_bits, f.src_log_scale = self.tier_kind[2].data_ptr(), t.bits, int(t.log_scale)
+        else:
+            self._into_body(shared, self.main)
+
+    def _struct(self, shared: LayeredStore) -> TokenWrite:
+        lead = shared.stores[0]
+        b, h, _, d = lead.residual.buf.shape  # (B, H, slots, D)
+        w = TokenWrite(L=len(shared.stores), BH=b * h, D=d, layers=self.layers.data_ptr())
+        w.rotate, w.res = lead.codec.rotation, shared.residual.ref
+        return w
+
+    def _into_body(self, shared: LayeredStore, w: TokenWrite) -> None:
+        """w's coded rows go to the body, at the codec's width (slots set per token)."""
+        bits, axis, levels = self.kind
+        codec = shared.stores[0].codec
+        w.bits, w.group, w.axis = bits, shared.stores[0].group, axis
+        w.codes = shared.body["values" if bits == 0 else "codes"].ref
+        if bits:
+            w.scale = shared.body["scale"].ref
+            if levels is None:
+                w.zero = shared.body["zero"].ref
+            else:  # a codebook: codes and scales, no zeros
+                w.levels, w.refine, w.log_scale = levels.data_ptr(), REFINE, int(codec.log_scale)
+        if isinstance(codec, FrequencyBlocks):  # each head's blocks at their own widths, one-byte scales
+            self.widths = block_widths(codec.widths)  # (H, nb)
+            w.blocks, w.widths, w.heads = codec.blocks, self.widths.data_ptr(), self.widths.shape[0]
+
+    def _into_tier(self, shared: LayeredStore, w: TokenWrite) -> None:
+        """w's coded row goes to the tier's next row (a codebook: codes, one scale a row of D)."""
+        tier = shared.stores[0].tier_codec
+        w.bits, w.group, w.axis = tier.bits, w.D, 0
+        w.codes, w.scale = shared.tier["codes"].ref, shared.tier["scale"].ref
+        w.levels, w.refine, w.log_scale = self.tier_kind[2].data_ptr(), REFINE, int(tier.log_scale)
+
+    def source(self, w: TokenWrite, x: torch.Tensor, center: torch.Tensor | None) -> TokenWrite:
+        """w reads this token's rows from x (L, B, H, 1, D), less the members' key centers."""
+        w.x, w.dtype, w.center = x.data_ptr(), DTYPE_CODE[x.dtype], center.data_ptr() if center is not None else None
+        return w
+
+    def send(self, w: TokenWrite, to: SharedRing | None) -> None:
+        """w's new row goes to the next slot of `to` (sinks or residual), or nowhere."""
+        if to is not self.to:  # a struct field set only when it changes
+            w.to, self.to = to.ref if to is not None else self.nowhere, to
+        w.to_slot = (to.lead.start + to.lead.count) % to.lead.slots if to is not None else 0
 
 
-def _into_body(shared: LayeredStore, w: TokenWrite, kind) -> None:
-    """Point w's encoded block at the next rows of the body (kind: ``_token_kind`` of its codec)."""
-    bits, axis, levels = kind
+def _unwritten(shared: LayeredStore, kind, tier_kind) -> str | None:
+    """Why the kernel does not write this group's decode tokens, or None."""
     lead = shared.stores[0]
-    w.bits, w.group, w.axis = bits, lead.group, axis
-    data = shared.body["values" if bits == 0 else "codes"]
-    w.codes, w.codes_slot = data.ref, data.lead.start + data.lead.count
-    if bits:
-        w.scale = shared.body["scale"].ref
-        w.scale_slot = shared.body["scale"].lead.start + shared.body["scale"].lead.count
-        if levels is None:
-            w.zero = shared.body["zero"].ref
-        else:  # a codebook: codes and scales, no zeros
-            w.levels, w.refine, w.log_scale = levels.data_ptr(), REFINE, int(lead.codec.log_scale)
+    if kind is None or lead.residual.buf.dtype != torch.float16:
+        return f"{lead.codec.name} is not a codec write_tokens codes"
+    if shared.tier and (tier_kind is None or tier_kind[2] is None or isinstance(lead.codec, FrequencyBlocks)):
+        return "an affine tier, or frequency-block keys beside one"
+    if isinstance(lead.codec, FrequencyBlocks) and len(lead.codec.widths) != lead.residual.buf.shape[1]:
+        return "a widths table for another head count"  # ``append`` says so
+    return None
 
 
-def _into_tier(shared: LayeredStore, w: TokenWrite, levels: torch.Tensor) -> None:
-    """Point w's encoded block at the tier's next row (a codebook: codes, one scale a row of D)."""
-    tier, codes, scale = shared.stores[0].tier_codec, shared.tier["codes"], shared.tier["scale"]
-    w.bits, w.group, w.axis = tier.bits, w.D, 0
-    w.codes, w.codes_slot = codes.ref, codes.lead.start + codes.lead.count
-    w.scale, w.scale_slot = scale.ref, scale.lead.start + scale.lead.count
-    w.levels, w.refine, w.log_scale = levels.data_ptr(), REFINE, int(tier.log_scale)
+def _next_body_rows(shared: LayeredStore, w: TokenWrite) -> None:
+    """w's coded rows go to the body's next slots."""
+    data = shared.body["values" if w.bits == 0 else "codes"]
+    w.codes_slot = data.lead.start + data.lead.count
+    if w.bits:
+        scale = shared.body["scale"].lead
+        w.scale_slot = scale.start + scale.count
 
 
-def _tier_token_write(shared: LayeredStore, x: torch.Tensor, kind) -> PendingWrite | None:
+def _tier_token_write(
+    shared: LayeredStore, g: GroupWrites, x: torch.Tensor, center: torch.Tensor | None
+) -> PendingWrite:
     """``token_write`` with a tier (``_through_tier``'s decisions for one token): at most two
     writes, in this order -- the tier's oldest whole unit decoded and coded into the body (when
     ``tier + unit`` would wait), then the residual's oldest row coded into the tier and the new
-    token into its slot. None where the tier's codec is not a codebook (``append`` does it)."""
+    token into its slot."""
     lead = shared.stores[0]
-    tier_kind = _token_kind(lead.tier_codec)
-    if tier_kind is None or tier_kind[2] is None or isinstance(lead.codec, FrequencyBlocks):
-        return None  # an affine tier, or frequency-block keys beside one: the PyTorch path
-    if lead.centered and lead.center is None:
-        return None
-    x = x.contiguous()  # (L, B, H, 1, D)
-    center = shared._center16() if lead.centered else None  # (L, B, H, 1, D) float16
     sinks, res = lead.sinks, lead.residual
     to_sinks = sinks.count < sinks.slots
     leave = 0 if to_sinks else max(0, res.count + 1 - lead.residual_len)  # 0 or 1 row leaves the residual
     n_flush = shared._tier_flush_count(leave) if leave else 0
     writes = []
     if n_flush:  # the tier's oldest unit, decoded, into the body
-        w = _write(shared, x, center)
-        w.flush, w.from_res, w.res_first = n_flush, n_flush, shared.tier["codes"].lead.start  # rows of src_*
-        _into_body(shared, w, kind)
-        w.src_codes, w.src_scale = shared.tier["codes"].ref, shared.tier["scale"].ref
-        w.src_levels, w.src_bits = tier_kind[2].data_ptr(), lead.tier_codec.bits
-        w.src_log_scale = int(lead.tier_codec.log_scale)
-        writes.append(w)
-    w = _write(shared, x, center)
+        f = g.source(g.flush, x, center)
+        f.flush, f.from_res, f.res_first = n_flush, n_flush, shared.tier["codes"].lead.start  # rows of src_*
+        _next_body_rows(shared, f)
+        writes.append(f)
+    w = g.source(g.main, x, center)
     r = min(leave, res.count)  # 0 with residual=0: the new token itself goes to the tier
+    w.flush, w.from_res, w.res_first = (1, r, res.start) if leave else (0, 0, 0)
     if leave:  # the residual's oldest row (or the new token) into the tier
-        w.flush, w.from_res, w.res, w.res_first = 1, r, shared.residual.ref, res.start
-        _into_tier(shared, w, tier_kind[2])
+        codes, scale = shared.tier["codes"].lead, shared.tier["scale"].lead
+        w.codes_slot, w.scale_slot = codes.start + codes.count, scale.start + scale.count
     to = shared.sinks if to_sinks else None if leave and not r else shared.residual
-    if to is not None:  # the new token into its slot (after the row that leaves is read)
-        w.to, w.to_slot = to.ref, (to.lead.start + to.lead.count) % to.lead.slots
+    g.send(w, to)  # the new token into its slot (after the row that leaves is read)
     writes.append(w)
-    keep = [x, center, kind[2], tier_kind[2]]
-    return PendingWrite(writes, keep, lambda: _after_tier_token(shared, n_flush, leave, r, to))
+    return PendingWrite(writes, [x, center], lambda: _after_tier_token(shared, n_flush, leave, r, to))
 
 
 def _after_tier_token(shared: LayeredStore, n_flush: int, leave: int, r: int, to: SharedRing | None) -> tuple[int, int]:
@@ -169,10 +209,7 @@ def _after_token(shared: LayeredStore, n_flush: int, r: int, to: SharedRing | No
 def _advance_body(shared: LayeredStore, n: int) -> int:
     """n tokens were coded into every layer's body (by the kernel): count them; bytes written."""
     lead = shared.stores[0]
-    written = sum(ring.advance(n // lead.tokens_per_row[name]) for name, ring in shared.body.items())
-    for store in shared.stores:
-        store.n_body += n
-    return written
+    return sum(ring.advance(n // lead.tokens_per_row[name]) for name, ring in shared.body.items())
 
 
 @dataclass

@@ -147,6 +147,7 @@ class TokenWrite(ctypes.Structure):
     _fields_ = [
         *[(name, ctypes.c_int) for name in ("L", "BH", "D")],
         ("x", ctypes.c_void_p),
+        ("layers", ctypes.c_void_p),
         ("dtype", ctypes.c_int),
         ("rotate", ctypes.c_int),
         ("center", ctypes.c_void_p),

@@ -147,6 +147,36 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int bits, in
 
 extern "C" {
 
+// One row x (D, dtype) into storage form: rotated (nb blocks of n = D / nb channels, `norm` =
+// 1/sqrt(n)), less the center c (D fp16, or null), as fp16 in out; how many outputs are not
+// finite. v: D floats of scratch.
+static int prepare_row(const void* x, int dtype, int D, int rotate, int nb, float norm, const uint16_t* c, float* v,
+                       uint16_t* out) {
+    const int n = D / nb;
+    for (int d = 0; d < D; d++) v[d] = load_value(x, d, dtype);
+    if (rotate > 1) {  // the channels in frequency-block order (hadamard.h)
+        const std::vector<float> row(v, v + D);
+        frequency_blocks(row.data(), D, nb, v);
+    }
+    if (rotate) {
+        for (int i = 0; i < D; i += n) fwht(v + i, n);
+        for (int d = 0; d < D; d++) v[d] = round_to_dtype(v[d] * norm, dtype);
+    }
+    int bad = 0;
+    for (int d = 0; d < D; d++) {
+        const float y = c ? v[d] - half_to_float(c[d]) : v[d];
+        bad += !std::isfinite(y);
+        out[d] = float_to_half(y);
+    }
+    return bad;
+}
+
+// Whether a rotation of D channels in max(rotate, 1) blocks is one prepare_row makes.
+static bool rotation_ok(int D, int rotate) {
+    const int nb = std::max(rotate, 1), n = D / nb;
+    return rotate >= 0 && !(rotate && (D % (2 * nb) || (n & (n - 1))));
+}
+
 // x: rows x D in dtype; center: (rows / rows_per_center) x D fp16 or null; out: rows x D fp16.
 // rotate: 0 none, 1 by H over the row, nb > 1 in nb RoPE frequency blocks (kv/quantize.py:
 // block_rotate: the channels in frequency_block_order, then each block of n = D / nb by H_n).
@@ -154,31 +184,19 @@ extern "C" {
 int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, const uint16_t* center,
                      int64_t rows_per_center, uint16_t* out) {
     if (dtype < 0 || dtype > 2) return -MINILLAMA_E_DTYPE;
-    const int nb = std::max(rotate, 1), n = D / nb;  // blocks and their size
-    if (rotate < 0 || (rotate && (D % (2 * nb) || (n & (n - 1))))) return -MINILLAMA_E_HEAD_DIM;
+    if (!rotation_ok(D, rotate)) return -MINILLAMA_E_HEAD_DIM;
+    const int nb = std::max(rotate, 1);
+    const float norm = (float)(1.0 / std::sqrt((double)(D / nb)));
+    const size_t row_bytes = (size_t)D * dtype_bytes(dtype);
     int64_t bad = 0;
-    const float norm = (float)(1.0 / std::sqrt((double)n));
     // A decode token's few dozen rows take less time than waking a thread: one thread below 256.
 #pragma omp parallel reduction(+ : bad) if (rows >= 256)
     {
     std::vector<float> v(D);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        for (int d = 0; d < D; d++) v[d] = load_value(x, r * D + d, dtype);
-        if (rotate > 1) {  // the channels in frequency-block order (hadamard.h)
-            const std::vector<float> row = v;
-            frequency_blocks(row.data(), D, nb, v.data());
-        }
-        if (rotate) {
-            for (int i = 0; i < D; i += n) fwht(v.data() + i, n);
-            for (int d = 0; d < D; d++) v[d] = round_to_dtype(v[d] * norm, dtype);
-        }
         const uint16_t* c = center ? center + (r / rows_per_center) * D : nullptr;
-        for (int d = 0; d < D; d++) {
-            const float y = c ? v[d] - half_to_float(c[d]) : v[d];
-            bad += !std::isfinite(y);
-            out[r * D + d] = float_to_half(y);
-        }
+        bad += prepare_row((const char*)x + r * row_bytes, dtype, D, rotate, nb, norm, c, v.data(), out + r * D);
     }
     }
     return bad;
@@ -261,6 +279,7 @@ int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G
 // are all made or none: check_write (the fields), fresh_rows (the storage form, checked finite),
 // commit (the stores, which cannot fail).
 static int check_write(const TokenWrite& w) {
+    if (!w.x || !w.layers || w.L < 1 || w.BH < 1) return MINILLAMA_E_SHAPE;
     if (w.flush < 0 || w.flush > 256 || w.from_res < 0 || w.from_res > w.flush || w.flush - w.from_res > 1)
         return MINILLAMA_E_SHAPE;
     if (w.src_codes.buf && (!w.src_scale.buf || !w.src_levels || w.src_bits < 2 || w.src_bits > 4 || w.D > 512))
@@ -287,8 +306,21 @@ static int check_write(const TokenWrite& w) {
 }
 
 static int fresh_rows(const TokenWrite& w, uint16_t* fresh) {  // fresh: (L * BH, D) fp16
-    const int64_t bad = prepare_rows(w.x, w.dtype, w.L * w.BH, w.D, w.rotate, w.center, 1, fresh);
-    if (bad < 0) return (int)-bad;
+    // The write's layers picked from every layer's rows: a decode token's few rows, on this thread.
+    if (w.dtype < 0 || w.dtype > 2) return MINILLAMA_E_DTYPE;
+    if (!rotation_ok(w.D, w.rotate)) return MINILLAMA_E_HEAD_DIM;
+    const int nb = std::max(w.rotate, 1);
+    const float norm = (float)(1.0 / std::sqrt((double)(w.D / nb)));
+    const size_t row_bytes = (size_t)w.D * dtype_bytes(w.dtype);
+    std::vector<float> v(w.D);
+    int64_t bad = 0;
+    for (int l = 0; l < w.L; l++)
+        for (int i = 0; i < w.BH; i++) {
+            const int64_t r = (int64_t)l * w.BH + i;  // the write's row; x's is layers[l] * BH + i
+            const char* x = (const char*)w.x + ((int64_t)w.layers[l] * w.BH + i) * row_bytes;
+            bad += prepare_row(x, w.dtype, w.D, w.rotate, nb, norm, w.center ? w.center + r * w.D : nullptr, v.data(),
+                               fresh + r * w.D);
+        }
     return bad > 0 ? MINILLAMA_E_NONFINITE : MINILLAMA_OK;
 }
 

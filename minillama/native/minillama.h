@@ -81,8 +81,9 @@ struct RingRef {
     int slots, width;
 };
 
-// One decode token into one group's rings (encode.cpp: write_tokens, one per group). The new vectors x
-// (L * BH, D) in `dtype` are put in storage form (rotated, minus the fp16 center (L * BH, D));
+// One decode token into one group's rings (encode.cpp: write_tokens, one per group). The group's
+// layers' new vectors, x's rows of `layers` (L * BH, D) in `dtype`, are put in storage form
+// (rotated, minus the fp16 center (L * BH, D));
 // when flush > 0, `from_res` rows of the residual from slot res_first, then (flush > from_res)
 // the new row, are encoded into the body from codes_slot (and scale_slot): affine codes of
 // `bits` (2, 3, 4, 8) in groups of `group` channels (axis 0) or tokens (axis 1), or bits = 0:
@@ -90,7 +91,8 @@ struct RingRef {
 // to_slot unless to.buf is null (it was encoded).
 struct TokenWrite {
     int L, BH, D;
-    const void* x;
+    const void* x;         // every layer's new rows, (layers, BH, D)
+    const int32_t* layers; // (L,): the write's layer l is x's layer layers[l]
     int dtype, rotate;
     const uint16_t* center;
     RingRef to;
@@ -249,4 +251,4 @@ static_assert(sizeof(Part) == 144, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8, "StepEnds layout changed: update native/abi.py");
-static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 248, "TokenWrite layout changed: update native/abi.py");
+static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 256, "TokenWrite layout changed: update native/abi.py");
