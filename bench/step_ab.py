@@ -38,12 +38,12 @@ from minillama.model.loader import load_model
 from minillama.native import backend, build
 
 STEPS = 16  # decode steps per build and round
-PHASES = ("projections", "attention", "rest", "head")
+PHASES = ("projections", "attention", "rest", "head", "write")
 
 
 def timed(lm, native, cache) -> tuple[float, list[float]]:
     """ms per step over STEPS steps of `native` (a NativeStep), and its phases in ms per step."""
-    timing = torch.zeros(4, dtype=torch.float64)  # projections, attention, rest, head: seconds
+    timing = torch.zeros(5, dtype=torch.float64)  # projections, attention, rest, head, write: seconds
     native.time_phases(timing)
     t0 = time.perf_counter()
     for _ in range(STEPS):

@@ -95,19 +95,21 @@ def main() -> None:
 
     ops.decode_step = timed("native step call", ops.decode_step)
     KVCache.kernel_plans = timed("layer plans (Python)", KVCache.kernel_plans)
-    KVCache.append_stacked = timed("cache append (encode + write)", KVCache.append_stacked)
+    KVCache.append_stacked = timed("cache append outside the step (PyTorch write)", KVCache.append_stacked)
+    KVCache.token_writes = timed("cache write described (Python)", KVCache.token_writes)
+    KVCache.commit_token = timed("cache write counted (Python)", KVCache.commit_token)
     steps(3)
     # The phases inside the native call are timed in the same steps as the call itself, so what the
     # call spends outside them (ctypes, the embedding rows) is a difference of nested intervals of
     # one run: never negative, whatever the machine does between runs.
-    phases = torch.zeros(4, dtype=torch.float64)  # projections, attention, rest, head: seconds, inside the call
+    phases = torch.zeros(5, dtype=torch.float64)  # projections, attention, rest, head, write: s, inside the call
     native = step.native_step(lm.model, backend.library(), 1)
     native.time_phases(phases)
     acc.clear()
     timed_total = steps(args.steps)
     native.time_phases(None)
     parts = {k: v / args.steps * 1000 for k, v in acc.items()}
-    proj_in, attn_in, rest_in, head_in = (float(v) / args.steps * 1000 for v in phases)
+    proj_in, attn_in, rest_in, head_in, write_in = (float(v) / args.steps * 1000 for v in phases)
     proj = projection_ms(lm.model)
     lm_head = projection_ms_of(lm.model.lm_head.weight)
     print(f"{lm.name}, bf16 weights, kv {args.kv} at {args.context} tokens ({args.fill}); backend {backend.describe()}")
@@ -130,7 +132,8 @@ def main() -> None:
         ("  attention over the cache", attn_in),
         ("  rest: norms, rounding, RoPE, SiLU, copies", rest_in),
         ("  final norm and LM head", head_in),
-        ("  call overhead (ctypes, timers, embedding rows)", native - proj_in - attn_in - rest_in - head_in),
+        ("  cache write (encode + store the token)", write_in),
+        ("  call overhead (ctypes, timers, embedding rows)", native - proj_in - attn_in - rest_in - head_in - write_in),
     ]
     rows += [(k, v) for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if k != "native step call"]
     rows.append(("  of which the LM head's projection (alone)", lm_head))

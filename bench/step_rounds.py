@@ -10,8 +10,9 @@ cache is filled once (synthetic keys and values, eval/synthetic.py) at the given
 default model (or the model folder given last) in bfloat16, and each round times 8 decode steps of every scheme in turn; it
 prints each scheme's median ms per step, the median of its per-round ratios to the first
 scheme, and the median of the native step's own phases (native/step.cpp: projections,
-attention, the rest, final norm and LM head); "outside" is the step less those phases: Python,
-ctypes and the cache write. Specs are listed as bench/attention_rounds.py takes them.
+attention, the rest, final norm and LM head, the cache write); "outside" is the step less those
+phases: Python (the write's description and counters among it) and ctypes. Specs are listed
+as bench/attention_rounds.py takes them.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main() -> None:
     phases: dict[str, list[list[float]]] = {s: [] for s in specs}
     for r in range(rounds + 1):  # round 0 warms up
         for spec in specs:
-            timing = torch.zeros(4, dtype=torch.float64)  # projections, attention, rest, head: seconds
+            timing = torch.zeros(5, dtype=torch.float64)  # projections, attention, rest, head, write: seconds
             native.time_phases(timing)
             t0 = time.perf_counter()
             for _ in range(STEPS):
@@ -65,14 +66,16 @@ def main() -> None:
                 ms[spec].append(elapsed)
                 phases[spec].append([float(t) / STEPS * 1000 for t in timing])
     print(f"{lm.name}, bf16 weights, {context} tokens (synthetic fill), {rounds} rounds; {backend.describe()}")
-    print(f"{'kv':12s} {'ms/step':>8} {'ratio':>6}  {'proj':>6} {'attn':>6} {'rest':>6} {'head':>6} {'outside':>8}")
+    cols = ("proj", "attn", "rest", "head", "write")
+    print(f"{'kv':12s} {'ms/step':>8} {'ratio':>6}  " + " ".join(f"{c:>6}" for c in cols) + f" {'outside':>8}")
     for spec in specs:
         ratio = statistics.median(a / b for a, b in zip(ms[spec], ms[specs[0]]))
-        p = [statistics.median(row[i] for row in phases[spec]) for i in range(4)]
+        p = [statistics.median(row[i] for row in phases[spec]) for i in range(len(cols))]
         step_ms = statistics.median(ms[spec])
         print(
-            f"{spec[:12]:12s} {step_ms:8.2f} {ratio:6.3f}  {p[0]:6.2f} {p[1]:6.2f} {p[2]:6.2f} {p[3]:6.2f} "
-            f"{step_ms - sum(p):8.2f}"
+            f"{spec[:12]:12s} {step_ms:8.2f} {ratio:6.3f}  "
+            + " ".join(f"{x:6.2f}" for x in p)
+            + f" {step_ms - sum(p):8.2f}"
         )
 
 

@@ -538,9 +538,8 @@ def test_a_decode_tokens_write_is_all_or_nothing():
     k, v = torch.randn(2, 1, 2, 1, 64), torch.randn(2, 1, 2, 1, 64)  # (L, B, H, 1, D)
     v[1, 0, 1, 0, 7] = float("nan")
     before = [r.buf.clone() for s in cache.stores for r in (s.residual, *s.body.values())]
-    pending = [shared.token_write(v if t else k) for shared, t in zip(cache.stores, cache.tensor_of)]
     with pytest.raises(NotSupported, match="not finite"):
-        ops.write_tokens(backend.library(), [w for p in pending for w in p.writes])
+        ops.write_tokens(backend.library(), cache.token_writes(k, v).array)
     after = [r.buf for s in cache.stores for r in (s.residual, *s.body.values())]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 

@@ -291,6 +291,69 @@ def test_plans_kept_between_steps_follow_the_cache(model_dir, spec, monkeypatch)
     assert torch.allclose(kept, layers, atol=1e-3, rtol=1e-4)
 
 
+WRITTEN_IN_STEP = [
+    "hadv2",
+    "k4v3lmc",  # centered keys: the first append (the centers) is the PyTorch write's
+    "k=lm3hb,v=lm2hb,group=32,residual=3,sinks=2,center=1,tier=12:lm4hb",  # a tier: two writes a group
+    "k=lm3h,v=lm2h,group=16,residual=3,center=1,layers=lm3h/lm2h;lm4hb/lm2h",  # groups of every other layer
+]
+
+
+def decode_rings(lm, spec: str, steps: int = 12) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """Prefill 40 tokens and decode `steps` more on the kernels backend: the logits of every step
+    (steps, vocab), every ring's buffer, and the cache's position."""
+    ids = torch.randint(3, lm.config.vocab_size, (1, 40 + steps), generator=torch.Generator().manual_seed(3))
+    cache = KVCache.for_model(lm.config, parse_kv(spec), 96)
+    with torch.no_grad(), backend.using("kernels"):
+        lm.model(ids[:, :40], cache)
+        out = torch.stack([lm.model(ids[:, t : t + 1], cache)[0, -1] for t in range(40, 40 + steps)])
+    rings = [r.buf for s in cache.stores for r in (s.sinks, s.residual, *s.body.values(), *s.tier.values())]
+    return out, rings, cache.position
+
+
+@needs_kernels
+@pytest.mark.parametrize("spec", WRITTEN_IN_STEP)
+def test_the_step_writes_its_token_in_its_own_native_call(model_dir, spec, monkeypatch):
+    """The native step makes the cache write last, inside the same call (StepEnds.writes), from a
+    description taken before it ran: no second native call, and the rings hold the bytes the
+    PyTorch write leaves when it stores the same keys and values after the step."""
+    lm = load_model(str(model_dir), "float32")
+
+    def second_call(lib, writes):
+        raise AssertionError("the step's token was written by a second native call")
+
+    monkeypatch.setattr(ops, "write_tokens", second_call)
+    in_step = decode_rings(lm, spec)
+    monkeypatch.setattr(KVCache, "token_writes", lambda self, k, v: None)  # every token by the PyTorch write
+    after = decode_rings(lm, spec)
+    assert torch.equal(in_step[0], after[0]) and in_step[2] == after[2]
+    assert all(torch.equal(a, b) for a, b in zip(in_step[1], after[1]))
+
+
+@needs_kernels
+def test_a_cache_write_the_step_refuses_is_made_after_it_and_recorded(model_dir, monkeypatch):
+    """A write the step's kernel refuses stores nothing (all or nothing); the cache then writes the
+    token itself and the fallback is recorded with its reason: the same rings and logits."""
+    lm = load_model(str(model_dir), "float32")
+    spec = WRITTEN_IN_STEP[2]
+    expected = decode_rings(lm, spec)
+    real = KVCache.token_writes
+
+    def refused(self, k, v):  # a write whose flush count the kernel refuses (a copy: the groups' own stay)
+        writes = real(self, k, v)
+        if writes is not None:
+            writes.array[0].flush = 9999
+        return writes
+
+    reasons = []
+    monkeypatch.setattr(backend, "fallback", reasons.append)
+    monkeypatch.setattr(KVCache, "token_writes", refused)
+    got = decode_rings(lm, spec)
+    assert torch.equal(expected[0], got[0]) and expected[2] == got[2]
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+    assert any("decode step's cache write: sizes that do not fit" in r for r in reasons)
+
+
 @needs_kernels
 def test_a_step_made_under_inference_mode_also_runs_outside_it(model_dir):
     """The step keeps its own buffers between calls; made by a first step under

@@ -27,6 +27,7 @@ from minillama.kv.memory import check_fits
 from minillama.kv.quantize import check_finite
 from minillama.kv.spec import KVSpec
 from minillama.kv.store import TensorStore, allocation_bytes
+from minillama.kv.token_write import TokenWrites
 from minillama.kv.write import kernels
 from minillama.native import ops
 from minillama.native.abi import NotSupported
@@ -179,16 +180,19 @@ class KVCache:
             )
         unit = self.unit
         evict = -(-overflow // unit) * unit if overflow > 0 else 0
-        done = self._append_token(k, v) if n == 1 and not evict else None
-        if done is None:
-            if self.spec.quantized:  # refused before any group is written, not after the keys are
-                check_finite(k)
-                check_finite(v)
-            done = (0, 0)
-            for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
-                w, r = shared.append(self._members(shared, v if t else k), evict)
-                done = (done[0] + w, done[1] + r)
-        written, read = done
+        if n == 1 and not evict and self._append_token(k, v):
+            return
+        if self.spec.quantized:  # refused before any group is written, not after the keys are
+            check_finite(k)
+            check_finite(v)
+        done = (0, 0)
+        for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
+            w, r = shared.append(self._members(shared, v if t else k), evict)
+            done = (done[0] + w, done[1] + r)
+        self._grown(n, evict, *done)
+
+    def _grown(self, n: int, evict: int, written: int, read: int) -> None:
+        """n tokens were appended (evict evicted first): move the position, count the bytes."""
         self.position += n
         self.evicted += evict
         self.count_read(read)
@@ -200,13 +204,14 @@ class KVCache:
         """The rows of x (L, B, H, n, D) that a group's layers store."""
         return x if len(shared.layers) == self.n_layers else x.index_select(0, shared.layer_index)
 
-    def _append_token(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int] | None:
-        """A decode token into every group with one native call (native/encode.cpp: write_tokens,
-        which stores all of it or nothing); None, with nothing changed, where the kernels are off
-        or a group's codec is one they do not write, or the values are not finite: the caller then
-        appends group by group (and the PyTorch path refuses non-finite values clearly)."""
-        lib = kernels(k.device)
-        if lib is None:
+    def token_writes(self, k: torch.Tensor, v: torch.Tensor) -> TokenWrites | None:
+        """A decode token's write into every group, as native/encode.cpp's write_tokens makes it,
+        described from the counters alone: k, v (L, B, H_kv, 1, D) may be filled after (the native
+        step describes its own output buffers before it runs, and makes the write last). Nothing
+        changes until ``commit_token``. None where this token cannot take it (the cache is full, a
+        group's codec is one the kernel does not write, the first append of centered keys):
+        ``append_stacked`` then writes it."""
+        if self.held + 1 > self.capacity:
             return None
         pending = []
         for shared, t in zip(self.stores, self.tensor_of):
@@ -214,15 +219,27 @@ class KVCache:
             if p is None:
                 return None
             pending.append(p)
+        return TokenWrites(pending)
+
+    def commit_token(self, writes: TokenWrites) -> None:
+        """The native write of ``token_writes`` was made: move every group's counters, count it."""
+        self._grown(1, 0, *writes.finish())
+
+    def _append_token(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """A decode token into every group with one native call (native/encode.cpp: write_tokens,
+        which stores all of it or nothing); False, with nothing changed, where the kernels are off,
+        ``token_writes`` declines or the values are not finite: the caller then appends group by
+        group (and the PyTorch path refuses non-finite values clearly)."""
+        lib = kernels(k.device)
+        writes = self.token_writes(k, v) if lib is not None else None
+        if writes is None:
+            return False
         try:
-            ops.write_tokens(lib, [w for p in pending for w in p.writes])
+            ops.write_tokens(lib, writes.array)
         except NotSupported:
-            return None
-        written = read = 0
-        for p in pending:
-            w, r = p.finish()
-            written, read = written + w, read + r
-        return written, read
+            return False
+        self.commit_token(writes)
+        return True
 
     def seek(self, position: int) -> None:
         """Leave a gap: the next token gets this absolute position (used to rebuild a ring)."""

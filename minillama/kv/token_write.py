@@ -212,6 +212,24 @@ def _advance_body(shared: LayeredStore, n: int) -> int:
     return sum(ring.advance(n // lead.tokens_per_row[name]) for name, ring in shared.body.items())
 
 
+class TokenWrites:
+    """Every group's share of a decode token: its writes end to end in one array, as
+    write_tokens takes them (made in order, all or nothing), and what counts them once made."""
+
+    def __init__(self, pending: list[PendingWrite]):
+        self.pending = pending
+        writes = [w for p in pending for w in p.writes]
+        self.array = (TokenWrite * len(writes))(*writes)  # copies: the groups' structs are reused
+
+    def finish(self) -> tuple[int, int]:
+        """The write was made: move every group's counters; (bytes written, bytes read)."""
+        written = read = 0
+        for p in self.pending:
+            w, r = p.finish()
+            written, read = written + w, read + r
+        return written, read
+
+
 @dataclass
 class PendingWrite:
     """A group's share of a decode token's write (native/encode.cpp: write_tokens, made in order),

@@ -10,9 +10,12 @@ recorded, native/backend.py: fallback) runs the PyTorch layers.
 ``NativeStep`` describes the step to C++ once (each layer's weights, norms and biases; the
 embedding table, final norm and LM head: pointers that never change) and per step adds what
 does: the tokens, the RoPE angles of the position, the output tensor and the attention plans of
-the layers' caches (kv/fused_attention.py). One native call then runs the embedding rows, every
-layer, the final norm and the LM head; the new keys and values of every layer are appended to
-the cache in one call, as the reference does. Tests hold the logits of both paths equal
+the layers' caches (kv/fused_attention.py), and the cache write of the step's token, described
+from the cache's counters before the step fills the new keys and values (kv/cache.py:
+token_writes). One native call then runs the embedding rows, every layer, the final norm and the
+LM head, and last the cache write (native/encode.cpp: write_tokens, all or nothing); a cache
+other than a ``KVCache``, or a write the kernel refuses, is appended after the call instead.
+Tests hold the logits of both paths equal, and the rings to the bytes of the PyTorch write
 (tests/test_step.py).
 """
 
@@ -29,7 +32,7 @@ from minillama.kv.interface import Cache
 from minillama.model.attention import Fused, sdpa
 from minillama.model.rope import rope_tables
 from minillama.native import backend, ops
-from minillama.native.abi import DTYPE_CODE, LayerPlan, LayerStep, NotSupported, StepEnds
+from minillama.native.abi import DTYPE_CODE, STATUS, STATUS_OK, LayerPlan, LayerStep, NotSupported, StepEnds
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -110,8 +113,8 @@ class NativeStep:
 
     def time_phases(self, timing: torch.Tensor | None) -> None:
         """Profiling: the step adds the wall seconds of its layers' projections, attention and the
-        rest, and of its final norm and LM head, to timing (4,) float64 (bench/step_profile.py);
-        None stops it."""
+        rest, of its final norm and LM head, and of its cache write to timing (5,) float64
+        (bench/step_profile.py); None stops it."""
         ptr = ctypes.cast(timing.data_ptr(), ctypes.POINTER(ctypes.c_double)) if timing is not None else None
         self._timing = timing  # kept alive while the kernels write to it
         for step in self.steps:
@@ -144,10 +147,19 @@ class NativeStep:
         e.tokens, e.out = tokens.data_ptr(), out.data_ptr()
         e.cos, e.sin = self._angles(position)
         e.head = self.head if logits else None
+        # The cache write, described from the counters before the step fills new_k and new_v, is
+        # made by the same native call, last; where it cannot be, the cache writes them after.
+        writes = cache.token_writes(self.new_k, self.new_v) if isinstance(cache, KVCache) else None
+        e.writes, e.nwrites = (writes.array, len(writes.array)) if writes is not None else (None, 0)
         ops.decode_step(self.lib, self.steps, e)
-        if isinstance(cache, KVCache):
+        if isinstance(cache, KVCache):  # the one place the cache grows
             cache.count_kernel_read()
-            cache.append_stacked(self.new_k, self.new_v)  # the one place the cache grows
+            if writes is not None and e.write_status == STATUS_OK:
+                cache.commit_token(writes)
+            else:  # no native write, or one refused (non-finite values: the PyTorch write says so)
+                if writes is not None:
+                    backend.fallback(f"decode step's cache write: {STATUS.get(e.write_status)} (the cache writes it)")
+                cache.append_stacked(self.new_k, self.new_v)
         elif cache is not None:
             for member in _members(cache):
                 if isinstance(member, KVCache):

@@ -36,7 +36,8 @@ class Route(IntEnum):
     ROWS = 4  # one decoded row at a time: pre-RoPE keys, calibrated codes
 
 
-STATUS = {  # minillama.h: enum MinillamaStatus
+STATUS_OK = 0  # minillama.h: MINILLAMA_OK
+STATUS = {  # minillama.h: enum MinillamaStatus, the errors
     1: "a dtype the kernel does not take",
     2: "a head_dim the kernel does not support",
     3: "more query heads per KV head than the kernel supports",
@@ -179,6 +180,9 @@ class StepEnds(ctypes.Structure):
         *[(name, ctypes.c_void_p) for name in ("embed", "tokens", "cos", "sin", "norm", "head", "product", "out")],
         ("vocab", ctypes.c_int),
         ("eps", ctypes.c_float),
+        ("writes", ctypes.POINTER(TokenWrite)),
+        ("nwrites", ctypes.c_int),
+        ("write_status", ctypes.c_int),
     ]
 
 

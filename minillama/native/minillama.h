@@ -163,7 +163,7 @@ struct LayerStep {
 };
 // The phases decode_layer times when asked: projections (the four products), attention, the rest
 // (norms, rounding, RoPE, SiLU, copies); decode_step adds the final norm and LM head.
-enum { STEP_PROJECTIONS = 0, STEP_ATTENTION = 1, STEP_REST = 2, STEP_HEAD = 3, STEP_PHASES = 4 };
+enum { STEP_PROJECTIONS = 0, STEP_ATTENTION = 1, STEP_REST = 2, STEP_HEAD = 3, STEP_WRITE = 4, STEP_PHASES = 5 };
 
 // What a whole decode step does around its layers (decode_step): each sequence's embedding row
 // in, RoPE angles for every layer, and the final norm and LM head out. In the layers' dtype.
@@ -178,6 +178,12 @@ struct StepEnds {
     void* out;              // (B, vocab) logits or (B, hidden) hidden states
     int vocab;
     float eps;              // the final norm's
+    // The cache write of the step's token (encode.cpp: write_tokens, made last, all or nothing):
+    // `nwrites` writes that read the layers' k_new, v_new, or none; its status comes back in
+    // write_status (not OK: nothing was written, and the caller writes the token its own way).
+    const TokenWrite* writes;
+    int nwrites;
+    int write_status;
 };
 
 // -- entry points -------------------------------------------------------------------------
@@ -226,7 +232,7 @@ int set_parts(LayerPlan* const* plans, int n, int values, const int* live, int n
 // A decode step (step.cpp): the embedding rows of ends->tokens into steps[0].x, steps[0..n) (the
 // layers in order, sharing x; the first status that is not 0 stops it), then the final norm and
 // LM head into ends->out; and the scratch each layer needs.
-int decode_step(const LayerStep* steps, int n, const StepEnds* ends);
+int decode_step(const LayerStep* steps, int n, StepEnds* ends);
 int64_t step_scratch_bytes(int B, int hidden, int Hq, int Hkv, int D, int I, int dtype);
 
 // What this build was compiled for (a bitmask of MINILLAMA_FEATURE_*), and struct sizes.
@@ -250,5 +256,5 @@ static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) =
 static_assert(sizeof(Part) == 144, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
-static_assert(sizeof(StepEnds) == 8 * 8 + 8, "StepEnds layout changed: update native/abi.py");
+static_assert(sizeof(StepEnds) == 8 * 8 + 8 + 8 + 8, "StepEnds layout changed: update native/abi.py");
 static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 256, "TokenWrite layout changed: update native/abi.py");

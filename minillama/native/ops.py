@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from minillama.native.abi import DTYPE_CODE, LayerPlan, NotSupported, RowSource, StepEnds, TokenWrite, check
+from minillama.native.abi import DTYPE_CODE, LayerPlan, NotSupported, RowSource, StepEnds, check
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -198,11 +198,11 @@ def set_parts(lib, plans: ctypes.Array, values: bool, live: ctypes.Array, nparts
     check(lib.set_parts(plans, len(plans), int(values), live, nparts), "set_parts")
 
 
-def write_tokens(lib, writes: list[TokenWrite]) -> None:
+def write_tokens(lib, writes: ctypes.Array) -> None:
     """One decode token into the rings of every group of layers, each as its write describes it
-    (kv/layered.py builds them); all or nothing: NotSupported, with nothing written, for
-    non-finite values or codes the kernel does not write."""
-    check(lib.write_tokens((TokenWrite * len(writes))(*writes), len(writes)), "write_tokens")
+    (a TokenWrite array, kv/token_write.py builds it); all or nothing: NotSupported, with nothing
+    written, for non-finite values or codes the kernel does not write."""
+    check(lib.write_tokens(writes, len(writes)), "write_tokens")
 
 
 def decode_step(lib, steps: ctypes.Array, ends: StepEnds) -> None:

@@ -130,7 +130,7 @@ static int decode_layer(const LayerStep* step) {
     return MINILLAMA_OK;
 }
 
-extern "C" int decode_step(const LayerStep* steps, int n, const StepEnds* ends) {
+extern "C" int decode_step(const LayerStep* steps, int n, StepEnds* ends) {
     if (n < 1 || !ends) return MINILLAMA_E_SHAPE;
     const LayerStep& first = steps[0];
     const int B = first.B, E = first.hidden, dt = first.dtype, V = ends->vocab;
@@ -154,6 +154,10 @@ extern "C" int decode_step(const LayerStep* steps, int n, const StepEnds* ends) 
         round_product(ends->product, nullptr, dt, B, V, ends->out);
     }
     t.lap(STEP_HEAD);
+    // The cache write, while the threads are still awake: its failure (a value that is not
+    // finite, a write it does not make) leaves the cache as it was and the step's outputs valid.
+    ends->write_status = ends->nwrites ? write_tokens(ends->writes, ends->nwrites) : MINILLAMA_OK;
+    t.lap(STEP_WRITE);
     return MINILLAMA_OK;
 }
 
