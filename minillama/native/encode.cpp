@@ -270,16 +270,18 @@ int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G
 }
 
 // One decode token into a group's rings (kv/layered.py: LayeredStore.append, one token): per
-// layer and (sequence, head) row, the storage form (prepare_rows) of the new vector; then, when
+// layer and (sequence, head) row, the storage form (prepare_row) of the new vector; then, when
 // a unit leaves the residual, that block (the oldest residual rows, then the new token when it is
 // part of it) encoded (encode_affine, encode_codebook where the write has levels, or copied for
 // float16 bodies) into the body's next slots;
 // then the new row into its sinks or residual slot (after the block is read: it may take the
 // slot the block's first row leaves). In three steps, so that a step's writes of every group
-// are all made or none: check_write (the fields), fresh_rows (the storage form, checked finite),
-// commit (the stores, which cannot fail).
+// are all made or none: check_write (the fields), fresh_row (the storage form, checked finite),
+// commit_row (the stores, which cannot fail).
 static int check_write(const TokenWrite& w) {
-    if (!w.x || !w.layers || w.L < 1 || w.BH < 1) return MINILLAMA_E_SHAPE;
+    if (!w.x || !w.layers || w.L < 1 || w.BH < 1 || w.D < 1 || w.D > 512) return MINILLAMA_E_SHAPE;
+    if (w.dtype < 0 || w.dtype > 2) return MINILLAMA_E_DTYPE;
+    if (!rotation_ok(w.D, w.rotate)) return MINILLAMA_E_HEAD_DIM;
     if (w.flush < 0 || w.flush > 256 || w.from_res < 0 || w.from_res > w.flush || w.flush - w.from_res > 1)
         return MINILLAMA_E_SHAPE;
     if (w.src_codes.buf && (!w.src_scale.buf || !w.src_levels || w.src_bits < 2 || w.src_bits > 4 || w.D > 512))
@@ -305,23 +307,14 @@ static int check_write(const TokenWrite& w) {
     return MINILLAMA_OK;
 }
 
-static int fresh_rows(const TokenWrite& w, uint16_t* fresh) {  // fresh: (L * BH, D) fp16
-    // The write's layers picked from every layer's rows: a decode token's few rows, on this thread.
-    if (w.dtype < 0 || w.dtype > 2) return MINILLAMA_E_DTYPE;
-    if (!rotation_ok(w.D, w.rotate)) return MINILLAMA_E_HEAD_DIM;
+// Row r (L * BH order) of a write's new vectors in storage form, fp16 in out: the row of layer
+// layers[r / BH] in x, rotated, less its center; how many outputs are not finite. v: D floats.
+static int fresh_row(const TokenWrite& w, int64_t r, float* v, uint16_t* out) {
     const int nb = std::max(w.rotate, 1);
     const float norm = (float)(1.0 / std::sqrt((double)(w.D / nb)));
     const size_t row_bytes = (size_t)w.D * dtype_bytes(w.dtype);
-    std::vector<float> v(w.D);
-    int64_t bad = 0;
-    for (int l = 0; l < w.L; l++)
-        for (int i = 0; i < w.BH; i++) {
-            const int64_t r = (int64_t)l * w.BH + i;  // the write's row; x's is layers[l] * BH + i
-            const char* x = (const char*)w.x + ((int64_t)w.layers[l] * w.BH + i) * row_bytes;
-            bad += prepare_row(x, w.dtype, w.D, w.rotate, nb, norm, w.center ? w.center + r * w.D : nullptr, v.data(),
-                               fresh + r * w.D);
-        }
-    return bad > 0 ? MINILLAMA_E_NONFINITE : MINILLAMA_OK;
+    const char* x = (const char*)w.x + ((int64_t)w.layers[r / w.BH] * w.BH + r % w.BH) * row_bytes;
+    return prepare_row(x, w.dtype, w.D, w.rotate, nb, norm, w.center ? w.center + r * w.D : nullptr, v, out);
 }
 
 // Frequency-block keys (kv/freq_blocks.py: encode_blocks): block b of the flush rows (flush, D),
@@ -360,59 +353,63 @@ static void decode_tier_row(const TokenWrite& w, const char* codes, const char* 
     for (int d = 0; d < w.D; d++) out[d] = float_to_half(levels[d] * s);
 }
 
-static void commit(const TokenWrite& w, const uint16_t* fresh) {
-    const int D = w.D, rows = w.L * w.BH;
+// One thread's scratch for the rows it commits, sized for the largest write of a call.
+struct RowScratch {
+    std::vector<uint16_t> block, scale, zero, xb;  // xb: block keys' one block of channels
+    std::vector<uint8_t> codes, unpacked, cb;      // cb: ... and its packed codes
+    RowScratch(const TokenWrite* writes, int n) {
+        size_t most = 1;  // max(flush, 1) x D over the writes: bounds every buffer's elements
+        for (int i = 0; i < n; i++) most = std::max(most, (size_t)std::max(writes[i].flush, 1) * writes[i].D);
+        block.resize(most), scale.resize(most), zero.resize(most), xb.resize(most);
+        codes.resize(most), unpacked.resize(most), cb.resize(most);
+    }
+};
+
+// Row r (L * BH order: one layer's one (sequence, head)) of a write: the block leaving the
+// residual (or the tier) coded into the body (or the tier), then the new row into its slot.
+// Rows are independent; a group's writes of one row are made in order by one thread.
+static void commit_row(const TokenWrite& w, const uint16_t* fresh, int64_t r, RowScratch& s) {
+    const int D = w.D;
     const size_t row_bytes = (size_t)D * 2;
-    auto at = [](const RingRef& r, int64_t row, int slot) {  // row (L * BH order) of a ring, slot wrapped
-        return (char*)r.buf + ((size_t)row * r.slots + (size_t)(slot % r.slots)) * r.width;
+    auto at = [](const RingRef& ring, int64_t row, int slot) {  // row (L * BH order) of a ring, slot wrapped
+        return (char*)ring.buf + ((size_t)row * ring.slots + (size_t)(slot % ring.slots)) * ring.width;
     };
     const int W = w.bits ? D * w.bits / 8 : 0;
     const int srows = w.axis ? 1 : w.flush, swidth = w.blocks ? w.blocks : w.axis ? D : (w.group > 0 ? D / w.group : 0);
     const size_t scale_bytes = w.levels && w.log_scale ? 1 : 2;
-    // Rows are independent: inside write_tokens' parallel region (when a write codes anything)
-    // the threads split them; called outside one, this loop runs on the calling thread.
-    {
-    std::vector<uint16_t> block((size_t)std::max(w.flush, 1) * D);
-    std::vector<uint8_t> codes((size_t)std::max(w.flush, 1) * std::max(W, 1));
-    std::vector<uint16_t> scale((size_t)std::max(srows * swidth, 1)), zero(scale.size());  // one-byte scales use its bytes
-    std::vector<uint8_t> unpacked((size_t)std::max(w.flush, 1) * D);
-    std::vector<uint16_t> xb(w.blocks ? (size_t)std::max(w.flush, 1) * D : 0);  // block keys: one block's channels
-    std::vector<uint8_t> cb(w.blocks ? (size_t)std::max(w.flush, 1) * D : 0);   // ... and its packed codes
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t* row = fresh ? fresh + r * D : nullptr;  // null: the write stores no new row
-        if (w.flush) {
-            for (int i = 0; i < w.from_res; i++) {
-                if (w.src_codes.buf)
-                    decode_tier_row(w, at(w.src_codes, r, w.res_first + i), at(w.src_scale, r, w.res_first + i),
-                                    &block[(size_t)i * D]);
-                else
-                    std::memcpy(&block[(size_t)i * D], at(w.res, r, w.res_first + i), row_bytes);
-            }
-            if (w.flush > w.from_res) std::memcpy(&block[(size_t)w.from_res * D], row, row_bytes);
-            if (w.bits == 0) {  // a float16 body: the rows themselves
-                for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &block[(size_t)i * D], row_bytes);
-            } else {
-                if (w.blocks)
-                    encode_block_keys(w, w.widths + (r % w.heads) * w.blocks, block.data(), codes.data(), (uint8_t*)scale.data(), xb,
-                                      cb, unpacked.data());
-                else if (w.levels)
-                    encode_codebook_block(block.data(), w.flush, D, w.bits, w.group, w.levels, w.refine, w.log_scale,
-                                          codes.data(), scale.data(), unpacked.data());
-                else
-                    encode_block(block.data(), w.flush, D, w.bits, w.group, w.axis, codes.data(), scale.data(),
-                                 zero.data(), unpacked.data());
-                for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &codes[(size_t)i * W], W);
-                for (int i = 0; i < srows; i++) {
-                    std::memcpy(at(w.scale, r, w.scale_slot + i), (const char*)scale.data() + (size_t)i * swidth * scale_bytes,
-                                (size_t)swidth * scale_bytes);
-                    if (w.zero.buf) std::memcpy(at(w.zero, r, w.scale_slot + i), &zero[(size_t)i * swidth], (size_t)swidth * 2);
-                }
+    const uint16_t* row = fresh ? fresh + r * D : nullptr;  // null: the write stores no new row
+    uint16_t* block = s.block.data();
+    if (w.flush) {
+        for (int i = 0; i < w.from_res; i++) {
+            if (w.src_codes.buf)
+                decode_tier_row(w, at(w.src_codes, r, w.res_first + i), at(w.src_scale, r, w.res_first + i),
+                                &block[(size_t)i * D]);
+            else
+                std::memcpy(&block[(size_t)i * D], at(w.res, r, w.res_first + i), row_bytes);
+        }
+        if (w.flush > w.from_res) std::memcpy(&block[(size_t)w.from_res * D], row, row_bytes);
+        if (w.bits == 0) {  // a float16 body: the rows themselves
+            for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &block[(size_t)i * D], row_bytes);
+        } else {
+            uint8_t* codes = s.codes.data();
+            if (w.blocks)
+                encode_block_keys(w, w.widths + (r % w.heads) * w.blocks, block, codes, (uint8_t*)s.scale.data(), s.xb, s.cb,
+                                  s.unpacked.data());
+            else if (w.levels)
+                encode_codebook_block(block, w.flush, D, w.bits, w.group, w.levels, w.refine, w.log_scale, codes,
+                                      s.scale.data(), s.unpacked.data());
+            else
+                encode_block(block, w.flush, D, w.bits, w.group, w.axis, codes, s.scale.data(), s.zero.data(),
+                             s.unpacked.data());
+            for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &codes[(size_t)i * W], W);
+            for (int i = 0; i < srows; i++) {
+                std::memcpy(at(w.scale, r, w.scale_slot + i), (const char*)s.scale.data() + (size_t)i * swidth * scale_bytes,
+                            (size_t)swidth * scale_bytes);
+                if (w.zero.buf) std::memcpy(at(w.zero, r, w.scale_slot + i), &s.zero[(size_t)i * swidth], (size_t)swidth * 2);
             }
         }
-        if (w.to.buf) std::memcpy(at(w.to, r, w.to_slot), row, row_bytes);
     }
-    }
+    if (w.to.buf) std::memcpy(at(w.to, r, w.to_slot), row, row_bytes);
 }
 
 // A decode token into every group of a cache (n writes, one per group of layers that share
@@ -423,22 +420,39 @@ int write_tokens(const TokenWrite* writes, int n) {
     if (n < 1) return MINILLAMA_E_SHAPE;
     for (int i = 0; i < n; i++)
         if (const int status = check_write(writes[i])) return status;
-    std::vector<std::vector<uint16_t>> fresh(n);
+    std::vector<std::vector<uint16_t>> fresh(n);  // each write's new rows in storage form, (L * BH, D)
+    int64_t most = 0;                             // rows of the largest write
+    bool codes = false;
     for (int i = 0; i < n; i++) {
         const TokenWrite& w = writes[i];
-        if (!w.to.buf && w.flush == w.from_res) continue;  // stores no new row (a tier's unit into the body)
-        fresh[i].resize((size_t)w.L * w.BH * w.D);
-        if (const int status = fresh_rows(w, fresh[i].data())) return status;
+        most = std::max(most, (int64_t)w.L * w.BH);
+        codes = codes || (w.flush > 0 && w.bits > 0);
+        if (w.to.buf || w.flush > w.from_res) fresh[i].resize((size_t)w.L * w.BH * w.D);  // else no new row is stored
     }
-    // One parallel region for every group's writes (waking the threads once, not once a write);
-    // each commit's rows are split between them, and its implicit barrier keeps the writes in
-    // order (a tier's unit leaves it before the next row takes its slot). A step that only
-    // copies rows stays on this thread.
-    bool codes = false;
-    for (int i = 0; i < n; i++) codes = codes || (writes[i].flush > 0 && writes[i].bits > 0);
+    // One parallel region (the threads woken once) when a write codes anything; a step that only
+    // copies rows stays on this thread. Row r of every write is made by one thread, in the
+    // writes' order (a tier's unit leaves a slot before the next row takes it); rows are split
+    // between threads, round robin, as the writes' sizes differ. First every new row is made and
+    // checked, and only if all are finite is anything stored.
+    int64_t bad = 0;
 #pragma omp parallel if (codes)
-    for (int i = 0; i < n; i++) commit(writes[i], fresh[i].data());
-    return MINILLAMA_OK;
+    {
+        std::vector<float> v(512);
+#pragma omp for schedule(static) reduction(+ : bad)
+        for (int64_t r = 0; r < most; r++)
+            for (int i = 0; i < n; i++)
+                if (!fresh[i].empty() && r < (int64_t)writes[i].L * writes[i].BH)
+                    bad += fresh_row(writes[i], r, v.data(), fresh[i].data() + r * writes[i].D);
+        if (!bad) {  // the same on every thread: the reduction is complete after the loop's barrier
+            RowScratch scratch(writes, n);
+#pragma omp for schedule(static, 1)
+            for (int64_t r = 0; r < most; r++)
+                for (int i = 0; i < n; i++)
+                    if (r < (int64_t)writes[i].L * writes[i].BH)
+                        commit_row(writes[i], fresh[i].empty() ? nullptr : fresh[i].data(), r, scratch);
+        }
+    }
+    return bad ? MINILLAMA_E_NONFINITE : MINILLAMA_OK;
 }
 
 }  // extern "C"
