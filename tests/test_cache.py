@@ -432,6 +432,7 @@ WRITE_SPECS = [
     "k=lm3hb,v=lm2hb,group=32,residual=3,sinks=2,center=1,tier=12:lm4hb",
     "k=int4c,v=int2,group=16,residual=3,tier=5:int4",  # KIVI keys, an affine tier: the PyTorch write
     "k=lm3h,v=lm2h,group=16,residual=0,center=1,layers=lm3h/lm2h;lm4hb/lm2h;lm3h/lm3hb,tier=6:lm4h",
+    "k=lm3f2:15.33,v=lm2hb,group=32,residual=3,sinks=2,center=1,tier=7:lm4hb",  # block keys beside a tier
 ]
 
 

@@ -132,8 +132,8 @@ def _unwritten(shared: LayeredStore, kind, tier_kind) -> str | None:
     lead = shared.stores[0]
     if kind is None or lead.residual.buf.dtype != torch.float16:
         return f"{lead.codec.name} is not a codec write_tokens codes"
-    if shared.tier and (tier_kind is None or tier_kind[2] is None or isinstance(lead.codec, FrequencyBlocks)):
-        return "an affine tier, or frequency-block keys beside one"
+    if shared.tier and (tier_kind is None or tier_kind[2] is None):
+        return "an affine tier"
     if isinstance(lead.codec, FrequencyBlocks) and len(lead.codec.widths) != lead.residual.buf.shape[1]:
         return "a widths table for another head count"  # ``append`` says so
     return None
