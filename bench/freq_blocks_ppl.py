@@ -11,6 +11,7 @@
     python bench/freq_blocks_ppl.py --by-keys --text FILE 4  # bits chosen without the queries
     python bench/freq_blocks_ppl.py --table 2 0              # print the 2-block keys' spec for minillama ppl
     python bench/freq_blocks_ppl.py --frontier 2.73 --vq --tier 56:lm4hb 4   # every row with an age tier
+    python bench/freq_blocks_ppl.py --frontier 2.185 --tier 56:lm4hb --specs 1  # the rows' --kv specs
 
 Issue 28, item 2 ("each KV head's or frequency block's" bits; KVTuner, Block-GTQ). A Hadamard
 rotation over the whole head spreads a key's quantization error evenly over its 64 channels,
@@ -309,6 +310,7 @@ def main() -> None:
     ap.add_argument("--by-keys", action="store_true", help="keys only: bits chosen from the keys' energy alone")
     ap.add_argument("--table", type=int, choices=(2, 4), metavar="NB", help="print the keys-only spec of NB blocks")
     ap.add_argument("--tier", metavar="N:CODEC", help="an age tier in every row but fp16 (tier=N:CODEC)")
+    ap.add_argument("--specs", action="store_true", help="print each row's label and --kv spec, evaluate nothing")
     args = ap.parse_args()
     choice_text = Path(args.choose).read_text(encoding="utf-8") if args.choose else load_text("hamlet")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else load_text(args.dataset)
@@ -331,6 +333,10 @@ def main() -> None:
         specs = mix_specs(seen, n_layers) if args.mix else keys_only_specs(seen, args.bits)
     if args.tier:
         specs = {s if s == "fp16" else f"{s},tier={args.tier}": v for s, v in specs.items()}
+    if args.specs:
+        for spec, (label, _) in specs.items():
+            print(f"{label}: {spec}")
+        return
     with torch.inference_mode():
         rows = evaluate(
             lm,

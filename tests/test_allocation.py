@@ -232,6 +232,26 @@ def test_the_mixes_are_within_their_budgets_on_the_default_models_shape():
         assert sum(formula_live_bytes(30, 3, 64, spec, 896).values()) == sum(cache.live_bytes().values())
 
 
+# The tiered mixes: body bits an element as allocated, and every byte counted at N 896 (the tier,
+# residual, sinks, key center and scales included), as `minillama kv NAME --tokens 896` prints.
+TIERED = {"k3v2mixt": (2.73, 2.999), "k2v2mixft": (2.185, 2.499)}
+
+
+def test_the_tiered_mixes_spend_what_they_say_at_896_tokens():
+    """k3v2mixt (3.00 bits) and k2v2mixft (2.50): the body within its allocation's budget, and the
+    whole cache -- counted by the rings, equal to kv/budget.py's closed form -- at the preset's bits."""
+    for name, (budget, counted) in TIERED.items():
+        spec = parse_kv(name)
+        assert len(spec.layer_codecs) == 30 and str(spec) == name and spec.tier == 56
+        body = sum(k.body_bits(64, 64) + v.body_bits(64, 64) for k, v in spec.layer_codecs) / 60
+        assert budget - 0.05 < body <= budget, name
+        cache = KVCache(spec, 30, 3, 64, 1024)
+        fill_synthetic(cache, 896)
+        live = sum(cache.live_bytes().values())
+        assert sum(formula_live_bytes(30, 3, 64, spec, 896).values()) == live
+        assert round(8 * live / (2 * 30 * 3 * 64 * 896), 3) == counted, name
+
+
 def test_a_mix_is_refused_by_a_model_with_other_layers(tiny_dir, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("one two three four five six seven eight nine ten " * 20, encoding="utf-8")
