@@ -433,6 +433,8 @@ WRITE_SPECS = [
     "k=int4c,v=int2,group=16,residual=3,tier=5:int4",  # KIVI keys, an affine tier: the PyTorch write
     "k=lm3h,v=lm2h,group=16,residual=0,center=1,layers=lm3h/lm2h;lm4hb/lm2h;lm3h/lm3hb,tier=6:lm4h",
     "k=lm3f2:15.33,v=lm2hb,group=32,residual=3,sinks=2,center=1,tier=7:lm4hb",  # block keys beside a tier
+    "k=lm3hb,v=vq2hs,group=16,residual=3,sinks=2,center=1",  # sign-structured vector codes, a byte per 4
+    "k=lm3hb,v=vq2hs,group=64,residual=3,center=1,tier=7:lm4hb",  # ... beside a tier
 ]
 
 
@@ -640,6 +642,28 @@ def test_the_cpp_codebook_encoder_writes_the_reference_bytes(bits, group, log_sc
     assert native["scale"].dtype == scale.dtype == (torch.uint8 if log_scale else torch.float16)
     assert torch.equal(native["scale"].view(torch.uint8), scale.view(torch.uint8))
     assert torch.equal(native["codes"], packing.pack(codes, bits))
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [16, 64])
+@pytest.mark.parametrize("refine", [1, 4, 10])
+def test_the_cpp_vector_encoder_writes_the_reference_bytes(group, refine):
+    """native/encode.cpp's sign-structured vector encoder (vq2hs: a byte per 4 channels) against
+    kv/quantize.py's quantize_vectors, on groups of every scale: the nearest pattern is searched
+    in float64 with the sums in one order on both sides, so every code and scale is the same."""
+    from minillama.kv.quantize import quantize_vectors, vector_patterns
+    from minillama.native import ops
+
+    g = torch.Generator().manual_seed(group + refine)
+    x = torch.randn(4, 8, 256, 64, generator=g)  # (B, H, T, D)
+    x = x * torch.rand(4, 8, 256, 1, generator=g).mul(4) * torch.rand(4, 8, 256, 64, generator=g).pow(6).mul(30)
+    x[0] *= 1e-4  # groups near float16's smallest normals
+    x[1, 0, :3] = 0.0  # all-zero groups: the smallest scale, in both encoders
+    x = x.to(torch.float16)
+    codes, scale = quantize_vectors(x, 4, 2, group, refine, signs=True)
+    native = ops.encode_vectors(backend.library(), x, 2, group, 4, vector_patterns(4, 2), refine)
+    assert torch.equal(native["codes"], codes.to(torch.uint8))
+    assert torch.equal(native["scale"].view(torch.int16), scale.view(torch.int16))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")

@@ -166,6 +166,19 @@ def test_the_sign_structured_book_is_signs_times_sixteen_patterns():
     assert ((nearest - x) ** 2).mean() < 0.108
 
 
+def test_the_sign_structured_search_finds_the_books_nearest_vector():
+    """quantize_vectors searches vq2hs's book as signs x 16 patterns (the code native/encode.cpp
+    reproduces): x's signs and the pattern nearest |x|. That is the nearest of all 256 vectors,
+    and a zero coordinate keeps its + (the lower code, as an argmin over the whole book picks)."""
+    book = quantize.gaussian_vector_codebook(4, 2, signs=True)  # (256, 4)
+    x = torch.randn(50000, 4, generator=torch.Generator().manual_seed(12))  # (S, 4)
+    x[:100, 1] = 0.0
+    codes = quantize._nearest_signed(x, quantize.vector_patterns(4, 2))
+    brute = ((x[:, None, :] - book[None]) ** 2).sum(-1)  # (S, 256)
+    assert torch.equal(brute.gather(1, codes[:, None]).squeeze(1), brute.min(-1).values)
+    assert not (codes[:100] >> 4 >> 1 & 1).any()  # the zero coordinate: no sign bit
+
+
 def test_vector_codes_beat_scalar_levels_at_equal_bits():
     """vq2h and lm2h store the same bytes (2 bits per element + an fp16 scale per group); on
     Gaussian coordinates the vector code's error is lower by more than a tenth."""

@@ -266,10 +266,34 @@ def gaussian_vector_codebook(dim: int, bits: int, signs: bool = False) -> torch.
     return c.to(torch.float16).float()
 
 
+def vector_patterns(dim: int, bits: int) -> torch.Tensor:
+    """The sign-structured book's non-negative patterns (P, dim), P = 2**(bits dim) / 2**dim: its
+    first P vectors (``gaussian_vector_codebook`` with signs), as native/encode.cpp takes them."""
+    book = gaussian_vector_codebook(dim, bits, True)  # (P 2**dim, dim)
+    return book[: book.shape[0] >> dim]
+
+
 def _nearest(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """For each row of x (S, dim) the index of the nearest row of c (n, dim), (S,) int64."""
     d = (c * c).sum(-1) - 2 * x @ c.T  # (S, n): squared distance less |x|^2, the same for every c
     return d.argmin(-1)
+
+
+def _nearest_signed(x: torch.Tensor, patterns: torch.Tensor) -> torch.Tensor:
+    """``_nearest`` in a sign-structured book (``gaussian_vector_codebook`` with signs): for each
+    row of x (S, dim) the index k = p + P s of vector p's pattern (patterns (P, dim), all >= 0)
+    with coordinate c negated where bit c of s is set. The nearest such vector takes x's signs (a
+    zero keeps +) and the pattern p that minimizes |p|^2 - 2 <|x|, p>, found in float64 with the
+    sums taken coordinate by coordinate in order -- every product of two float32s exact there,
+    every sum rounded alike -- so that native/encode.cpp picks the same code, ties to the lowest p."""
+    a, p = x.abs().double(), patterns.double()  # (S, dim), (P, dim)
+    dots, norms = a[:, :1] * p[:, 0], p[:, 0] * p[:, 0]  # (S, P), (P,)
+    for c in range(1, x.shape[1]):
+        dots = dots + a[:, c : c + 1] * p[:, c]
+        norms = norms + p[:, c] * p[:, c]
+    best = (norms - 2 * dots).argmin(-1)  # (S,): the first of equal distances
+    signs = ((x < 0).long() << torch.arange(x.shape[1])).sum(-1)  # (S,): bit c for a negative coordinate
+    return best + patterns.shape[0] * signs
 
 
 def quantize_vectors(
@@ -283,10 +307,11 @@ def quantize_vectors(
     check_finite(x)
     book = gaussian_vector_codebook(dim, bits, signs).to(x.device)  # (n, dim)
     xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
+    search = (lambda v: _nearest_signed(v, vector_patterns(dim, bits))) if signs else (lambda v: _nearest(v, book))
 
     def nearest(s: torch.Tensor) -> torch.Tensor:  # (..., T, D/G, G/dim) codes for scale s
         v = (xg / s).reshape(-1, dim)
-        return _nearest(v, book).reshape(*xg.shape[:-1], group // dim)
+        return search(v).reshape(*xg.shape[:-1], group // dim)
 
     s = _refined_scale(xg, lambda s: book[nearest(s)].reshape(xg.shape), refine)  # (..., T, D/G, 1)
     codes = nearest(s)

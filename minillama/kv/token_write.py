@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minillama.kv.codecs import Affine, Codebook, FloatCodec
+from minillama.kv.codecs import Affine, Codebook, FloatCodec, VectorCodebook
 from minillama.kv.freq_blocks import FrequencyBlocks, block_books, block_widths
-from minillama.kv.quantize import REFINE, gaussian_codebook
+from minillama.kv.quantize import REFINE, gaussian_codebook, vector_patterns
 from minillama.kv.write import native_encoding
 from minillama.native.abi import DTYPE_CODE, RingRef, TokenWrite
 
@@ -94,7 +94,7 @@ class GroupWrites:
 
     def _into_body(self, shared: LayeredStore, w: TokenWrite) -> None:
         """w's coded rows go to the body, at the codec's width (slots set per token)."""
-        bits, axis, levels = self.kind
+        bits, axis, levels, vdim = self.kind
         codec = shared.stores[0].codec
         w.bits, w.group, w.axis = bits, shared.stores[0].group, axis
         w.codes = shared.body["values" if bits == 0 else "codes"].ref
@@ -103,7 +103,10 @@ class GroupWrites:
             if levels is None:
                 w.zero = shared.body["zero"].ref
             else:  # a codebook: codes and scales, no zeros
-                w.levels, w.refine, w.log_scale = levels.data_ptr(), REFINE, int(codec.log_scale)
+                w.levels, w.refine = levels.data_ptr(), REFINE
+                w.log_scale = 0 if vdim else int(codec.log_scale)  # vector codes keep fp16 scales
+        if vdim:  # levels: the sign-structured book's patterns
+            w.vdim, w.patterns = vdim, levels.shape[0]
         if isinstance(codec, FrequencyBlocks):  # each head's blocks at their own widths, one-byte scales
             self.widths = block_widths(codec.widths)  # (H, nb)
             w.blocks, w.widths, w.heads = codec.blocks, self.widths.data_ptr(), self.widths.shape[0]
@@ -240,17 +243,20 @@ class PendingWrite:
     finish: Callable[[], tuple[int, int]]
 
 
-def _token_kind(codec) -> tuple[int, int, torch.Tensor | None] | None:
-    """(bits, axis, levels) for write_tokens: bits 0 for float16 rows, else affine codes and their
-    group axis, a Lloyd-Max codebook's codes (per token) and its levels, or frequency-block keys'
-    average width and the books of every width; None for codecs it does not write."""
+def _token_kind(codec) -> tuple[int, int, torch.Tensor | None, int] | None:
+    """(bits, axis, levels, vdim) for write_tokens: bits 0 for float16 rows, else affine codes and
+    their group axis, a Lloyd-Max codebook's codes (per token) and its levels, frequency-block
+    keys' average width and the books of every width, or sign-structured vector codes (vdim
+    channels a byte) and the book's patterns; None for codecs it does not write."""
     if isinstance(codec, FloatCodec):
-        return (0, 0, None) if codec.dtype == torch.float16 else None
+        return (0, 0, None, 0) if codec.dtype == torch.float16 else None
     family = native_encoding(codec)
     if family is Affine and not codec.per_sequence and codec.bits in (2, 3, 4, 8):
-        return codec.bits, int(codec.axis == "channel"), None
+        return codec.bits, int(codec.axis == "channel"), None, 0
     if family is Codebook and codec.bits in (2, 3, 4):
-        return codec.bits, 0, gaussian_codebook(codec.bits)
+        return codec.bits, 0, gaussian_codebook(codec.bits), 0
     if family is FrequencyBlocks:  # the books of every width end to end, as the attention kernel reads them
-        return codec.bits, 0, block_books()
+        return codec.bits, 0, block_books(), 0
+    if family is VectorCodebook:
+        return codec.bits, 0, vector_patterns(codec.dim, codec.bits), codec.dim
     return None

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from minillama.kv.codecs import Affine, Codebook, Codec
+from minillama.kv.codecs import Affine, Codebook, Codec, VectorCodebook
 from minillama.kv.freq_blocks import FrequencyBlocks
-from minillama.kv.quantize import REFINE, all_finite, gaussian_codebook
+from minillama.kv.quantize import REFINE, all_finite, gaussian_codebook, vector_patterns
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 
@@ -47,11 +47,12 @@ def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dty
 
 
 def native_encoding(codec: Codec) -> type[Codec] | None:
-    """Affine, Codebook or FrequencyBlocks when native/encode.cpp writes this codec's bytes (its
-    class's encode is that family's, not a subclass's own), else None: the codec encodes itself."""
-    for family in (Affine, Codebook, FrequencyBlocks):
+    """Affine, Codebook, FrequencyBlocks or VectorCodebook when native/encode.cpp writes this
+    codec's bytes (its class's encode is that family's, not a subclass's own; vector codes of a
+    sign-structured book only), else None: the codec encodes itself."""
+    for family in (Affine, Codebook, FrequencyBlocks, VectorCodebook):
         if isinstance(codec, family) and type(codec).encode is family.encode:
-            return family
+            return None if family is VectorCodebook and not codec.signs else family
     return None
 
 
@@ -68,6 +69,10 @@ def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None
                     return out["codes"], out["scale"]
 
                 return codec.encode_blocks(x, coder)
+            if family is VectorCodebook:
+                return ops.encode_vectors(
+                    lib, x, codec.bits, group, codec.dim, vector_patterns(codec.dim, codec.bits), REFINE
+                )
             if family is Codebook:
                 return ops.encode_codebook(
                     lib, x, codec.bits, group, gaussian_codebook(codec.bits), REFINE, codec.log_scale

@@ -172,6 +172,8 @@ class TokenWrite(ctypes.Structure):
         ("src_levels", ctypes.c_void_p),
         ("src_bits", ctypes.c_int),
         ("src_log_scale", ctypes.c_int),
+        ("vdim", ctypes.c_int),
+        ("patterns", ctypes.c_int),
     ]
 
 
@@ -201,6 +203,7 @@ SIGNATURES = {  # name: (argument types, return type)
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),
     "encode_codebook": ([_P, _I64, _I, _I, _I, _I, _P, _I, _I, _P, _P], _I),
+    "encode_vectors": ([_P, _I64, _I, _I, _I, _I, _I, _P, _I, _I, _P, _P], _I),
     "write_tokens": ([ctypes.POINTER(TokenWrite), _I], _I),
     "set_parts": ([ctypes.POINTER(ctypes.POINTER(LayerPlan)), _I, _I, _P, _I], _I),
     "decode_step": ([ctypes.POINTER(LayerStep), _I, ctypes.POINTER(StepEnds)], _I),

@@ -145,6 +145,73 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int bits, in
 #undef ENCODE
 }
 
+// Sign-structured vector codes (kv/quantize.py: quantize_vectors with signs, _nearest_signed):
+// each `dim` channels of x / s become one byte k = p + P s, the pattern p (of P, all >= 0,
+// `patterns` P x dim) minimizing |p|^2 - 2 <|x / s|, p> in double, sums coordinate by coordinate
+// in order (each product of two floats exact), the first p of equal distances, and s's bit c set
+// where coordinate c is negative: the reference's code, byte for byte.
+static void nearest_vectors(const float* x, int G, float s, int dim, const float* patterns, const double* norms, int P,
+                            uint8_t* c) {
+    for (int v = 0; v < G / dim; v++) {
+        double a[8];
+        int sign = 0;
+        for (int i = 0; i < dim; i++) {
+            const float y = x[v * dim + i] / s;  // float32, as the reference divides
+            a[i] = (double)std::fabs(y);
+            sign |= (y < 0.f) << i;
+        }
+        int best = 0;
+        double nearest = 0.0;
+        for (int p = 0; p < P; p++) {
+            double dot = a[0] * patterns[p * dim];
+            for (int i = 1; i < dim; i++) dot = dot + a[i] * patterns[p * dim + i];
+            const double d = norms[p] - 2.0 * dot;
+            if (p == 0 || d < nearest) nearest = d, best = p;
+        }
+        c[v] = (uint8_t)(best + P * sign);
+    }
+}
+
+// One (sequence, head)'s block x (n, D) fp16 -> vector codes (n x D/dim bytes) and fp16 scales
+// (n x D/G): the RMS, then `refine` rounds of <x, l> / <l, l> for the chosen vectors l, stopping
+// once a round repeats the codes of the round before (encode_codebook_block's rule).
+static void encode_vector_block(const uint16_t* xb, int n, int D, int G, int dim, const float* patterns, int P,
+                                int refine, uint8_t* codes, uint16_t* scale) {
+    std::vector<double> norms(P);
+    for (int p = 0; p < P; p++) {
+        double q = (double)patterns[p * dim] * patterns[p * dim];
+        for (int i = 1; i < dim; i++) q = q + (double)patterns[p * dim + i] * patterns[p * dim + i];
+        norms[p] = q;
+    }
+    const int V = G / dim;  // codes a group
+    std::vector<float> x(G), l(G);
+    std::vector<uint8_t> prev(V);
+    for (int64_t g = 0; g < (int64_t)n * (D / G); g++) {
+        for (int e = 0; e < G; e++) x[e] = half_to_float(xb[g * G + e]);
+        uint16_t stored = Fp16Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
+        uint8_t* cg = codes + g * V;
+        bool settled = false;
+        for (int round = 0; round < refine; round++) {
+            nearest_vectors(x.data(), G, Fp16Scale::value(stored), dim, patterns, norms.data(), P, cg);
+            settled = round > 0 && std::memcmp(cg, prev.data(), V) == 0;
+            if (settled) break;  // stored is this round's scale again, and cg the codes it picks
+            std::memcpy(prev.data(), cg, V);
+            for (int v = 0; v < V; v++)
+                for (int i = 0; i < dim; i++)
+                    l[v * dim + i] = patterns[(cg[v] % P) * dim + i] * ((cg[v] / P) >> i & 1 ? -1.f : 1.f);
+            stored = Fp16Scale::store(dot(x.data(), l.data(), G) / std::max(dot(l.data(), l.data(), G), 1e-12));
+        }
+        if (!settled) nearest_vectors(x.data(), G, Fp16Scale::value(stored), dim, patterns, norms.data(), P, cg);
+        scale[g] = stored;
+    }
+}
+
+// Whether encode_vector_block codes this: one byte a vector (bits x dim = 8), P = 2^8 / 2^dim
+// patterns, whole vectors in a group and whole groups in a row.
+static bool vector_codable(int D, int bits, int G, int dim, int P) {
+    return dim >= 1 && dim <= 8 && bits * dim == 8 && P == (256 >> dim) && G >= dim && G % dim == 0 && D % G == 0;
+}
+
 extern "C" {
 
 // One row x (D, dtype) into storage form: rotated (nb blocks of n = D / nb channels, `norm` =
@@ -269,6 +336,19 @@ int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G
     return MINILLAMA_OK;
 }
 
+// x (BH, n, D) fp16 -> sign-structured vector codes (BH, n, D / dim) bytes and fp16 scales
+// (BH, n, D / G): kv/quantize.py's quantize_vectors with signs, byte for byte.
+int encode_vectors(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int dim, const float* patterns, int P,
+                   int refine, uint8_t* codes, uint16_t* scale) {
+    if (!vector_codable(D, bits, G, dim, P)) return MINILLAMA_E_CODES;
+    if (refine < 0) return MINILLAMA_E_SHAPE;
+#pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < BH; bh++)
+        encode_vector_block(x + bh * n * D, n, D, G, dim, patterns, P, refine, codes + bh * n * (D / dim),
+                            scale + bh * (int64_t)n * (D / G));
+    return MINILLAMA_OK;
+}
+
 // One decode token into a group's rings (kv/layered.py: LayeredStore.append, one token): per
 // layer and (sequence, head) row, the storage form (prepare_row) of the new vector; then, when
 // a unit leaves the residual, that block (the oldest residual rows, then the new token when it is
@@ -301,6 +381,11 @@ static int check_write(const TokenWrite& w) {
         }
         return MINILLAMA_OK;
     }
+    if (w.vdim)  // sign-structured vector codes: `levels` holds the patterns, fp16 scales, no zeros
+        return vector_codable(w.D, w.bits, w.group, w.vdim, w.patterns) && w.levels && !w.axis && !w.log_scale &&
+                       w.refine >= 0 && w.scale.buf && !w.zero.buf
+                   ? MINILLAMA_OK
+                   : MINILLAMA_E_CODES;
     if (w.bits != 0 && w.flush && !encodable(w.flush, w.D, w.bits, w.group, w.axis)) return MINILLAMA_E_CODES;
     if (w.levels && (w.axis != 0 || w.bits < 2 || w.bits > 4 || w.refine < 0 || !w.scale.buf || w.zero.buf))
         return MINILLAMA_E_CODES;
@@ -392,7 +477,10 @@ static void commit_row(const TokenWrite& w, const uint16_t* fresh, int64_t r, Ro
             for (int i = 0; i < w.flush; i++) std::memcpy(at(w.codes, r, w.codes_slot + i), &block[(size_t)i * D], row_bytes);
         } else {
             uint8_t* codes = s.codes.data();
-            if (w.blocks)
+            if (w.vdim)
+                encode_vector_block(block, w.flush, D, w.group, w.vdim, w.levels, w.patterns, w.refine, codes,
+                                    s.scale.data());
+            else if (w.blocks)
                 encode_block_keys(w, w.widths + (r % w.heads) * w.blocks, block, codes, (uint8_t*)s.scale.data(), s.xb, s.cb,
                                   s.unpacked.data());
             else if (w.levels)

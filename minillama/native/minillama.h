@@ -115,6 +115,10 @@ struct TokenWrite {
     RingRef src_codes, src_scale;
     const float* src_levels;  // the tier codebook's 2^src_bits levels
     int src_bits, src_log_scale;
+    // Sign-structured vector codes (kv/codecs.py: VectorCodebook with signs): vdim channels a
+    // one-byte code, `levels` then holds the book's `patterns` non-negative vectors (patterns x
+    // vdim); vdim 0: scalar codes.
+    int vdim, patterns;
 };
 
 // One layer's decode attention: q (B, H*R, D) against every held part of K and V plus the new
@@ -220,6 +224,8 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
                      int64_t rows_per_center, uint16_t* out);
 int encode_affine(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int axis, uint8_t* codes,
                   uint16_t* scale, uint16_t* zero);
+int encode_vectors(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, int dim, const float* patterns, int P,
+                   int refine, uint8_t* codes, uint16_t* scale);
 int encode_codebook(const uint16_t* x, int64_t BH, int n, int D, int bits, int G, const float* levels, int refine,
                     int log_scale, uint8_t* codes, void* scale);
 int write_tokens(const TokenWrite* writes, int n);
@@ -257,4 +263,4 @@ static_assert(sizeof(Part) == 144, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8 + 8 + 8, "StepEnds layout changed: update native/abi.py");
-static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 256, "TokenWrite layout changed: update native/abi.py");
+static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 264, "TokenWrite layout changed: update native/abi.py");

@@ -150,6 +150,25 @@ def encode_codebook(
     return {"codes": codes, "scale": scale}
 
 
+def encode_vectors(
+    lib, x: torch.Tensor, bits: int, group: int, dim: int, patterns: torch.Tensor, refine: int
+) -> dict[str, torch.Tensor]:
+    """x (B, H, T, D) float16 -> codes (B, H, T, D / dim) uint8 and scale (B, H, T, D / group)
+    float16: kv/quantize.py's quantize_vectors with a sign-structured book (patterns (P, dim)
+    float32, its non-negative vectors), byte for byte."""
+    if x.dtype != torch.float16 or patterns.dtype != torch.float32:
+        raise NotSupported("encode_vectors: float16 input and float32 patterns only")
+    x, patterns = x.contiguous(), patterns.contiguous()
+    b, h, t, d = x.shape
+    codes = torch.empty(b, h, t, d // dim, dtype=torch.uint8)
+    scale = torch.empty(b, h, t, d // group, dtype=torch.float16)
+    status = lib.encode_vectors(
+        _p(x), b * h, t, d, bits, group, dim, _p(patterns), patterns.shape[0], refine, _p(codes), _p(scale)
+    )
+    check(status, "encode_vectors")
+    return {"codes": codes, "scale": scale}
+
+
 def route_supported(lib, route: int, values: bool, src: RowSource, r: int, d: int) -> int:
     """0 when the `route` kernel reads `src` (as values, or as keys) for r query heads per KV head
     of size d, else a status (abi.STATUS says what it means)."""
