@@ -5,11 +5,12 @@ tokens in the same step. The stores of the layers that share a codec therefore k
 rings in one buffer with a layer axis, (L, B, H, slots, width), each layer's ring a view of
 its slice; an append moves the new vectors of every layer of the group with one tensor
 operation per ring and encodes one block for all of them (one rotation, one ``encode`` call),
-then advances every member's counters alike: a handful of PyTorch calls per group, whatever
+then moves the rings' shared cursors once: a handful of PyTorch calls per group, whatever
 the layer count, where a layer-by-layer write paid ~30 per layer. A decode token goes faster
 still: ``token_write`` (kv/token_write.py) describes the group's share of it from the counters
-alone, and the cache (cache.py: ``_append_token``) writes every group's share with one native
-call, all or nothing.
+alone, and every group's share is written in one native call, all or nothing -- last inside
+the native decode step (cache.py: ``token_writes``, ``commit_token``), or on its own
+(``_append_token``).
 The bytes are the ones a layer-by-layer write leaves (tests/test_cache.py holds them equal):
 codecs work per row and per group of tokens, never across layers.
 

@@ -226,13 +226,13 @@ MIXES: dict[str, str] = {
     "lm2hb/lm3hb;lm3hb/lm3hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;lm3hb/lm3hb;lm3hb/lm2hb;lm3hb/lm2hb;lm4hb/lm3hb;lm3hb/lm2hb;"
     "lm4hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;"
     "lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb",
-    # bench/freq_blocks_ppl.py --frontier 2.185 --tier 56:lm4hb: kv allocate at 2.185 body bits (byte
-    # scales) over the four Hamlet maps, every key choice offered also as 2 RoPE-frequency blocks (widths
-    # chosen on Hamlet), then the tier: 2.50 bits an element at N 896; keys lm2hb x15 / lm3hb x2 / lm2f2 x13,
-    # values lm2hb
+    # bench/freq_blocks_ppl.py --frontier 2.185 --vq --tier 56:lm4hb: kv allocate at 2.185 body bits (byte
+    # scales) over the four Hamlet maps and vq2hs values' map, every key choice offered also as 2 RoPE-
+    # frequency blocks (widths chosen on Hamlet), then the tier: 2.50 bits an element at N 896; keys
+    # lm2hb x16 / lm3hb x2 / lm2f2 x12, values lm2hb (vq2hs in one layer)
     "k2v2mixft": "k=lm2hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,tier=56:lm4hb,layers="
-    "lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2f2:22.22.22/lm2hb;lm2f2:22.22.22/lm2hb;lm3hb/lm2hb;"
-    "lm2hb/lm2hb;lm2f2:22.13.13/lm2hb;lm3hb/lm2hb;lm2f2:22.22.22/lm2hb;lm2f2:22.22.22/lm2hb;lm2hb/lm2hb;"
+    "lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2f2:22.22.22/lm2hb;lm3hb/lm2hb;"
+    "lm2hb/lm2hb;lm2f2:22.13.13/lm2hb;lm3hb/vq2hs;lm2f2:22.22.22/lm2hb;lm2f2:22.22.22/lm2hb;lm2hb/lm2hb;"
     "lm2hb/lm2hb;lm2hb/lm2hb;lm2f2:13.13.13/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2f2:13.04.22/lm2hb;"
     "lm2f2:22.22.04/lm2hb;lm2hb/lm2hb;lm2f2:13.04.13/lm2hb;lm2f2:13.13.13/lm2hb;lm2hb/lm2hb;lm2f2:13.13.13/lm2hb;"
     "lm2f2:04.22.04/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb",
@@ -258,7 +258,7 @@ PRESET_NOTES: dict[str, str] = {
     "k3v2mixb": "~3.0 bits: k3v2mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
     "k4v3mixb": "~4.0 bits: k4v3mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
     "k3v2mixt": "~3.0 bits: a 2.73-bit allocation with one-byte scales, the 56 tokens before the newest 8 at 4 bits",
-    "k2v2mixft": "~2.5 bits: 2-bit keys (13 layers in two RoPE-frequency blocks) and values, the 56 before the newest 8 at 4",
+    "k2v2mixft": "~2.5 bits: 2-bit keys (12 layers in two RoPE-frequency blocks) and values, the 56 before the newest 8 at 4",
 }
 
 GRAMMAR = (
