@@ -647,16 +647,17 @@ def test_the_cpp_codebook_encoder_writes_the_reference_bytes(bits, group, log_sc
 @needs_kernels
 @pytest.mark.parametrize("group", [16, 64])
 @pytest.mark.parametrize("refine", [1, 4, 10])
-def test_the_cpp_vector_encoder_writes_the_reference_bytes(group, refine):
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_cpp_vector_encoder_writes_the_reference_bytes(group, refine, d):
     """native/encode.cpp's sign-structured vector encoder (vq2hs: a byte per 4 channels) against
     kv/quantize.py's quantize_vectors, on groups of every scale: the nearest pattern is searched
     in float64 with the sums in one order on both sides, so every code and scale is the same."""
     from minillama.kv.quantize import quantize_vectors, vector_patterns
     from minillama.native import ops
 
-    g = torch.Generator().manual_seed(group + refine)
-    x = torch.randn(4, 8, 256, 64, generator=g)  # (B, H, T, D)
-    x = x * torch.rand(4, 8, 256, 1, generator=g).mul(4) * torch.rand(4, 8, 256, 64, generator=g).pow(6).mul(30)
+    g = torch.Generator().manual_seed(group + refine + d)
+    x = torch.randn(4, 8, 256, d, generator=g)  # (B, H, T, D)
+    x = x * torch.rand(4, 8, 256, 1, generator=g).mul(4) * torch.rand(4, 8, 256, d, generator=g).pow(6).mul(30)
     x[0] *= 1e-4  # groups near float16's smallest normals
     x[1, 0, :3] = 0.0  # all-zero groups: the smallest scale, in both encoders
     x = x.to(torch.float16)
