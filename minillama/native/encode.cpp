@@ -91,6 +91,26 @@ static void nearest_levels(const float* x, int G, V s, const float* mids, uint8_
     }
 }
 
+// The scale's refinement both Lloyd-Max encoders share (kv/quantize.py: _refined_scale): from
+// `stored`, rounds of pick(s, c) (the n_codes codes nearest x / s), levels(c, l) (the G values
+// they stand for) and the best scale for them, <x, l> / <l, l>. A round's scale is a function of
+// its codes alone, so once a round picks the codes the round before picked, every later round
+// repeats it: stopping there is the same fixed point, the same bytes, in fewer rounds (most
+// groups settle in two or three). Returns the stored scale; c holds the codes it picks.
+template <class Scale, class Pick, class Levels>
+static typename Scale::T refine_scale(const float* x, int G, typename Scale::T stored, int refine, int n_codes,
+                                      uint8_t* c, uint8_t* prev, float* l, Pick pick, Levels levels) {
+    for (int round = 0; round < refine; round++) {
+        pick(Scale::value(stored), c);
+        if (round > 0 && std::memcmp(c, prev, n_codes) == 0) return stored;  // settled
+        std::memcpy(prev, c, n_codes);
+        levels(c, l);
+        stored = Scale::store(dot(x, l, G) / std::max(dot(l, l, G), 1e-12));
+    }
+    pick(Scale::value(stored), c);
+    return stored;
+}
+
 // One (sequence, head)'s block x (n, D) fp16 -> codebook codes (c, n x D unpacked) and scales
 // (n x D/G), packed into codes: encode_codebook's body.
 template <int BITS, class Scale>
@@ -105,23 +125,15 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const
     for (int64_t g = 0; g < (int64_t)n * (D / G); g++) {
         const uint16_t* xg = xb + g * G;
         for (int e = 0; e < G; e++) x[e] = half_to_float(xg[e]);
-        typename Scale::T stored = Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
-        uint8_t* cg = c + g * G;
-        // A round's scale is a function of its codes alone, so once a round picks the codes the
-        // round before picked, every later round repeats it: stopping there is the same fixed
-        // point, the same bytes, in fewer rounds (most groups settle in two or three).
-        bool settled = false;
-        for (int round = 0; round < refine; round++) {
-            nearest_levels<L, typename Scale::Div>(x.data(), G, (typename Scale::Div)Scale::value(stored), mids, cg);
-            settled = round > 0 && std::memcmp(cg, prev.data(), G) == 0;
-            if (settled) break;  // stored is this round's scale again, and cg the codes it picks
-            std::memcpy(prev.data(), cg, G);
-            for (int e = 0; e < G; e++) l[e] = levels[cg[e]];
-            stored = Scale::store(dot(x.data(), l.data(), G) / std::max(dot(l.data(), l.data(), G), 1e-12));
-        }
-        if (!settled)
-            nearest_levels<L, typename Scale::Div>(x.data(), G, (typename Scale::Div)Scale::value(stored), mids, cg);
-        scale[g] = stored;
+        const typename Scale::T rms = Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
+        scale[g] = refine_scale<Scale>(
+            x.data(), G, rms, refine, G, c + g * G, prev.data(), l.data(),
+            [&](float s, uint8_t* cg) {
+                nearest_levels<L, typename Scale::Div>(x.data(), G, (typename Scale::Div)s, mids, cg);
+            },
+            [&](const uint8_t* cg, float* lg) {
+                for (int e = 0; e < G; e++) lg[e] = levels[cg[e]];
+            });
     }
     for (int t = 0; t < n; t++) pack_row(&c[(size_t)t * D], D, BITS, codes + (int64_t)t * W);
 }
@@ -173,8 +185,7 @@ static void nearest_vectors(const float* x, int G, float s, int dim, const float
 }
 
 // One (sequence, head)'s block x (n, D) fp16 -> vector codes (n x D/dim bytes) and fp16 scales
-// (n x D/G): the RMS, then `refine` rounds of <x, l> / <l, l> for the chosen vectors l, stopping
-// once a round repeats the codes of the round before (encode_codebook_block's rule).
+// (n x D/G): the RMS, then refine_scale's rounds for the chosen vectors.
 static void encode_vector_block(const uint16_t* xb, int n, int D, int G, int dim, const float* patterns, int P,
                                 int refine, uint8_t* codes, uint16_t* scale) {
     std::vector<double> norms(P);
@@ -188,21 +199,15 @@ static void encode_vector_block(const uint16_t* xb, int n, int D, int G, int dim
     std::vector<uint8_t> prev(V);
     for (int64_t g = 0; g < (int64_t)n * (D / G); g++) {
         for (int e = 0; e < G; e++) x[e] = half_to_float(xb[g * G + e]);
-        uint16_t stored = Fp16Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
-        uint8_t* cg = codes + g * V;
-        bool settled = false;
-        for (int round = 0; round < refine; round++) {
-            nearest_vectors(x.data(), G, Fp16Scale::value(stored), dim, patterns, norms.data(), P, cg);
-            settled = round > 0 && std::memcmp(cg, prev.data(), V) == 0;
-            if (settled) break;  // stored is this round's scale again, and cg the codes it picks
-            std::memcpy(prev.data(), cg, V);
-            for (int v = 0; v < V; v++)
-                for (int i = 0; i < dim; i++)
-                    l[v * dim + i] = patterns[(cg[v] % P) * dim + i] * ((cg[v] / P) >> i & 1 ? -1.f : 1.f);
-            stored = Fp16Scale::store(dot(x.data(), l.data(), G) / std::max(dot(l.data(), l.data(), G), 1e-12));
-        }
-        if (!settled) nearest_vectors(x.data(), G, Fp16Scale::value(stored), dim, patterns, norms.data(), P, cg);
-        scale[g] = stored;
+        const uint16_t rms = Fp16Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
+        scale[g] = refine_scale<Fp16Scale>(
+            x.data(), G, rms, refine, V, codes + g * V, prev.data(), l.data(),
+            [&](float s, uint8_t* cg) { nearest_vectors(x.data(), G, s, dim, patterns, norms.data(), P, cg); },
+            [&](const uint8_t* cg, float* lg) {  // pattern cg % P, coordinate i negated where bit i of cg / P is set
+                for (int v = 0; v < V; v++)
+                    for (int i = 0; i < dim; i++)
+                        lg[v * dim + i] = patterns[(cg[v] % P) * dim + i] * ((cg[v] / P) >> i & 1 ? -1.f : 1.f);
+            });
     }
 }
 
@@ -211,8 +216,6 @@ static void encode_vector_block(const uint16_t* xb, int n, int D, int G, int dim
 static bool vector_codable(int D, int bits, int G, int dim, int P) {
     return dim >= 1 && dim <= 8 && bits * dim == 8 && P == (256 >> dim) && G >= dim && G % dim == 0 && D % G == 0;
 }
-
-extern "C" {
 
 // One row x (D, dtype) into storage form: rotated (nb blocks of n = D / nb channels, `norm` =
 // 1/sqrt(n)), less the center c (D fp16, or null), as fp16 in out; how many outputs are not
@@ -243,6 +246,8 @@ static bool rotation_ok(int D, int rotate) {
     const int nb = std::max(rotate, 1), n = D / nb;
     return rotate >= 0 && !(rotate && (D % (2 * nb) || (n & (n - 1))));
 }
+
+extern "C" {
 
 // x: rows x D in dtype; center: (rows / rows_per_center) x D fp16 or null; out: rows x D fp16.
 // rotate: 0 none, 1 by H over the row, nb > 1 in nb RoPE frequency blocks (kv/quantize.py:
