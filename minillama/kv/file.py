@@ -347,16 +347,17 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
     # The layers that share a codec share their rings' cursors (kv/layered.py): each restores
     # its own rows, and all must hold as many as the first.
     group = {(i, "kv"[t]): shared for shared, t in zip(cache.stores, cache.tensor_of) for i in shared.layers}
-    group_rows: dict[int, dict[str, int]] = {}  # id(shared) -> the rows of its first layer, by ring
+    group_rows: dict = {}  # a group (LayeredStore) -> the rows of its first layer, by ring
     for i, pair in enumerate(cache.layers):
         for tensor, store in zip("kv", pair):
             entry, prefix = stores[(i, tensor)], f"layers.{i}.{tensor}."
-            rings = {part: int(entry["rings"].get(part, {}).get("rows", 0)) for part in _rings(store)}
+            rings = _rings(store)
+            held_rows = {part: int(entry["rings"].get(part, {}).get("rows", 0)) for part in rings}
             shared = group[(i, tensor)]
-            if group_rows.setdefault(id(shared), rings) != rings:
+            if group_rows.setdefault(shared, held_rows) != held_rows:
                 raise bad(f"layers {shared.layers} share a codec but hold different rows in their rings")
-            for part, ring in _rings(store).items():
-                rows = rings[part]
+            for part, ring in rings.items():
+                rows = held_rows[part]
                 if not 0 <= rows <= ring.slots:
                     raise bad(f"{prefix}{part} holds {rows} rows, more than its ring's {ring.slots}")
                 if rows:

@@ -286,13 +286,13 @@ def _nearest_signed(x: torch.Tensor, patterns: torch.Tensor) -> torch.Tensor:
     zero keeps +) and the pattern p that minimizes |p|^2 - 2 <|x|, p>, found in float64 with the
     sums taken coordinate by coordinate in order -- every product of two float32s exact there,
     every sum rounded alike -- so that native/encode.cpp picks the same code, ties to the lowest p."""
-    a, p = x.abs().double(), patterns.double()  # (S, dim), (P, dim)
+    a, p = x.abs().double(), patterns.to(x.device).double()  # (S, dim), (P, dim)
     dots, norms = a[:, :1] * p[:, 0], p[:, 0] * p[:, 0]  # (S, P), (P,)
     for c in range(1, x.shape[1]):
         dots = dots + a[:, c : c + 1] * p[:, c]
         norms = norms + p[:, c] * p[:, c]
     best = (norms - 2 * dots).argmin(-1)  # (S,): the first of equal distances
-    signs = ((x < 0).long() << torch.arange(x.shape[1])).sum(-1)  # (S,): bit c for a negative coordinate
+    signs = ((x < 0).long() << torch.arange(x.shape[1], device=x.device)).sum(-1)  # (S,): bit c if negative
     return best + patterns.shape[0] * signs
 
 
