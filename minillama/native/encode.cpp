@@ -76,14 +76,74 @@ static double dot(const float* a, const float* b, int n) {
     return sum;
 }
 
+// n elements of scratch: on the stack where they fit (every row of a decode token's write, whose
+// D is at most 512), else on the heap. A decode token codes a few hundred groups, and a heap
+// allocation each cost as much as the coding.
+template <class T>
+struct Scratch {
+    T stack[512];
+    std::vector<T> heap;
+    explicit Scratch(size_t n) : heap(n > 512 ? n : 0) {}
+    T* data() { return heap.empty() ? stack : heap.data(); }
+};
+
+#ifdef MINILLAMA_AVX512
+// nearest_levels' count for a vector of elements at a time, by a branchless binary search: the
+// count k of boundaries below v (they ascend, so those below are a prefix) found in log2(L)
+// steps, each looking up boundary k + step - 1 by a permute -- the same count the loop makes.
+// float32 (fp16 scales) 16 elements a vector, float64 (one-byte scales) 8; L <= 16 (one or two
+// registers of boundaries). Returns how many elements it coded (whole vectors).
+template <int L>
+static int nearest_levels_simd(const float* x, int G, float s, const float* mids, uint8_t* c) {
+    alignas(64) float t[16] = {0};
+    std::memcpy(t, mids, sizeof(float) * (L - 1));
+    const __m512 table = _mm512_load_ps(t), sv = _mm512_set1_ps(s);
+    int e = 0;
+    for (; e + 16 <= G; e += 16) {
+        const __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + e), sv);
+        __m512i k = _mm512_setzero_si512();
+        for (int step = L / 2; step >= 1; step /= 2) {
+            const __m512i probe = _mm512_add_epi32(k, _mm512_set1_epi32(step - 1));
+            const __mmask16 below = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(probe, table), v, _CMP_LT_OQ);
+            k = _mm512_mask_add_epi32(k, below, k, _mm512_set1_epi32(step));
+        }
+        _mm_storeu_si128((__m128i*)(c + e), _mm512_cvtepi32_epi8(k));
+    }
+    return e;
+}
+
+template <int L>
+static int nearest_levels_simd(const float* x, int G, double s, const float* mids, uint8_t* c) {
+    alignas(64) double t[16] = {0};
+    for (int l = 0; l < L - 1; l++) t[l] = mids[l];
+    const __m512d lo = _mm512_load_pd(t), hi = _mm512_load_pd(t + 8), sv = _mm512_set1_pd(s);
+    int e = 0;
+    for (; e + 8 <= G; e += 8) {
+        const __m512d v = _mm512_div_pd(_mm512_cvtps_pd(_mm256_loadu_ps(x + e)), sv);
+        __m512i k = _mm512_setzero_si512();
+        for (int step = L / 2; step >= 1; step /= 2) {
+            const __m512i probe = _mm512_add_epi64(k, _mm512_set1_epi64(step - 1));
+            const __mmask8 below = _mm512_cmp_pd_mask(_mm512_permutex2var_pd(lo, probe, hi), v, _CMP_LT_OQ);
+            k = _mm512_mask_add_epi64(k, below, k, _mm512_set1_epi64(step));
+        }
+        _mm_storel_epi64((__m128i*)(c + e), _mm512_cvtepi64_epi8(k));
+    }
+    return e;
+}
+#endif
+
 // The nearest of L levels (their L - 1 boundaries `mids`, ascending) for each of x[0..G) / s:
 // how many boundaries lie below it, as torch.bucketize counts them (counted, not searched: the
-// compiler vectorizes it across x).
+// compiler vectorizes it across x; AVX-512 builds search, above, where the levels fit a register).
 // The division is in V: float32 for fp16 scales, float64 for one-byte ones, as the reference
 // divides (a quotient within one rounding of a boundary otherwise picks the other level).
 template <int L, class V>
 static void nearest_levels(const float* x, int G, V s, const float* mids, uint8_t* c) {
-    for (int e = 0; e < G; e++) {
+    int e = 0;
+#ifdef MINILLAMA_AVX512
+    if constexpr (L <= 16) e = nearest_levels_simd<L>(x, G, s, mids, c);
+#endif
+    for (; e < G; e++) {
         const V v = (V)x[e] / s;
         int k = 0;
         for (int l = 0; l < L - 1; l++) k += (V)mids[l] < v;
@@ -120,16 +180,18 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const
     const int W = D * BITS / 8;
     float mids[L - 1];  // the boundaries between neighbouring levels, as torch.bucketize takes them
     for (int l = 0; l + 1 < L; l++) mids[l] = (levels[l + 1] + levels[l]) / 2;
-    std::vector<float> x(G), l(G);  // a group's values and its chosen levels
-    std::vector<uint8_t> prev(G);   // the codes of the round before
+    Scratch<float> xs(G), ls(G);  // a group's values and its chosen levels
+    Scratch<uint8_t> prevs(G);    // the codes of the round before
+    float *x = xs.data(), *l = ls.data();
+    uint8_t* prev = prevs.data();
     for (int64_t g = 0; g < (int64_t)n * (D / G); g++) {
         const uint16_t* xg = xb + g * G;
         for (int e = 0; e < G; e++) x[e] = half_to_float(xg[e]);
-        const typename Scale::T rms = Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
+        const typename Scale::T rms = Scale::store(std::sqrt(dot(x, x, G) / G));
         scale[g] = refine_scale<Scale>(
-            x.data(), G, rms, refine, G, c + g * G, prev.data(), l.data(),
+            x, G, rms, refine, G, c + g * G, prev, l,
             [&](float s, uint8_t* cg) {
-                nearest_levels<L, typename Scale::Div>(x.data(), G, (typename Scale::Div)s, mids, cg);
+                nearest_levels<L, typename Scale::Div>(x, G, (typename Scale::Div)s, mids, cg);
             },
             [&](const uint8_t* cg, float* lg) {
                 for (int e = 0; e < G; e++) lg[e] = levels[cg[e]];
@@ -188,21 +250,24 @@ static void nearest_vectors(const float* x, int G, float s, int dim, const float
 // (n x D/G): the RMS, then refine_scale's rounds for the chosen vectors.
 static void encode_vector_block(const uint16_t* xb, int n, int D, int G, int dim, const float* patterns, int P,
                                 int refine, uint8_t* codes, uint16_t* scale) {
-    std::vector<double> norms(P);
+    Scratch<double> norms_(P);
+    double* norms = norms_.data();
     for (int p = 0; p < P; p++) {
         double q = (double)patterns[p * dim] * patterns[p * dim];
         for (int i = 1; i < dim; i++) q = q + (double)patterns[p * dim + i] * patterns[p * dim + i];
         norms[p] = q;
     }
     const int V = G / dim;  // codes a group
-    std::vector<float> x(G), l(G);
-    std::vector<uint8_t> prev(V);
+    Scratch<float> xs(G), ls(G);
+    Scratch<uint8_t> prevs(V);
+    float *x = xs.data(), *l = ls.data();
+    uint8_t* prev = prevs.data();
     for (int64_t g = 0; g < (int64_t)n * (D / G); g++) {
         for (int e = 0; e < G; e++) x[e] = half_to_float(xb[g * G + e]);
-        const uint16_t rms = Fp16Scale::store(std::sqrt(dot(x.data(), x.data(), G) / G));
+        const uint16_t rms = Fp16Scale::store(std::sqrt(dot(x, x, G) / G));
         scale[g] = refine_scale<Fp16Scale>(
-            x.data(), G, rms, refine, V, codes + g * V, prev.data(), l.data(),
-            [&](float s, uint8_t* cg) { nearest_vectors(x.data(), G, s, dim, patterns, norms.data(), P, cg); },
+            x, G, rms, refine, V, codes + g * V, prev, l,
+            [&](float s, uint8_t* cg) { nearest_vectors(x, G, s, dim, patterns, norms, P, cg); },
             [&](const uint8_t* cg, float* lg) {  // pattern cg % P, coordinate i negated where bit i of cg / P is set
                 for (int v = 0; v < V; v++)
                     for (int i = 0; i < dim; i++)
@@ -443,13 +508,15 @@ static void decode_tier_row(const TokenWrite& w, const char* codes, const char* 
     for (int d = 0; d < w.D; d++) out[d] = float_to_half(levels[d] * s);
 }
 
-// One thread's scratch for the rows it commits, sized for the largest write of a call.
+// One thread's scratch for the rows it commits, grown to the largest write it has made (each
+// thread keeps its own between calls: OpenMP's threads persist, so a token allocates nothing).
 struct RowScratch {
     std::vector<uint16_t> block, scale, zero, xb;  // xb: block keys' one block of channels
     std::vector<uint8_t> codes, unpacked, cb;      // cb: ... and its packed codes
-    RowScratch(const TokenWrite* writes, int n) {
+    void fit(const TokenWrite* writes, int n) {
         size_t most = 1;  // max(flush, 1) x D over the writes: bounds every buffer's elements
         for (int i = 0; i < n; i++) most = std::max(most, (size_t)std::max(writes[i].flush, 1) * writes[i].D);
+        if (block.size() >= most) return;
         block.resize(most), scale.resize(most), zero.resize(most), xb.resize(most);
         codes.resize(most), unpacked.resize(most), cb.resize(most);
     }
@@ -513,15 +580,23 @@ int write_tokens(const TokenWrite* writes, int n) {
     if (n < 1) return MINILLAMA_E_SHAPE;
     for (int i = 0; i < n; i++)
         if (const int status = check_write(writes[i])) return status;
-    std::vector<std::vector<uint16_t>> fresh(n);  // each write's new rows in storage form, (L * BH, D)
-    int64_t most = 0;                             // rows of the largest write
+    // Each write's new rows in storage form, (L * BH, D), end to end in one buffer this thread keeps.
+    static thread_local std::vector<uint16_t> fresh_rows;
+    std::vector<uint16_t*> fresh(n, nullptr);  // null: the write stores no new row
+    std::vector<size_t> at(n);
+    size_t total = 0;
+    int64_t most = 0;  // rows of the largest write
     bool codes = false;
     for (int i = 0; i < n; i++) {
         const TokenWrite& w = writes[i];
         most = std::max(most, (int64_t)w.L * w.BH);
         codes = codes || (w.flush > 0 && w.bits > 0);
-        if (w.to.buf || w.flush > w.from_res) fresh[i].resize((size_t)w.L * w.BH * w.D);  // else no new row is stored
+        at[i] = total;
+        if (w.to.buf || w.flush > w.from_res) total += (size_t)w.L * w.BH * w.D;
     }
+    if (fresh_rows.size() < total) fresh_rows.resize(total);
+    for (int i = 0; i < n; i++)
+        if (writes[i].to.buf || writes[i].flush > writes[i].from_res) fresh[i] = fresh_rows.data() + at[i];
     // One parallel region (the threads woken once) when a write codes anything; a step that only
     // copies rows stays on this thread. Row r of every write is made by one thread, in the
     // writes' order (a tier's unit leaves a slot before the next row takes it); rows are split
@@ -530,19 +605,19 @@ int write_tokens(const TokenWrite* writes, int n) {
     int64_t bad = 0;
 #pragma omp parallel if (codes)
     {
-        std::vector<float> v(512);
+        float v[512];
 #pragma omp for schedule(static) reduction(+ : bad)
         for (int64_t r = 0; r < most; r++)
             for (int i = 0; i < n; i++)
-                if (!fresh[i].empty() && r < (int64_t)writes[i].L * writes[i].BH)
-                    bad += fresh_row(writes[i], r, v.data(), fresh[i].data() + r * writes[i].D);
+                if (fresh[i] && r < (int64_t)writes[i].L * writes[i].BH)
+                    bad += fresh_row(writes[i], r, v, fresh[i] + r * writes[i].D);
         if (!bad) {  // the same on every thread: the reduction is complete after the loop's barrier
-            RowScratch scratch(writes, n);
+            static thread_local RowScratch scratch;
+            scratch.fit(writes, n);
 #pragma omp for schedule(static, 1)
             for (int64_t r = 0; r < most; r++)
                 for (int i = 0; i < n; i++)
-                    if (r < (int64_t)writes[i].L * writes[i].BH)
-                        commit_row(writes[i], fresh[i].empty() ? nullptr : fresh[i].data(), r, scratch);
+                    if (r < (int64_t)writes[i].L * writes[i].BH) commit_row(writes[i], fresh[i], r, scratch);
         }
     }
     return bad ? MINILLAMA_E_NONFINITE : MINILLAMA_OK;
