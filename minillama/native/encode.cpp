@@ -180,6 +180,10 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const
     const int W = D * BITS / 8;
     float mids[L - 1];  // the boundaries between neighbouring levels, as torch.bucketize takes them
     for (int l = 0; l + 1 < L; l++) mids[l] = (levels[l + 1] + levels[l]) / 2;
+#ifdef MINILLAMA_AVX512
+    alignas(64) float book[16] = {0};  // the levels in a register, looked up by a permute
+    if constexpr (L <= 16) std::memcpy(book, levels, sizeof(float) * L);
+#endif
     Scratch<float> xs(G), ls(G);  // a group's values and its chosen levels
     Scratch<uint8_t> prevs(G);    // the codes of the round before
     float *x = xs.data(), *l = ls.data();
@@ -194,7 +198,14 @@ static void encode_codebook_block(const uint16_t* xb, int n, int D, int G, const
                 nearest_levels<L, typename Scale::Div>(x, G, (typename Scale::Div)s, mids, cg);
             },
             [&](const uint8_t* cg, float* lg) {
-                for (int e = 0; e < G; e++) lg[e] = levels[cg[e]];
+                int e = 0;
+#ifdef MINILLAMA_AVX512
+                if constexpr (L <= 16)
+                    for (; e + 16 <= G; e += 16)
+                        _mm512_storeu_ps(lg + e, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(cg + e))),
+                                                                       _mm512_load_ps(book)));
+#endif
+                for (; e < G; e++) lg[e] = levels[cg[e]];
             });
     }
     for (int t = 0; t < n; t++) pack_row(&c[(size_t)t * D], D, BITS, codes + (int64_t)t * W);
