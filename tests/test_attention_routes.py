@@ -144,6 +144,8 @@ def test_the_integer_route_stays_within_its_bound_on_every_shape(target, r, d):
             "k4v3lmc",
             "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4",
             "k=lm2h,v=lm2h,kgroup=64,vgroup=64,residual=8,sinks=4,center=1",  # integer 2-bit book keys at head_dim 64
+            "k=lm2f2:13.22,v=lm2hb,vgroup=64,residual=8,sinks=4,center=1",  # integer frequency-block keys (VNNI, 64)
+            "k=lm3f4:2244.0255,v=fp16,residual=8",  # ... a head with a 5-bit block read exactly within the route
         ):
             for tokens, capacity, batch in CONTEXTS:
                 cache, q, k, v, rotary = case(spec, tokens, capacity, batch, r, d, seed=tokens + r)

@@ -215,6 +215,71 @@ def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, r, 
     assert ((got - exact).abs() > bound / 100).any()  # the levels are not exact
 
 
+@pytest.mark.parametrize("r", [1, 3, 8, 16])
+@pytest.mark.parametrize(
+    "codec",
+    [
+        "lm2f2:13.22",  # two blocks, widths 1-3: every book's levels as bytes
+        "lm2f2:04.22",  # a dropped block beside a 4-bit one: that head's levels 16-bit
+        "lm3f4:2244.1344",  # four blocks of 16 channels
+        "lm2f8:22222222.13131313",  # eight blocks of 8 channels: one query step each
+    ],
+)
+def test_block_keys_hold_their_level_bound_where_a_target_reads_them(lib, r, codec):
+    """Keys in RoPE frequency blocks (kv/freq_blocks.py) on the integer route at head_dim 64
+    (vnni_attention.cpp: score_vnni_blocks): score_vnni's bound block by block. The query becomes
+    int8 per chunk of 8 channels (a_c = max |q| / 127 over the chunk); each block's levels come
+    from the book of its width -- int8 where every block of the head keeps its levels within
+    0.5% (widths 1-3), else 16-bit (key_level_error) -- times the token's scale of the block, so a
+    score is off by at most sum_b s_tb sum_(d in b) (a_c / 2 (|L_d| + e_d) + |q_d| e_d)."""
+    from minillama.kv.freq_blocks import block_widths
+    from minillama.kv.quantize import scale_values
+
+    d = 64
+    cache = filled(f"k={codec},v=int4,residual=0", 301, 1, head_dim=d)
+    store = cache.layers[0][0]
+    parts = {name: ring.read() for name, ring in store.body.items()}
+    codes = store.codec.unpack(parts, d).long()  # (B, H, m, D): each block's codes in its channels
+    m, nb = store.n_body, store.codec.blocks
+    widths = block_widths(store.codec.widths)  # (H, nb)
+    q = torch.randn(1, 2, r, d)  # (B, H, R, D), in the key codec's space (blocks in order)
+    got = torch.empty(1, 2, r, m)
+    with skipped_where_unread("frequency-block keys"):
+        integer_call(lib, cache, False, q, got)
+    exact = q @ store.codec.decode(parts, store.group, d).transpose(-1, -2)  # (B, H, R, m)
+    level = torch.zeros(1, 2, m, d)  # |L_d| of each token's channels
+    error = torch.zeros(1, 2, m, d)  # e_d: how far the kernel's copy of that level is
+    for h in range(2):
+        books = [gaussian_codebook(int(w)) if w else torch.zeros(1) for w in widths[h]]
+        byte = all(int8_levels(book)[0] <= 0.005 for book, w in zip(books, widths[h]) if w)
+        for b, (book, w) in enumerate(zip(books, widths[h])):
+            channels = slice(b * d // nb, (b + 1) * d // nb)
+            if not w:
+                continue
+            copy = int8_levels(book)[1] if byte else torch.full_like(book, book.abs().max().item() / 4094)
+            level[0, h, :, channels] = book[codes[0, h, :, channels]].abs()
+            error[0, h, :, channels] = copy[codes[0, h, :, channels]]
+    scale = scale_values(parts["scale"]).repeat_interleave(d // nb, dim=-1)  # (B, H, m, D): each channel's block scale
+    a = q.abs().reshape(1, 2, r, d // 8, 8).amax(-1).repeat_interleave(8, -1) / 127  # (B, H, R, D)
+    per_channel = (a / 2).unsqueeze(3) * (level + error).unsqueeze(2) + q.abs().unsqueeze(3) * error.unsqueeze(2)
+    bound = (scale.unsqueeze(2) * per_channel).sum(-1)  # (B, H, R, m)
+    assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-5).all()
+    assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
+
+
+def test_block_keys_take_the_integer_route_only_where_a_kernel_reads_them_whole():
+    """The VNNI block-key kernel reads head_dim 64 with every width at most 4; a head with a wider
+    block is read by the exact block kernel inside the same route (layer_attention.cpp:
+    score_block), and head_dim 128 block keys keep the rows route."""
+    lib = backend.library()
+    if lib is None or "avx512_vnni" not in abi.features(lib) or "avx512_vbmi" not in abi.features(lib):
+        pytest.skip("the integer block-key kernel needs AVX-512 VNNI and VBMI")
+    for d, codec, expected in ((64, "lm3f2:24.15", Route.INTEGER), (128, "lm3f2:24.15", Route.ROWS)):
+        cache = filled(f"k={codec},v=int4,residual=0", 40, 1, head_dim=d)
+        part = body_part(cache, False)
+        assert route(lib, False, part, row_source(part, None, None, []), 3, d) == expected, (d, codec)
+
+
 def test_byte_key_levels_are_chosen_only_where_they_hold_half_a_percent():
     """The 2- and 3-bit Gaussian books fit int8 within 0.5% of every level; the 4-bit one does not
     (its smallest level, 5 steps of 107, is 1.3% off) and keeps the 16-bit levels."""

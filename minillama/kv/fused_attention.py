@@ -13,7 +13,8 @@ kernel that reads it:
   key scales folded into the query, per-token rows scaled in registers);
 * ``INTEGER``: 2-4-bit affine codes scored against an int8 query and weighted by byte weights
   (``native/int_attention.cpp``; AVX-512 VNNI in ``vnni_attention.cpp``, which also reads
-  codebooks as 16-bit levels, vector-coded values (by qword gathers, or in registers for a
+  codebooks as 16-bit levels, keys in frequency blocks at head_dim 64 with widths up to 4 (with
+  VBMI), vector-coded values (by qword gathers, or in registers for a
   sign-structured book), and 8-bit values with int16 weights; AVX2 4-bit keys (affine or
   codebook), 3-bit affine and 2-bit codebook keys in ``avx2_attention.cpp``, AVX2 2-4-bit affine
   and 2-bit codebook values in
@@ -23,8 +24,9 @@ kernel that reads it:
   groups) faster (``ops.exact_is_faster``);
 * ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their positions),
   calibrated codecs, vector codes where no integer kernel reads them, and keys in frequency
-  blocks (``native/row_attention.cpp``; the block keys' SIMD decode on AVX-512 and AVX2
-  builds, ``fast_attention.cpp`` / ``avx2_attention.cpp: score_blocks``).
+  blocks where the integer route does not take them (``native/row_attention.cpp``; the block
+  keys' SIMD decode on AVX-512 and AVX2 builds, ``fast_attention.cpp`` / ``avx2_attention.cpp:
+  score_blocks``, which also reads, exactly, a head whose blocks are too wide for the VNNI one).
 
 A part no kernel reads (a codec without ``row_kind``, a shape a kernel does not support)
 raises ``NotSupported`` with the reason before anything runs; attention then takes the reference.

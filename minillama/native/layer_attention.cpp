@@ -100,6 +100,11 @@ extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
 // fast_attention.cpp for AVX-512 and avx2_attention.cpp for AVX2, with the frequency-block keys of
 // the rows route there, or on the integer route VNNI in vnni_attention.cpp), else the generic one.
 static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
+    if (route == ROUTE_INTEGER && s.kind == ROW_BLOCKS) {  // VNNI, or exactly for a head with wider blocks
+        if (!score_vnni(s, bh, R, D, q, i0, n, out, ls, prep) && !score_blocks(s, bh, R, D, q, i0, n, out, ls, prep))
+            score_rows(s, bh, R, D, q, i0, n, out, ls);
+        return;
+    }
     if (route == ROUTE_INTEGER ? score_vnni(s, bh, R, D, q, i0, n, out, ls, prep) || score_int4(s, bh, R, D, q, i0, n, out, ls, prep) ||
                                      score_int2(s, bh, R, D, q, i0, n, out, ls, prep)
                                : route == ROUTE_ROWS ? score_blocks(s, bh, R, D, q, i0, n, out, ls, prep)

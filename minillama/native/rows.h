@@ -466,7 +466,8 @@ struct BlockTables {
         }
     }
 };
-// Integer (VNNI) scores of 2-, 3- and 4-bit keys (vnni_attention.cpp); vnni_keys: whether score_vnni reads these rows.
+// Integer (VNNI) scores of 2-, 3- and 4-bit keys, and of frequency-block keys at head_dim 64 (vnni_attention.cpp);
+// vnni_keys: whether score_vnni reads these rows (a head with a block wider than 4 bits: false at run time).
 bool vnni_keys(const RowSource& s, int D);
 bool score_vnni(SCORE_ARGS, Prep& prep);
 // Integer (VNNI, int16 weights) values of per-token codes; vnni_values: whether value_vnni reads them.

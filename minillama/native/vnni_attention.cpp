@@ -4,6 +4,8 @@
 //   keys    (score_vnni) 4-bit codes (2- and 3-bit ones widened to them), per token (one scale a row;
 //           affine or a codebook) or KIVI per channel: sixteen tokens' rows transposed so that
 //           each vpdpbusd lane is one token, against an int8 query with one step per 8 channels.
+//           Keys in RoPE frequency blocks at head_dim 64 (score_vnni_blocks, with VBMI): the same
+//           arithmetic with a book and a byte scale per block.
 //   values  (value_vnni) 2/3/4/8-bit per-token codes (affine or a codebook): token pairs' codes
 //           as int16 lanes, vpdpwssd against int16 attention weights.
 //
@@ -821,9 +823,218 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
     return true;
 }
 
+#if MINILLAMA_VBMI
+// Integer scores of keys in RoPE frequency blocks (ROW_BLOCKS; kv/freq_blocks.py: lm{b}f{nb}) at
+// head_dim 64, every block's width at most 4: score_vnni's arithmetic with a book and a scale per
+// block. Block b of head h holds 64 / nb channels at its own width w_b (0-4), the blocks' codes
+// one little-endian bit stream, and one byte scale: x = book_w[code] * scale_b. A row's 64 codes
+// come out one byte each in three instructions (vpermb, vpmultishiftqb, a mask: the operands
+// fast_attention.cpp's whole-row decode makes, built per head here), are packed two to a byte as
+// the 4-bit rows score_vnni reads and transposed sixteen tokens at a time (Transpose16); each
+// chunk of 8 channels looks its levels up in its own block's book -- bytes where every block's
+// book keeps its levels within 0.5% (widths 1-3), else 16-bit levels (levels16: a 4-bit block) --
+// and vpdpbusd sums them against the int8 query. A block's chunks are summed in float, less the
+// offset's share, times the block's level step and each token's scale of that block. The bound
+// is score_vnni's, block by block: a score is off by at most
+// sum_b s_tb sum_{d in b} (a_c / 2 (|L_d| + e_d) + |q_d| e_d) (tests/test_integer_attention.py).
+struct BlockBooks {  // a width's book as the integer kernels read it (levels8, levels16), made once a thread
+    float book[16];
+    int8_t l8[16];
+    int16_t l16[16];
+    float t8, t16, worst;
+    bool made = false;
+};
+
+static const BlockBooks& block_book(const float* codebook, int w) {
+    static thread_local BlockBooks books[5];
+    BlockBooks& b = books[w];
+    const float* book = codebook + (1 << w) - 2;
+    if (!b.made || std::memcmp(b.book, book, sizeof(float) << w)) {
+        std::memcpy(b.book, book, sizeof(float) << w);
+        b.t8 = levels8(book, 1 << w, 96, 127, b.l8, &b.worst);
+        b.t16 = levels16(book, 1 << w, b.l16);
+        b.made = true;
+    }
+    return b;
+}
+
+struct VnniBlocks {
+    alignas(64) int32_t qw[16][16];  // the int8 queries as score_vnni lays them out (NC = 8)
+    alignas(64) float qa[16][64];    // [head][channel]: its chunk's int8 step
+    float offset[16][8];             // [head][block]: the unsigned offset's share, U0 sum_{d in b} a q8_d
+    alignas(64) uint8_t spread[64], mask[64];  // the whole-row decode (fast_attention.cpp: BlockQuery)
+    long long shifts[8];
+    alignas(64) uint8_t lut_h[8][64], lut_l[8][64];  // [chunk]: its block's level bytes, vpshufb tables
+    float step[8];                                   // [block]: a level is step * L8 (or L16)
+    bool byte_levels;
+};
+
+bool score_vnni_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0, int n, float* out, int ls, Prep& prep) {
+    constexpr int D = 64, NC = 8;
+    static_assert(sizeof(VnniBlocks) <= sizeof(Prep::bytes), "Prep is too small");
+    VnniBlocks& st = *reinterpret_cast<VnniBlocks*>(prep.bytes);
+    static const Transpose16<NC> transpose;
+    const int nb = s.nlevels, per = NC / nb, W = D * s.bits / 8;  // per: chunks a block
+    const uint16_t* widths = s.levels + bh * nb;
+    if (!prep.ready) {
+        st.byte_levels = true;
+        for (int b = 0; b < nb; b++)
+            if (widths[b]) st.byte_levels = st.byte_levels && block_book(s.codebook, widths[b]).worst <= 0.005f;
+        const int u0 = st.byte_levels ? 128 : 2048;  // U = L8 + 128, or L16 + 2048 in two bytes
+        for (int b = 0, bit = 0; b < nb; b++) {
+            const int w = widths[b];
+            int16_t level[16] = {0};  // width 0: a dropped block reads as zeros
+            st.step[b] = 1.f;
+            if (w) {
+                const BlockBooks& book = block_book(s.codebook, w);
+                st.step[b] = st.byte_levels ? book.t8 : book.t16;
+                for (int l = 0; l < (1 << w); l++) level[l] = st.byte_levels ? book.l8[l] : book.l16[l];
+            }
+            for (int c = b * per; c < (b + 1) * per; c++)
+                for (int j = 0; j < 64; j++) {
+                    const int u = u0 + level[j % 16];
+                    st.lut_l[c][j] = (uint8_t)(u & 255), st.lut_h[c][j] = (uint8_t)(u >> 8);
+                }
+            for (int qw = b * 8 / nb; qw < (b + 1) * 8 / nb; qw++, bit += 8 * w) {  // qword qw: codes 8 qw .. 8 qw + 7
+                long long sh = 0;
+                for (int i = 0; i < 8; i++) {
+                    st.spread[8 * qw + i] = (uint8_t)std::min(63, bit / 8 + std::min(i, std::max(w - 1, 0)));
+                    st.mask[8 * qw + i] = (uint8_t)((1 << w) - 1);
+                    sh |= (long long)(w * i) << (8 * i);
+                }
+                st.shifts[qw] = sh;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            for (int k = 0; k < NC / 2; k++) {  // 16 channels = 2 chunks per register
+                alignas(64) int32_t q8[16];
+                _mm512_store_si512(q8, quantize16(_mm512_loadu_ps(q + r * D + 16 * k), st.qw[r] + 4 * k, st.qa[r] + 16 * k));
+                for (int h = 0; h < 2; h++) {  // chunk 2k + h, of block (2k + h) / per
+                    float sum = 0.f;
+                    for (int j = 0; j < 8; j++) sum += (float)q8[8 * h + j];
+                    const int b = (2 * k + h) / per;
+                    if ((2 * k + h) % per == 0) st.offset[r][b] = 0.f;
+                    st.offset[r][b] += u0 * st.qa[r][16 * k + 8 * h] * sum;
+                }
+            }
+        }
+        prep.ready = true;
+    }
+    const __m512i spread = _mm512_load_si512(st.spread), mask = _mm512_load_si512(st.mask);
+    const __m512i shifts = _mm512_loadu_si512(st.shifts), nib = _mm512_set1_epi8(15);
+    const __mmask64 bytes = W >= 64 ? ~0ull : (1ull << W) - 1;
+    // A row's 64 codes as score_vnni's 4-bit row: byte j = code 2j | code 2j + 1 << 4.
+    auto nibbles = [&](const uint8_t* row) __attribute__((always_inline)) {
+        const __m512i codes = _mm512_and_si512(
+            _mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(spread, _mm512_maskz_loadu_epi8(bytes, row))), mask);
+        return _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(codes, _mm512_set1_epi16(0x1001)));
+    };
+    // Each block's scale of 16 consecutive tokens (nb <= 4: their 16 nb bytes in one register):
+    // byte t nb + b of the tokens' scales to lane t, for every block b.
+    alignas(64) static constexpr struct Deal {
+        uint8_t idx[3][4][64];  // [nb / 2 for 2, 4][block]: vpermb index, 16 lanes
+        constexpr Deal() : idx{} {
+            for (int k = 1; k <= 2; k++)
+                for (int b = 0; b < 2 * k; b++)
+                    for (int t = 0; t < 16; t++) idx[k][b][t] = (uint8_t)(t * 2 * k + b);
+        }
+    } deal{};
+    Cursor at(s.start, i0, s.slots);
+    for (int i = i0; i < i0 + n;) {
+        const int len = std::min(16, i0 + n - i);
+        prefetch_rows(s, bh, at.slot, 32, 16, W, nb);  // two chunks ahead
+        __m512 tscale[8];  // [block]: lane t, token t's scale of the block
+        __m512i x[NC], w[NC];
+        const int64_t first = bh * s.slots + at.slot;
+        if (len == 16 && at.slot + 16 <= s.slots) {  // 16 consecutive rows
+            const uint8_t* row = (const uint8_t*)s.data + first * W;
+            for (int r = 0; r < NC; r++)
+                x[r] = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles(row + 2 * r * W)), nibbles(row + (2 * r + 1) * W), 1);
+            if (nb <= 4) {
+                const __m512i all = _mm512_maskz_loadu_epi8(nb == 4 ? ~0ull : (1ull << (16 * nb)) - 1, s.scale8 + first * nb);
+                for (int b = 0; b < nb; b++) {
+                    const __m512i u = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_permutexvar_epi8(_mm512_load_si512(deal.idx[nb / 2][b]), all)));
+                    const __m512 frac = _mm512_permutexvar_ps(u, _mm512_loadu_ps(log_scales.t + 128));  // as log_scales16
+                    tscale[b] = _mm512_scalef_ps(frac, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(u, 4), _mm512_set1_epi32(8))));
+                }
+            } else {
+                for (int b = 0; b < nb; b++) {
+                    alignas(64) float t16[16];
+                    for (int t = 0; t < 16; t++) t16[t] = log_scales.t[s.scale8[(first + t) * nb + b]];
+                    tscale[b] = _mm512_load_ps(t16);
+                }
+            }
+            at.skip(16);
+        } else {  // a short chunk (repeating its last row) or one where the ring wraps
+            const uint8_t* row[16];
+            alignas(64) float t16[8][16] = {};
+            for (int t = 0; t < 16; t++) {
+                const int64_t slot = bh * s.slots + at.slot;
+                row[t] = (const uint8_t*)s.data + slot * W;
+                if (t < len) {
+                    for (int b = 0; b < nb; b++) t16[b][t] = log_scales.t[s.scale8[slot * nb + b]];
+                    if (t < len - 1) at.next();
+                }
+            }
+            at.next();
+            for (int r = 0; r < NC; r++)
+                x[r] = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles(row[2 * r])), nibbles(row[2 * r + 1]), 1);
+            for (int b = 0; b < nb; b++) tscale[b] = _mm512_load_ps(t16[b]);
+        }
+        transpose.apply(x, w);
+        __m512i lo[NC], hi[NC];
+        for (int c = 0; c < NC; c++) {
+            lo[c] = _mm512_and_si512(w[c], nib);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi32(w[c], 4), nib);
+            if (st.byte_levels) {  // every head's levels the same: looked up once
+                const __m512i tl = _mm512_load_si512(st.lut_l[c]);
+                lo[c] = _mm512_shuffle_epi8(tl, lo[c]), hi[c] = _mm512_shuffle_epi8(tl, hi[c]);
+            }
+        }
+        const __mmask16 keep = (__mmask16)((1u << len) - 1);
+        for (int r = 0; r < R; r++) {
+            __m512 f = _mm512_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                __m512 fb = _mm512_setzero_ps();
+                for (int c = b * per; c < (b + 1) * per; c++) {
+                    const __m512i qe = _mm512_set1_epi32(st.qw[r][2 * c]), qo = _mm512_set1_epi32(st.qw[r][2 * c + 1]);
+                    __m512i acc;
+                    if (st.byte_levels) {
+                        acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[c], qe), hi[c], qo);
+                    } else {  // sum q8 U = 256 sum q8 H + sum q8 Lo, the lookups per head (score_vnni's Levels16)
+                        const __m512i th = _mm512_load_si512(st.lut_h[c]), tl = _mm512_load_si512(st.lut_l[c]);
+                        __m512i h = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_shuffle_epi8(th, lo[c]), qe);
+                        __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_shuffle_epi8(tl, lo[c]), qe);
+                        h = _mm512_dpbusd_epi32(h, _mm512_shuffle_epi8(th, hi[c]), qo);
+                        l = _mm512_dpbusd_epi32(l, _mm512_shuffle_epi8(tl, hi[c]), qo);
+                        acc = _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+                    }
+                    fb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(st.qa[r][8 * c]), fb);
+                }
+                fb = _mm512_mul_ps(_mm512_sub_ps(fb, _mm512_set1_ps(st.offset[r][b])), _mm512_set1_ps(st.step[b]));
+                f = _mm512_fmadd_ps(fb, tscale[b], f);
+            }
+            _mm512_mask_storeu_ps(out + (int64_t)r * ls + (i - i0), keep, f);
+        }
+        i += len;
+    }
+    return true;
+}
+
+// Whether score_vnni_blocks reads these block keys: head_dim 64, 2 to 8 blocks, every width 0-4.
+static bool vnni_block_keys(const RowSource& s, int D) {
+    if (D != 64 || s.kind != ROW_BLOCKS || !s.codebook || !s.levels || !s.scale8 || s.cos || s.center) return false;
+    if (s.nlevels != 2 && s.nlevels != 4 && s.nlevels != 8) return false;
+    return s.bits >= 1 && s.bits <= 4;  // each head's widths are checked by score_vnni's caller: block_widths_fit
+}
+#endif
+
 }  // namespace
 
 bool vnni_keys(const RowSource& s, int D) {
+#if MINILLAMA_VBMI
+    if (s.kind == ROW_BLOCKS) return vnni_block_keys(s, D);
+#endif
     // Codebooks: bytes scaled to max |L| = 127 moved the small levels by up to 3% (3-bit
     // Lloyd-Max: 0.2451 -> 14/59), a bias, not noise, that perplexity showed; score_vnni takes
     // bytes only at a scale that holds every level within 0.5% (levels8), else 16-bit levels.
@@ -861,6 +1072,13 @@ bool value_vnni(VALUE_ARGS) {
 
 bool score_vnni(SCORE_ARGS, Prep& prep) {
     if (R > 16 || !vnni_keys(s, D)) return false;
+#if MINILLAMA_VBMI
+    if (s.kind == ROW_BLOCKS) {  // a head with a block wider than 4 bits: false, the caller reads it exactly
+        for (int b = 0; b < s.nlevels; b++)
+            if (s.levels[bh * s.nlevels + b] > 4) return false;
+        return score_vnni_blocks(s, bh, R, q, i0, n, out, ls, prep);
+    }
+#endif
     if (D == 64 && s.bits < 4) return score_vnni<8, true>(s, bh, R, q, i0, n, out, ls, prep);
     return D == 64 ? score_vnni<8, false>(s, bh, R, q, i0, n, out, ls, prep) : score_vnni<16, false>(s, bh, R, q, i0, n, out, ls, prep);
 }
