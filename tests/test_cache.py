@@ -508,6 +508,20 @@ def test_the_one_token_write_is_byte_identical_to_pytorch(spec, dtype, monkeypat
         assert len(calls) >= 99 and min(calls) >= len(caches[0].stores)
 
 
+@pytest.mark.parametrize("spec", WRITE_SPECS)
+def test_a_kernel_read_counts_what_every_store_holds(spec):
+    """The native step reads every held part of every layer in place; the cache counts that from
+    its rings' cursors (``count_kernel_read``), which must be each store's ``live_read_bytes``
+    summed -- sinks, body, tier, residual and the per-sequence parameters -- at every fill."""
+    cache = KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=120)
+    for n in (1, 5, 40, 90):  # sinks filling, the residual, units leaving it, past the capacity
+        cache.append_stacked(*torch.randn(2, 3, 1, 2, n, 64))  # keys, values (L, B, H, n, D)
+        before = cache.bytes.total_read
+        cache.count_kernel_read()
+        expected = sum(store.live_read_bytes() for pair in cache.layers for store in pair)
+        assert cache.bytes.total_read - before == expected > 0, (spec, n)
+
+
 @pytest.mark.parametrize("name", ["reference", "kernels"])
 def test_a_non_finite_value_is_refused_before_anything_is_written(name):
     """A NaN in one layer's values, on either backend: a clear error, and the cache as it was --

@@ -100,11 +100,21 @@ class KVCache:
                 for i, store in zip(members, shared.stores):
                     layers[i].append(store)
         self.layers = [tuple(pair) for pair in layers]
+        # What a full read touches, counted per step without walking the stores: every shared
+        # ring's cursor with the bytes of one row across its layers, and the groups that keep
+        # per-sequence parameters (a key center, a calibrated codec's ranges).
+        self._rows_read = [
+            (ring.lead.cursor, ring.lead.row_bytes * len(ring.members))
+            for shared in self.stores
+            for ring in (shared.sinks, *shared.body.values(), *shared.tier.values(), shared.residual)
+        ]
+        self._with_params = [s for s in self.stores if s.stores[0].centered or s.stores[0].codec.per_sequence]
         self.position = 0
         self.evicted = 0
         self.bytes = ByteCounters()
         self._step_read = 0  # bytes read since the last append (the step in progress)
         self._plans: CachePlans | None = None  # the native step's description of the layers, made on first use
+        self._writes: TokenWrites | None = None  # a decode token's write, every group's structs in one array
 
     @classmethod
     def for_model(
@@ -157,8 +167,10 @@ class KVCache:
         return self._plans.refresh(self, rope)
 
     def count_kernel_read(self) -> None:
-        """The kernels read every held part of every layer in place (the native step): count it."""
-        CachePlans.count_read(self)
+        """The kernels read every held part of every layer in place (the native step): count it,
+        as every store's ``live_read_bytes`` would (tests/test_cache.py holds them equal)."""
+        rows = sum(cursor.count * row_bytes for cursor, row_bytes in self._rows_read)
+        self.count_read(rows + sum(s.stores[0].center_bytes * len(s.stores) for s in self._with_params))
 
     def count_read(self, nbytes: int) -> None:
         """Count bytes read from the cache now (``last_read`` reports the step once it is appended)."""
@@ -213,13 +225,16 @@ class KVCache:
         ``append_stacked`` then writes it."""
         if self.held + 1 > self.capacity:
             return None
-        pending = []
+        k, v = k.contiguous(), v.contiguous()  # (L, B, H_kv, 1, D)
+        groups = []
         for shared, t in zip(self.stores, self.tensor_of):
-            p = shared.token_write(v if t else k)  # every layer's rows: the write picks its group's
-            if p is None:
+            g = shared.token_write(v if t else k)  # every layer's rows: the write picks its group's
+            if g is None:
                 return None
-            pending.append(p)
-        return TokenWrites(pending)
+            groups.append(g)
+        if self._writes is None or self._writes.groups != groups:  # the groups' structs, placed in one array once
+            self._writes = TokenWrites(groups)
+        return self._writes
 
     def commit_token(self, writes: TokenWrites) -> None:
         """The native write of ``token_writes`` was made: move every group's counters, count it."""

@@ -225,13 +225,10 @@ class CachePlans:
         self.plans: list[LayerPlan | None] = [None] * cache.n_layers
         self.keep: list[list] = [[] for _ in range(cache.n_layers)]
         self.shapes: list[tuple | None] = [None] * len(cache.stores)
-        self.members: list = [None] * len(cache.stores)  # per group: its layers' plan pointers (set_parts)
-        self.live = (ctypes.c_int * (4 * MAX_PARTS))()  # a group's (n, start, scale start, first position) per part
-
-    def _shape(self, shared, rope_tables) -> tuple:
-        lead = shared.stores[0]
-        present = (lead.sinks.count > 0, lead.n_body > 0, lead.n_tier > 0, lead.residual.count > 0)
-        return present, lead.center, lead.params, rope_tables, backend.exact_attention()
+        self.members: list = [None] * len(cache.stores)  # per group: its layers' plan pointers
+        self.batched: dict[tuple[int, ...], ctypes.Array] = {}  # groups placed alike: their plans' pointers together
+        self.live = (ctypes.c_int * (4 * MAX_PARTS))()  # (n, start, scale start, first position) per part
+        self.cursors = [_part_cursors(shared) for shared in cache.stores]
 
     @staticmethod
     def _same(a: tuple | None, b: tuple) -> bool:
@@ -247,44 +244,64 @@ class CachePlans:
         if rope is not None and cache.held:
             tables = rope(cache.position)  # (cos, sin): every held key's position is below the next token's
             tables = (tables[0].data_ptr(), tables[1].data_ptr())
-        shapes = [self._shape(shared, tables) for shared in cache.stores]
-        stale = set()
-        for g, shared in enumerate(cache.stores):
-            if not self._same(self.shapes[g], shapes[g]):
+        exact = backend.exact_attention()
+        lives, shapes, stale = [], [], set()
+        for g, (shared, cursors) in enumerate(zip(cache.stores, self.cursors)):
+            live = []  # (n, start, scale start, first position) of each held part, in order
+            present = []
+            position = first_rest
+            for sinks, count, per_row, data, scale in cursors:  # sinks, body, (tier,) residual
+                n = count.count * per_row
+                present.append(n > 0)
+                if n:
+                    live += (n, data.start, scale.start if scale is not None else 0, 0 if sinks else position)
+                if not sinks:
+                    position += n
+            lead = shared.stores[0]
+            shape = (tuple(present), lead.center, lead.params, tables, exact)
+            if not self._same(self.shapes[g], shape):
                 stale.update(shared.layers)
+            lives.append(tuple(live))
+            shapes.append(shape)
         for i in sorted(stale):  # made again from the layer's parts, as layer_plan describes them
             keep: list = []
             self.plans[i] = layer_plan(self.lib, cache.layer(i), cache.batch, self.r, self.d, rope, keep)
             self.keep[i] = keep
         for g, shared in enumerate(cache.stores):
             if stale.intersection(shared.layers) or self.members[g] is None:
-                self.members[g] = (ctypes.POINTER(LayerPlan) * len(shared.layers))(
-                    *(ctypes.pointer(self.plans[i]) for i in shared.layers)
-                )
+                self.members[g] = [ctypes.pointer(self.plans[i]) for i in shared.layers]
+                self.batched.clear()
         self.shapes = shapes
-        for g, (shared, t) in enumerate(zip(cache.stores, cache.tensor_of)):
-            lead = shared.stores[0]
-            live = []  # (n, start, scale start, first position) of each held part, in order
-            position = first_rest
-            for name, n, rings in (
-                ("sinks", lead.sinks.count, {"values": lead.sinks}),
-                ("body", lead.n_body, lead.body),
-                ("tier", lead.n_tier, lead.tier),
-                ("residual", lead.residual.count, {"values": lead.residual}),
-            ):
-                if n:
-                    data = rings.get("values") or rings["codes"]
-                    scale = rings.get("scale")
-                    live.append(
-                        (n, data.start, scale.start if scale is not None else 0, 0 if name == "sinks" else position)
-                    )
-                if name != "sinks":
-                    position += n
-            self.live[: 4 * len(live)] = [x for part in live for x in part]
-            ops.set_parts(self.lib, self.members[g], bool(t), self.live, len(live))  # every layer of the group at once
+        # The groups whose parts are counted and placed alike (in a mix, every codec whose rings
+        # have one layout) get their plans set by one call.
+        alike: dict[tuple, list[int]] = {}
+        for g, (t, live) in enumerate(zip(cache.tensor_of, lives)):
+            alike.setdefault((t, live), []).append(g)
+        for (t, live), groups in alike.items():
+            plans = self.batched.get(tuple(groups))
+            if plans is None:
+                pointers = [p for g in groups for p in self.members[g]]
+                plans = self.batched[tuple(groups)] = (ctypes.POINTER(LayerPlan) * len(pointers))(*pointers)
+            self.live[: len(live)] = live
+            ops.set_parts(self.lib, plans, bool(t), self.live, len(live) // 4)
         return self.plans
 
-    @staticmethod
-    def count_read(cache) -> None:
-        """The kernels read every held part of every layer of `cache` in place: count those bytes."""
-        cache.count_read(sum(s.stores[0].live_read_bytes() * len(s.layers) for s in cache.stores))
+
+def _part_cursors(shared) -> list[tuple]:
+    """A group's parts in age order, each as (sinks?, the cursor that counts its rows, tokens a
+    row, its data ring's cursor, its scale ring's or None): what a step reads to place them."""
+    lead = shared.stores[0]
+
+    def part(sinks: bool, rings: dict, per_row: int, count=None) -> tuple:
+        data = rings["values"] if "values" in rings else rings["codes"]
+        scale = rings["scale"].cursor if "scale" in rings else None
+        return sinks, (count or data).cursor, per_row, data.cursor, scale
+
+    first = next(iter(lead.body))  # the body's parts hold alike: the first counts its tokens
+    parts = [
+        part(True, {"values": lead.sinks}, 1),
+        part(False, lead.body, lead.tokens_per_row[first], lead.body[first]),
+    ]
+    if lead.tier:
+        parts.append(part(False, lead.tier, 1))
+    return [*parts, part(False, {"values": lead.residual}, 1)]

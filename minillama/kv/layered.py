@@ -25,7 +25,7 @@ import torch
 
 from minillama.kv.ring import Cursor, Ring, ring_buffer
 from minillama.kv.store import TIER, TensorStore, layout
-from minillama.kv.token_write import GroupWrites, PendingWrite, token_write
+from minillama.kv.token_write import GroupWrites, token_write
 from minillama.kv.write import encode, storage_form
 from minillama.native.abi import RingRef
 
@@ -290,7 +290,7 @@ class LayeredStore:
             written += self.body[name].push(part.reshape(n_layers, b, *part.shape[1:]))  # (L, B, H, rows, width)
         return written
 
-    def token_write(self, x: torch.Tensor) -> PendingWrite | None:
+    def token_write(self, x: torch.Tensor) -> GroupWrites | None:
         """This group's share of one decode token as native/encode.cpp's write_tokens takes it, or
         None where ``append`` must write it (kv/token_write.py). x (L, B, H, 1, D): every layer's
         new vectors, the cache's layers (the write picks the group's)."""

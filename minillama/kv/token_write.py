@@ -5,14 +5,12 @@ single token this module takes the same decisions from the ring counters alone a
 them as ``TokenWrite`` structs (native/minillama.h), one or two per group of layers: where the
 new row goes (sinks or residual), which rows leave the residual (or, with a tier, the tier) and
 into which slots of the body their codes go. The cache makes every group's writes in one native
-call, all or nothing, then calls each ``PendingWrite.finish`` to move the counters as ``append``
+call, all or nothing, then calls each ``GroupWrites.commit`` to move the counters as ``append``
 would have. tests/test_cache.py holds the bytes to ``append``'s, token by token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,35 +25,28 @@ if TYPE_CHECKING:
     from minillama.kv.layered import LayeredStore, SharedRing
 
 
-def token_write(shared: LayeredStore, x: torch.Tensor) -> PendingWrite | None:
+def token_write(shared: LayeredStore, x: torch.Tensor) -> GroupWrites | None:
     """This group's share of one decode token (nothing to evict) as native/encode.cpp's
     write_tokens takes it: the same decisions as ``append``, taken here from the counters, and
-    the same bytes (a test holds them equal). x (L, B, H, 1, D) holds every layer's new vectors
-    (the cache's layers, not only the group's: the kernel picks the group's rows). Nothing
-    changes until the cache has made the write and called ``finish``. None where the kernel does
-    not write this codec (``GroupWrites.reason``), the dtype, or the first append of centered keys:
+    the same bytes (a test holds them equal). x (L, B, H, 1, D), contiguous, holds every layer's
+    new vectors (the cache's layers, not only the group's: the kernel picks the group's rows).
+    Returns the group's ``GroupWrites`` with its structs set for this token; nothing changes
+    until the cache has made the write and called ``commit``. None where the kernel does not
+    write this codec (``GroupWrites.reason``), the dtype, or the first append of centered keys:
     ``append`` then does it."""
     if shared.writes is None:
         shared.writes = GroupWrites(shared)
     g, lead = shared.writes, shared.stores[0]
     if g.reason is not None or x.dtype not in DTYPE_CODE or (lead.centered and lead.center is None):
         return None
-    x = x.contiguous()  # (L, B, H, 1, D)
     center = shared._center16() if lead.centered else None  # (L_group, B, H, 1, D) float16
+    g.keep = (x, center)  # what the structs point into, alive until the next token
+    g.source(x, center)
     if shared.tier:
-        return _tier_token_write(shared, g, x, center)
-    sinks, res = lead.sinks, lead.residual
-    to_sinks = sinks.count < sinks.slots
-    n_flush = shared._flush_count(res.count + (0 if to_sinks else 1))
-    r = min(n_flush, res.count)
-    encoded = n_flush - r  # 1: the new token is the block's last row
-    w = g.source(g.main, x, center)
-    to = shared.sinks if to_sinks else None if encoded else shared.residual
-    g.send(w, to)
-    w.flush, w.from_res, w.res_first = n_flush, r, res.start
-    if n_flush:
-        _next_body_rows(shared, w)
-    return PendingWrite([w], [x, center], lambda: _after_token(shared, n_flush, r, to))
+        _tier_token_write(shared, g)
+    else:
+        _token_write(shared, g)
+    return g
 
 
 class GroupWrites:
@@ -64,17 +55,24 @@ class GroupWrites:
     only what moves -- the new rows' address, the ring slots and how many rows move. ``main``
     stores the new row (sinks or residual) and codes the row leaving the residual (into the body,
     or the tier); ``flush``, with a tier, decodes the tier's oldest unit and codes it into the
-    body. ``reason`` says why the kernel does not write the group (then every field is unset)."""
+    body, and comes first (a token that moves no unit leaves it a no-op: nothing flushed, no new
+    row). ``reason`` says why the kernel does not write the group (then every field is unset).
+    The structs live in the cache's one array once ``TokenWrites`` has placed them (``place``);
+    ``commit`` moves the counters as ``append`` would have, once the write was made."""
 
     def __init__(self, shared: LayeredStore):
         lead = shared.stores[0]
+        self.shared = shared
         self.layers = shared.layer_index.to(torch.int32)  # (L,) each member's layer in a step's rows
         self.kind, self.tier_kind = _token_kind(lead.codec), _token_kind(lead.tier_codec) if shared.tier else None
         self.reason = _unwritten(shared, self.kind, self.tier_kind)
+        self.keep: tuple = ()
+        self.move: tuple = ()  # what commit moves: (n_flush, leave, rows from the residual, the new row's ring)
         if self.reason is not None:
             return
         self.nowhere, self.to = RingRef(), None  # where main's new row goes now (None: nowhere)
         self.main = self._struct(shared)
+        self.structs = [self.main]
         if shared.tier:
             self._into_tier(shared, self.main)
             self.flush = self._struct(shared)
@@ -82,8 +80,30 @@ class GroupWrites:
             f, t = self.flush, lead.tier_codec
             f.src_codes, f.src_scale = shared.tier["codes"].ref, shared.tier["scale"].ref
             f.src_levels, f.src_bits, f.src_log_scale = self.tier_kind[2].data_ptr(), t.bits, int(t.log_scale)
+            self.structs = [self.flush, self.main]  # the tier's unit leaves a slot before the new row takes it
         else:
             self._into_body(shared, self.main)
+        # What a commit moves, read without the rings' properties: (cursor, slots, bytes of a row
+        # across the group's layers), and for the body each part's tokens a row.
+        n = len(shared.stores)
+        self.body = [
+            (r.lead.cursor, lead.tokens_per_row[name], r.lead.row_bytes * n) for name, r in shared.body.items()
+        ]
+        self.tier = [(r.lead.cursor, r.lead.slots, r.lead.row_bytes * n) for r in shared.tier.values()]
+        self.residual = (shared.residual.lead.cursor, shared.residual.lead.slots, shared.residual.lead.row_bytes * n)
+        data = shared.body["values" if self.kind[0] == 0 else "codes"].lead.cursor
+        scale = shared.body["scale"].lead.cursor if "scale" in shared.body else None
+        self.body_slots = (data, scale)  # where the body's next coded rows go
+
+    def place(self, array, at: int) -> int:
+        """Copy the structs into array[at:] and work on them there from now on; how many."""
+        for i, w in enumerate(self.structs):
+            array[at + i] = w
+        self.structs = [array[at + i] for i in range(len(self.structs))]  # views of the array's elements
+        self.main = self.structs[-1]
+        if self.shared.tier:
+            self.flush = self.structs[0]
+        return len(self.structs)
 
     def _struct(self, shared: LayeredStore) -> TokenWrite:
         lead = shared.stores[0]
@@ -118,16 +138,48 @@ class GroupWrites:
         w.codes, w.scale = shared.tier["codes"].ref, shared.tier["scale"].ref
         w.levels, w.refine, w.log_scale = self.tier_kind[2].data_ptr(), REFINE, int(tier.log_scale)
 
-    def source(self, w: TokenWrite, x: torch.Tensor, center: torch.Tensor | None) -> TokenWrite:
-        """w reads this token's rows from x (L, B, H, 1, D), less the members' key centers."""
-        w.x, w.dtype, w.center = x.data_ptr(), DTYPE_CODE[x.dtype], center.data_ptr() if center is not None else None
-        return w
+    def source(self, x: torch.Tensor, center: torch.Tensor | None) -> None:
+        """The structs read this token's rows from x (L, B, H, 1, D), less the members' key centers."""
+        ptr, dtype, c = x.data_ptr(), DTYPE_CODE[x.dtype], center.data_ptr() if center is not None else None
+        for w in self.structs:
+            w.x, w.dtype, w.center = ptr, dtype, c
 
-    def send(self, w: TokenWrite, to: SharedRing | None) -> None:
-        """w's new row goes to the next slot of `to` (sinks or residual), or nowhere."""
+    def send(self, to: SharedRing | None) -> None:
+        """main's new row goes to the next slot of `to` (sinks or residual), or nowhere."""
+        w = self.main
         if to is not self.to:  # a struct field set only when it changes
             w.to, self.to = to.ref if to is not None else self.nowhere, to
         w.to_slot = (to.lead.start + to.lead.count) % to.lead.slots if to is not None else 0
+
+    def next_body_rows(self, w: TokenWrite) -> None:
+        """w's coded rows go to the body's next slots."""
+        data, scale = self.body_slots
+        w.codes_slot = data.start + data.count
+        if scale is not None:
+            w.scale_slot = scale.start + scale.count
+
+    def commit(self) -> tuple[int, int]:
+        """The described write was made: move the counters as ``append``'s pushes and drops (with
+        a tier ``_through_tier``'s) move them for one token; (bytes written, bytes read)."""
+        n_flush, leave, r, to = self.move
+        written = read = 0
+        if n_flush:  # coded into the body: every part advances
+            for cursor, per_row, row_bytes in self.body:
+                cursor.count += n_flush // per_row
+                written += n_flush // per_row * row_bytes
+            if self.tier:  # ... from the tier's oldest rows, read
+                for cursor, slots, row_bytes in self.tier:
+                    cursor.start, cursor.count = (cursor.start + n_flush) % max(slots, 1), cursor.count - n_flush
+                    read += n_flush * row_bytes
+        cursor, slots, row_bytes = self.residual
+        if r:  # rows that left the residual, read
+            cursor.start, cursor.count = (cursor.start + r) % max(slots, 1), cursor.count - r
+            read += r * row_bytes
+        if leave:  # with a tier: one row coded into it
+            for cursor, _, row_bytes in self.tier:
+                cursor.count += 1
+                written += row_bytes
+        return written + (to.advance(1) if to is not None else 0), read
 
 
 def _unwritten(shared: LayeredStore, kind, tier_kind) -> str | None:
@@ -142,105 +194,68 @@ def _unwritten(shared: LayeredStore, kind, tier_kind) -> str | None:
     return None
 
 
-def _next_body_rows(shared: LayeredStore, w: TokenWrite) -> None:
-    """w's coded rows go to the body's next slots."""
-    data = shared.body["values" if w.bits == 0 else "codes"]
-    w.codes_slot = data.lead.start + data.lead.count
-    if w.bits:
-        scale = shared.body["scale"].lead
-        w.scale_slot = scale.start + scale.count
+def _token_write(shared: LayeredStore, g: GroupWrites) -> None:
+    """``append``'s decisions for one token without a tier: the new row to the sinks or the
+    residual; once ``residual + unit`` wait, the oldest unit coded into the body (the new token
+    the unit's last row where the residual holds fewer)."""
+    lead, w = shared.stores[0], g.main
+    sinks, res = lead.sinks, lead.residual
+    to_sinks = sinks.count < sinks.slots
+    n_flush = shared._flush_count(res.count + (0 if to_sinks else 1))
+    r = min(n_flush, res.count)
+    encoded = n_flush - r  # 1: the new token is the block's last row
+    to = shared.sinks if to_sinks else None if encoded else shared.residual
+    g.send(to)
+    w.flush, w.from_res, w.res_first = n_flush, r, res.start
+    if n_flush:
+        g.next_body_rows(w)
+    g.move = (n_flush, 0, r, to)
 
 
-def _tier_token_write(
-    shared: LayeredStore, g: GroupWrites, x: torch.Tensor, center: torch.Tensor | None
-) -> PendingWrite:
-    """``token_write`` with a tier (``_through_tier``'s decisions for one token): at most two
-    writes, in this order -- the tier's oldest whole unit decoded and coded into the body (when
-    ``tier + unit`` would wait), then the residual's oldest row coded into the tier and the new
-    token into its slot."""
+def _tier_token_write(shared: LayeredStore, g: GroupWrites) -> None:
+    """``_through_tier``'s decisions for one token: the flush struct codes the tier's oldest whole
+    unit, decoded, into the body (when ``tier + unit`` would wait; else it is a no-op), then main
+    codes the residual's oldest row into the tier and stores the new token in its slot."""
     lead = shared.stores[0]
     sinks, res = lead.sinks, lead.residual
     to_sinks = sinks.count < sinks.slots
     leave = 0 if to_sinks else max(0, res.count + 1 - lead.residual_len)  # 0 or 1 row leaves the residual
     n_flush = shared._tier_flush_count(leave) if leave else 0
-    writes = []
+    f = g.flush
+    f.flush = f.from_res = n_flush  # rows of src_*
     if n_flush:  # the tier's oldest unit, decoded, into the body
-        f = g.source(g.flush, x, center)
-        f.flush, f.from_res, f.res_first = n_flush, n_flush, shared.tier["codes"].lead.start  # rows of src_*
-        _next_body_rows(shared, f)
-        writes.append(f)
-    w = g.source(g.main, x, center)
+        f.res_first = shared.tier["codes"].lead.start
+        g.next_body_rows(f)
+    w = g.main
     r = min(leave, res.count)  # 0 with residual=0: the new token itself goes to the tier
     w.flush, w.from_res, w.res_first = (1, r, res.start) if leave else (0, 0, 0)
     if leave:  # the residual's oldest row (or the new token) into the tier
         codes, scale = shared.tier["codes"].lead, shared.tier["scale"].lead
         w.codes_slot, w.scale_slot = codes.start + codes.count, scale.start + scale.count
     to = shared.sinks if to_sinks else None if leave and not r else shared.residual
-    g.send(w, to)  # the new token into its slot (after the row that leaves is read)
-    writes.append(w)
-    return PendingWrite(writes, [x, center], lambda: _after_tier_token(shared, n_flush, leave, r, to))
-
-
-def _after_tier_token(shared: LayeredStore, n_flush: int, leave: int, r: int, to: SharedRing | None) -> tuple[int, int]:
-    """Move the counters as ``_through_tier`` moves them for one token; (bytes written, bytes read)."""
-    lead, n_layers = shared.stores[0], len(shared.stores)
-    written = read = 0
-    if n_flush:
-        written += _advance_body(shared, n_flush)
-        read += shared._drop_tier(n_flush)
-    if leave:
-        read += r * lead.residual.row_bytes * n_layers
-        shared.residual.drop_oldest(r)
-        for ring in shared.tier.values():
-            written += ring.advance(1)
-    return written + (to.advance(1) if to is not None else 0), read
-
-
-def _after_token(shared: LayeredStore, n_flush: int, r: int, to: SharedRing | None) -> tuple[int, int]:
-    """Move the counters as ``append``'s pushes and drops move them; (bytes written, bytes read)."""
-    lead = shared.stores[0]
-    written = read = 0
-    if n_flush:
-        written += _advance_body(shared, n_flush)
-        read += r * lead.residual.row_bytes * len(shared.stores)
-        shared.residual.drop_oldest(r)
-    if to is not None:
-        written += to.advance(1)
-    return written, read
-
-
-def _advance_body(shared: LayeredStore, n: int) -> int:
-    """n tokens were coded into every layer's body (by the kernel): count them; bytes written."""
-    lead = shared.stores[0]
-    return sum(ring.advance(n // lead.tokens_per_row[name]) for name, ring in shared.body.items())
+    g.send(to)  # the new token into its slot (after the row that leaves is read)
+    g.move = (n_flush, leave, r, to)
 
 
 class TokenWrites:
-    """Every group's share of a decode token: its writes end to end in one array, as
-    write_tokens takes them (made in order, all or nothing), and what counts them once made."""
+    """Every group's share of a decode token: the groups' structs end to end in one array, as
+    write_tokens takes them (made in order, all or nothing), placed there once for a cache and
+    set in place each token; ``finish`` counts what was made."""
 
-    def __init__(self, pending: list[PendingWrite]):
-        self.pending = pending
-        writes = [w for p in pending for w in p.writes]
-        self.array = (TokenWrite * len(writes))(*writes)  # copies: the groups' structs are reused
+    def __init__(self, groups: list[GroupWrites]):
+        self.groups = groups
+        self.array = (TokenWrite * sum(len(g.structs) for g in groups))()
+        at = 0
+        for g in groups:
+            at += g.place(self.array, at)
 
     def finish(self) -> tuple[int, int]:
         """The write was made: move every group's counters; (bytes written, bytes read)."""
         written = read = 0
-        for p in self.pending:
-            w, r = p.finish()
+        for g in self.groups:
+            w, r = g.commit()
             written, read = written + w, read + r
         return written, read
-
-
-@dataclass
-class PendingWrite:
-    """A group's share of a decode token's write (native/encode.cpp: write_tokens, made in order),
-    what it points into, and what counts it once the cache has made it (bytes written, bytes read)."""
-
-    writes: list[TokenWrite]
-    keep: list
-    finish: Callable[[], tuple[int, int]]
 
 
 def _token_kind(codec) -> tuple[int, int, torch.Tensor | None, int] | None:

@@ -991,7 +991,7 @@ bool score_vnni_blocks(const RowSource& s, int64_t bh, int R, const float* q, in
                 lo[c] = _mm512_shuffle_epi8(tl, lo[c]), hi[c] = _mm512_shuffle_epi8(tl, hi[c]);
             }
         }
-        const __mmask16 keep = (__mmask16)((1u << len) - 1);
+        const __mmask16 tokens = (__mmask16)((1u << len) - 1);
         for (int r = 0; r < R; r++) {
             __m512 f = _mm512_setzero_ps();
             for (int b = 0; b < nb; b++) {
@@ -1014,7 +1014,7 @@ bool score_vnni_blocks(const RowSource& s, int64_t bh, int R, const float* q, in
                 fb = _mm512_mul_ps(_mm512_sub_ps(fb, _mm512_set1_ps(st.offset[r][b])), _mm512_set1_ps(st.step[b]));
                 f = _mm512_fmadd_ps(fb, tscale[b], f);
             }
-            _mm512_mask_storeu_ps(out + (int64_t)r * ls + (i - i0), keep, f);
+            _mm512_mask_storeu_ps(out + (int64_t)r * ls + (i - i0), tokens, f);
         }
         i += len;
     }
