@@ -13,8 +13,9 @@ from minillama.kv.budget import formula_live_bytes
 from minillama.kv.cache import ContextFullError, KVCache
 from minillama.kv.codecs import CODECS, FloatCodec
 from minillama.kv.layered import LayeredStore
+from minillama.kv.memory import HUGE_PAGE
 from minillama.kv.quantize import dequantize_affine, quantize_affine
-from minillama.kv.ring import HUGE_PAGE, ring_buffer
+from minillama.kv.ring import ring_buffer
 from minillama.kv.spec import PRESETS, parse_kv
 from minillama.model.loader import load_model
 from minillama.native import backend

@@ -6,33 +6,19 @@ around; nothing is ever reallocated or concatenated into the buffer itself.
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import torch
 
 from minillama.kv.interface import RingView
-
-HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64 Linux
-MADV_HUGEPAGE = 14
+from minillama.kv.memory import huge_page_zeros
 
 
 def ring_buffer(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """A ring buffer of zeros; on Linux CPUs a large one asks the kernel for huge pages first.
+    """A ring buffer of zeros; a large one in huge pages (kv/memory.py: huge_page_zeros).
 
     Decode attention at long context streams the whole cache every step. In 4 KB pages a layer's
     6 MB of fp16 keys and values is 1,500 pages, each a TLB miss and a stop for the hardware
-    prefetchers (they do not cross a page); in 2 MB pages it is three. With transparent huge pages
-    in "madvise" mode (most distributions) only memory that asks gets them: this asks, before the
-    pages are first touched. A kernel that says no (or another OS) leaves ordinary zeros."""
-    buf = torch.empty(shape, dtype=dtype, device=device)
-    nbytes = buf.numel() * buf.element_size()
-    if buf.device.type == "cpu" and sys.platform == "linux" and nbytes >= 2 * HUGE_PAGE:
-        first = -buf.data_ptr() % HUGE_PAGE  # the aligned huge pages inside the buffer
-        span = (nbytes - first) // HUGE_PAGE * HUGE_PAGE
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(buf.data_ptr() + first), ctypes.c_size_t(span), MADV_HUGEPAGE)
-    return buf.zero_()
+    prefetchers (they do not cross a page); in 2 MB pages it is three."""
+    return huge_page_zeros(shape, dtype, device)
 
 
 class Cursor:

@@ -18,6 +18,7 @@ from minillama.model.attention import attend, attend_cache
 from minillama.model.config import LlamaConfig
 from minillama.model.linear import Linear, concat_rows, project
 from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
+from minillama.model.weights import pack_weights
 
 
 class RMSNorm(nn.Module):
@@ -123,11 +124,14 @@ class Llama(nn.Module):
         """Concatenate q/k/v and gate/up weights so each group is one matrix product.
 
         The separate projections become views into the fused weights (no extra memory),
-        so loading, the reference path and ``state_dict`` are unchanged."""
+        so loading, the reference path and ``state_dict`` are unchanged. Then every weight moves
+        into one buffer of huge pages (model/weights.py: decode streams them all each token)."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv = concat_rows([attn.q_proj, attn.k_proj, attn.v_proj])
             mlp.gate_up = concat_rows([mlp.gate_proj, mlp.up_proj])
+        fused = [(layer.self_attn, "qkv") for layer in self.model.layers]
+        pack_weights(self, fused + [(layer.mlp, "gate_up") for layer in self.model.layers])
         return self
 
     def _apply(self, fn, recurse: bool = True):
