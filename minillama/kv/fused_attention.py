@@ -217,8 +217,9 @@ class CachePlans:
     count, the slot of its oldest row and its first position, the same numbers for every layer
     that shares a codec (kv/layered.py). A group's plans are made again only when its parts
     appear (sinks, body, tier, residual start out empty), a calibrated codec fits its ranges, the key
-    center is set or the cache is cleared: ``_shape`` names all of that. `keep` holds alive every
-    tensor the plans point into."""
+    center is set or the cache is cleared: a group's shape in ``refresh`` (which parts hold tokens,
+    the center and parameters, the RoPE tables, the exact switch) names all of that. `keep` holds
+    alive every tensor the plans point into."""
 
     def __init__(self, lib, cache, r: int):
         self.lib, self.r, self.d = lib, r, cache.head_dim
