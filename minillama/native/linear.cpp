@@ -71,7 +71,10 @@ static void rows_scalar(const void* x, int xdt, const void* W, int wdt, int M, i
 // How far ahead of its reads a thread asks for its weights (__builtin_prefetch, into L1): the
 // hardware prefetchers alone left a decode step's small matrices (0.2-1.8 MB, one per call,
 // each thread a new stream) ~4% slower (bench/step_ab.py; docs/speed-history.md, machine U).
-constexpr int PREFETCH_BYTES = 4096;
+// With the weights in huge pages (model/weights.py) 8 KB ahead beat 4 KB: `python
+// bench/step_ab.py HEAD linear.cpp 512 30 fp16`, steps 0.969-0.984x (projections 0.975-0.983x)
+// in three runs where two A/A runs read 0.997-1.009x; 2 KB 1.027x, 16 KB 0.983x (machine AD).
+constexpr int PREFETCH_BYTES = 8192;
 
 #if LIN_W == 16
 typedef __m512 vf;
