@@ -25,7 +25,9 @@ def pack_weights(model: nn.Module, derived: list[tuple[nn.Module, str]]) -> None
     sharing it (tied embeddings, the q/k/v views of a fused weight), and each tensor-tuple
     attribute named in `derived` (``(module, "qkv")``: the fused projections, which are not
     parameters) is re-pointed the same way. On Linux CPUs the buffer is in huge pages."""
-    params = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+    params = [
+        (m, name, p) for m in model.modules() for name, p in m.named_parameters(recurse=False, remove_duplicate=False)
+    ]
     storages: dict[int, torch.UntypedStorage] = {}  # by address: each storage once
     for _, _, p in params:
         storages.setdefault(p.untyped_storage().data_ptr(), p.untyped_storage())
@@ -55,6 +57,6 @@ def pack_weights(model: nn.Module, derived: list[tuple[nn.Module, str]]) -> None
     for m, name, p in params:
         if id(p) not in new:
             new[id(p)] = nn.Parameter(moved(p.detach()), requires_grad=p.requires_grad)
-        m._parameters[name] = new[id(p)]
+        setattr(m, name, new[id(p)])
     for m, name in derived:
         setattr(m, name, tuple(moved(t) if t is not None else None for t in getattr(m, name)))
