@@ -68,9 +68,15 @@ static void rows_scalar(const void* x, int xdt, const void* W, int wdt, int M, i
     }
 }
 
-// How far ahead of its reads a thread asks for its weights (__builtin_prefetch, into L1): the
+// How far ahead of its reads a thread asks for its weights (__builtin_prefetch): the
 // hardware prefetchers alone left a decode step's small matrices (0.2-1.8 MB, one per call,
 // each thread a new stream) ~4% slower (bench/step_ab.py; docs/speed-history.md, machine U).
+// The requests are non-temporal (locality 0, prefetchnta): a step streams ~270 MB of weights
+// that no later read of the step wants back, and as ordinary lines they pushed everything else
+// out of the L3 each token -- the cache's rings the write touches, the Python around the step.
+// `python bench/step_ab.py HEAD linear.cpp 8192 20 SPEC` against temporal requests (machine AD):
+// steps 0.961x (k2v2mixft), 0.978x (k3v2mixt), 0.977x (hadv2), their cache write 0.68-0.85x;
+// fp16 at 512 0.961x and 0.981x.
 // With the weights in huge pages (model/weights.py) 8 KB ahead beat 4 KB: `python
 // bench/step_ab.py HEAD linear.cpp 512 30 fp16`, steps 0.969-0.984x (projections 0.975-0.983x)
 // in three runs where two A/A runs read 0.997-1.009x; 2 KB 1.027x, 16 KB 0.983x (machine AD).
@@ -129,7 +135,7 @@ static inline void row_vector(const float* xa, const float* xb, const void* W, i
         const int H = K / 2;  // pairs per row
         const uint16_t* w = (const uint16_t*)W + (int64_t)n * K;
         auto step = [&](int k, int u) {  // LIN_W pairs of channels at k
-            __builtin_prefetch((const char*)(w + 2 * k) + PREFETCH_BYTES);
+            __builtin_prefetch((const char*)(w + 2 * k) + PREFETCH_BYTES, 0, 0);
             vf we, wo;
             split_bf16(w + 2 * k, we, wo);
             for (int m = 0; m < M; m++)
@@ -174,7 +180,7 @@ static inline void row_dpbf16(const uint16_t* x, const uint16_t* W, int n, int N
         for (int m = 0; m < M; m++) acc[u][m] = _mm512_setzero_ps();
     const uint16_t* w = W + (int64_t)n * K;
     auto step = [&](int k, int u) {  // 32 channels at k
-        __builtin_prefetch((const char*)(w + k) + PREFETCH_BYTES);
+        __builtin_prefetch((const char*)(w + k) + PREFETCH_BYTES, 0, 0);
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
         for (int m = 0; m < M; m++)
             acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv, (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + k));
@@ -260,7 +266,7 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
 static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float* y) {
     if (!p.vector) return rows_scalar(p.x, p.xdt, W, p.wdt, p.M, n0, n1, N, p.K, y);
     const char* first = (const char*)W + (int64_t)n0 * p.K * dtype_bytes(p.wdt);  // the share's first bytes, asked at once
-    for (int b = 0; b < PREFETCH_BYTES; b += 64) __builtin_prefetch(first + b);
+    for (int b = 0; b < PREFETCH_BYTES; b += 64) __builtin_prefetch(first + b, 0, 0);
     for (int m0 = 0; m0 < p.M; m0 += 4) {
         switch (std::min(4, p.M - m0)) {
             case 1: rows_block<1>(p, m0, W, n0, n1, N, y); break;
