@@ -6,7 +6,7 @@ put them -- ~66,000 pages a token, each a TLB miss and a stop for the hardware p
 do not cross a page. ``pack_weights`` copies them into one buffer that asked the kernel for
 transparent huge pages (kv/memory.py: huge_page_zeros), ~135 pages of 2 MB; nothing else changes
 (the same bytes, the same parameter names, ties and fused views kept). On the default model
-decode steps at 512 tokens took 0.85-0.95x the time (docs/speed.md, "Weights in huge pages").
+decode steps at 512 tokens took 0.86-0.92x the time (docs/speed.md, "Weights in huge pages").
 """
 
 from __future__ import annotations
