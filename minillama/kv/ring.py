@@ -32,6 +32,11 @@ class Cursor:
         self.start = 0  # slot of the oldest row
         self.count = 0  # rows held
 
+    def drop_oldest(self, n: int, slots: int) -> None:
+        """Forget the n oldest rows of a ring of `slots` slots: its oldest slot moves on, wrapping."""
+        self.start = (self.start + n) % max(slots, 1)
+        self.count -= n
+
 
 class Ring:
     def __init__(self, buf: torch.Tensor, cursor: Cursor | None = None):
@@ -100,8 +105,7 @@ class Ring:
         return RingView(self.buf, self.start)
 
     def drop_oldest(self, n: int) -> None:
-        self.start = (self.start + n) % max(self.slots, 1)
-        self.count -= n
+        self.cursor.drop_oldest(n, self.slots)
 
     def drop_newest(self, n: int) -> None:
         self.count -= n

@@ -169,11 +169,11 @@ class GroupWrites:
                 written += n_flush // per_row * row_bytes
             if self.tier:  # ... from the tier's oldest rows, read
                 for cursor, slots, row_bytes in self.tier:
-                    cursor.start, cursor.count = (cursor.start + n_flush) % max(slots, 1), cursor.count - n_flush
+                    cursor.drop_oldest(n_flush, slots)
                     read += n_flush * row_bytes
         cursor, slots, row_bytes = self.residual
         if r:  # rows that left the residual, read
-            cursor.start, cursor.count = (cursor.start + r) % max(slots, 1), cursor.count - r
+            cursor.drop_oldest(r, slots)
             read += r * row_bytes
         if leave:  # with a tier: one row coded into it
             for cursor, _, row_bytes in self.tier:

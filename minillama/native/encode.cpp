@@ -301,7 +301,8 @@ static int prepare_row(const void* x, int dtype, int D, int rotate, int nb, floa
     const int n = D / nb;
     for (int d = 0; d < D; d++) v[d] = load_value(x, d, dtype);
     if (rotate > 1) {  // the channels in frequency-block order (hadamard.h)
-        const std::vector<float> row(v, v + D);
+        Scratch<float> row(D);
+        std::memcpy(row.data(), v, sizeof(float) * D);
         frequency_blocks(row.data(), D, nb, v);
     }
     if (rotate) {
@@ -593,8 +594,7 @@ int write_tokens(const TokenWrite* writes, int n) {
         if (const int status = check_write(writes[i])) return status;
     // Each write's new rows in storage form, (L * BH, D), end to end in one buffer this thread keeps.
     static thread_local std::vector<uint16_t> fresh_rows;
-    std::vector<uint16_t*> fresh(n, nullptr);  // null: the write stores no new row
-    std::vector<size_t> at(n);
+    auto stores_row = [](const TokenWrite& w) { return w.to.buf || w.flush > w.from_res; };
     size_t total = 0;
     int64_t most = 0;  // rows of the largest write
     bool codes = false;
@@ -602,12 +602,17 @@ int write_tokens(const TokenWrite* writes, int n) {
         const TokenWrite& w = writes[i];
         most = std::max(most, (int64_t)w.L * w.BH);
         codes = codes || (w.flush > 0 && w.bits > 0);
-        at[i] = total;
-        if (w.to.buf || w.flush > w.from_res) total += (size_t)w.L * w.BH * w.D;
+        if (stores_row(w)) total += (size_t)w.L * w.BH * w.D;
     }
     if (fresh_rows.size() < total) fresh_rows.resize(total);
-    for (int i = 0; i < n; i++)
-        if (writes[i].to.buf || writes[i].flush > writes[i].from_res) fresh[i] = fresh_rows.data() + at[i];
+    Scratch<uint16_t*> fresh_at(n);  // each write's rows in fresh_rows; null: it stores no new row
+    uint16_t** fresh = fresh_at.data();
+    size_t at = 0;
+    for (int i = 0; i < n; i++) {
+        const TokenWrite& w = writes[i];
+        fresh[i] = stores_row(w) ? fresh_rows.data() + at : nullptr;
+        if (stores_row(w)) at += (size_t)w.L * w.BH * w.D;
+    }
     // One parallel region (the threads woken once) when a write codes anything; a step that only
     // copies rows stays on this thread. Row r of every write is made by one thread, in the
     // writes' order (a tier's unit leaves a slot before the next row takes it); rows are split
