@@ -580,21 +580,11 @@ bool score_blocks(const RowSource& s, int64_t bh, int R, const float* q, int i0,
     if (!prep.ready) {
         st.prepare(s, bh, R, D, q, 16);
         st.whole_row = MINILLAMA_VBMI && (D == 64 || D == 128);  // each 64 codes, one byte each, fill one register
-        for (int h = 0; h < NV / 4; h++) st.base[h] = st.byte[4 * h];
+        block_decode_operands(s.levels + bh * nb, nb, D, st.spread, st.mask, st.shifts, st.base);
         for (int b = 0; b < nb; b++) {
             const int w = s.levels[bh * nb + b];
             st.whole_row = st.whole_row && w <= 5;
             for (int g = b * per; g < (b + 1) * per; g++) st.group_book[g] = st.books[w <= 5 ? w : 0];
-            for (int j = 0; j < 2 * per; j++) {  // qword 2g + h: codes 16 g + 8 h .. + 7, w bytes from byte[g] + h w
-                const int g = b * per + j / 2, qw = 2 * g + j % 2, from = st.byte[g] - st.base[g / 4];
-                long long sh = 0;
-                for (int i = 0; i < 8; i++) {
-                    st.spread[8 * qw + i] = (uint8_t)std::min(63, from + (j % 2) * w + std::min(i, std::max(w - 1, 0)));
-                    st.mask[8 * qw + i] = (uint8_t)((1 << w) - 1);
-                    sh |= (long long)(w * i) << (8 * i);
-                }
-                st.shifts[qw] = sh;
-            }
         }
         prep.ready = true;
     }

@@ -439,6 +439,29 @@ __attribute__((always_inline)) inline void with_width(int w, F&& f) {
     }
 }
 
+// The operands of the whole-row decode of block keys (vpermb, vpmultishiftqb, a mask: the exact
+// kernel in fast_attention.cpp and the integer one in vnni_attention.cpp), for one head's widths
+// (nb blocks of D / nb channels, D 64 or 128). Qword q holds codes 8q .. 8q + 7: spread[8q + i]
+// picks the w whole bytes that hold them, counted from base[q / 8] (the first code byte of each
+// 64 channels); byte i of shifts[q] is code i's bit offset w i in them; mask[8q + i] = 2^w - 1
+// (0 for a dropped block).
+static inline void block_decode_operands(const uint16_t* widths, int nb, int D, uint8_t* spread, uint8_t* mask,
+                                         long long* shifts, int* base) {
+    const int per = D / 8 / nb;  // qwords a block
+    for (int q = 0, byte = 0; q < D / 8; q++) {  // byte: the first of qword q's codes in the row
+        const int w = widths[q / per];
+        if (q % 8 == 0) base[q / 8] = byte;
+        long long sh = 0;
+        for (int i = 0; i < 8; i++) {
+            spread[8 * q + i] = (uint8_t)std::min(63, byte - base[q / 8] + std::min(i, std::max(w - 1, 0)));
+            mask[8 * q + i] = (uint8_t)((1 << w) - 1);
+            sh |= (long long)(w * i) << (8 * i);
+        }
+        shifts[q] = sh;
+        byte += w;  // 8 codes of w bits
+    }
+}
+
 // What both SIMD block-key kernels derive from a head's queries and widths once per call (Prep):
 // the queries (already in the blocks' order and rotation: layer_attention.cpp), q . center, the
 // first byte in a row of each run of `lanes` channels (a block is whole runs), and the books of

@@ -862,7 +862,7 @@ struct VnniBlocks {
     alignas(64) int32_t qw[16][16];  // the int8 queries as score_vnni lays them out (NC = 8)
     alignas(64) float qa[16][64];    // [head][channel]: its chunk's int8 step
     float offset[16][8];             // [head][block]: the unsigned offset's share, U0 sum_{d in b} a q8_d
-    alignas(64) uint8_t spread[64], mask[64];  // the whole-row decode (fast_attention.cpp: BlockQuery)
+    alignas(64) uint8_t spread[64], mask[64];  // the whole-row decode (rows.h: block_decode_operands)
     long long shifts[8];
     alignas(64) uint8_t lut_h[8][64], lut_l[8][64];  // [chunk]: its block's level bytes, vpshufb tables
     float step[8];                                   // [block]: a level is step * L8 (or L16)
@@ -881,7 +881,7 @@ bool score_vnni_blocks(const RowSource& s, int64_t bh, int R, const float* q, in
         for (int b = 0; b < nb; b++)
             if (widths[b]) st.byte_levels = st.byte_levels && block_book(s.codebook, widths[b]).worst <= 0.005f;
         const int u0 = st.byte_levels ? 128 : 2048;  // U = L8 + 128, or L16 + 2048 in two bytes
-        for (int b = 0, bit = 0; b < nb; b++) {
+        for (int b = 0; b < nb; b++) {
             const int w = widths[b];
             int16_t level[16] = {0};  // width 0: a dropped block reads as zeros
             st.step[b] = 1.f;
@@ -895,16 +895,9 @@ bool score_vnni_blocks(const RowSource& s, int64_t bh, int R, const float* q, in
                     const int u = u0 + level[j % 16];
                     st.lut_l[c][j] = (uint8_t)(u & 255), st.lut_h[c][j] = (uint8_t)(u >> 8);
                 }
-            for (int qw = b * 8 / nb; qw < (b + 1) * 8 / nb; qw++, bit += 8 * w) {  // qword qw: codes 8 qw .. 8 qw + 7
-                long long sh = 0;
-                for (int i = 0; i < 8; i++) {
-                    st.spread[8 * qw + i] = (uint8_t)std::min(63, bit / 8 + std::min(i, std::max(w - 1, 0)));
-                    st.mask[8 * qw + i] = (uint8_t)((1 << w) - 1);
-                    sh |= (long long)(w * i) << (8 * i);
-                }
-                st.shifts[qw] = sh;
-            }
         }
+        int base;  // one half of 64 channels: its codes start the row
+        block_decode_operands(widths, nb, D, st.spread, st.mask, st.shifts, &base);
         for (int r = 0; r < R; r++) {
             for (int k = 0; k < NC / 2; k++) {  // 16 channels = 2 chunks per register
                 alignas(64) int32_t q8[16];
