@@ -2,6 +2,7 @@
 
     python bench/peers.py --context 512 --context 8192 --json bench/results/peers.json
     python bench/peers.py --context 512 --rounds 7     # minillama / llama.cpp, timed in turn: the ratio
+                                                       # and the ceiling the memory allowed (below)
     python bench/peers.py --context 8192 --rounds 7 --pairs fp16:f16,hadv2:q4_0,k4v3hc:q4_0
     python bench/peers.py --context 512 --context 8192 --rounds 3 --prefill   # prompt speed, in turn
 
@@ -19,6 +20,13 @@ Peers are optional extras and are skipped with a note when missing:
   the very Q4_1 GGUF the default model comes from (~3x fewer weight bytes per token than
   minillama's bf16), and a BF16 GGUF of minillama's own weights (`bench/bf16_gguf.py`),
   so the engines also meet at equal weight bytes.
+
+With ``--rounds`` each decode round also probes the read bandwidth: a token cannot take less
+than its bytes (every weight once, and the cache) over that bandwidth, so the round's ceiling
+ratio -- that floor's tokens/s over llama.cpp's -- is the most any engine reading minillama's
+bytes could have shown against llama.cpp then. On a shared VM whose bandwidth moves by half
+between minutes a target ratio is reachable in some minutes and not in others; the row says
+which (`ceiling_ratio_*`, and minillama's `roofline_pct_median` of the floor).
 """
 
 from __future__ import annotations
@@ -154,32 +162,52 @@ def llama_cpp_rows(
     return rows
 
 
-def interleave(runs: dict[str, Callable[[], float]], rounds: int) -> dict:
+def interleave(runs: dict[str, Callable[[], float]], rounds: int, floor: Callable[[], float] | None = None) -> dict:
     """Time engines in turn, round after round (a, b, a, b, ...): each call returns one round's
     tokens/s. On a VM whose speed moves 30% from minute to minute two separate runs say little
     about a ratio; rounds taken side by side do. Returns each engine's median tokens/s and the
-    ratio of the first to the second per round: median, min and max."""
+    ratio of the first to the second per round: median, min and max.
+
+    `floor`, when given, is called after each round and returns the tokens/s the memory allowed
+    that round (the bytes a token reads over the read bandwidth probed then): the first engine's
+    share of it (roofline %) and the ceiling ratio, the floor's rate over the second engine's --
+    the most any engine reading those bytes could have reached against it that round."""
     if rounds < 1 or len(runs) != 2:
         raise ValueError("interleave times two engines for at least one round")
     seen: dict[str, list[float]] = {name: [] for name in runs}
+    floors = []
     for _ in range(rounds):
         for name, run in runs.items():
             seen[name].append(run())
+        if floor is not None:
+            floors.append(floor())
     first, second = seen.values()
     ratios = [a / b for a, b in zip(first, second)]
-    return {
+    row = {
         **{f"{name}_tokens_per_s": statistics.median(v) for name, v in seen.items()},
         "rounds": rounds,
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
     }
+    if floors:
+        ceilings = [f / b for f, b in zip(floors, second)]
+        row.update(
+            floor_tokens_per_s=statistics.median(floors),
+            roofline_pct_median=statistics.median(100 * a / f for a, f in zip(first, floors)),
+            ceiling_ratio_median=statistics.median(ceilings),
+            ceiling_ratio_min=min(ceilings),
+            ceiling_ratio_max=max(ceilings),
+        )
+    return row
 
 
 def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, room: int, kv: str = "fp16"):
-    """A bf16-weights minillama with a `kv` cache prefilled with ids[:context]; each call decodes
-    `steps` greedy tokens and returns their tokens/s (the cache grows by `steps` per call,
-    within `room`)."""
+    """A bf16-weights minillama with a `kv` cache prefilled with ids[:context]: (run, floor). Each
+    run() decodes `steps` greedy tokens and returns their tokens/s (the cache grows by `steps` per
+    call, within `room`); floor() probes the read bandwidth and returns the tokens/s it allows for
+    the bytes a step reads (every weight once and the cache's bytes: eval/bench.py)."""
+    from minillama.eval.bench import measure_bandwidth, weight_bytes_per_token
     from minillama.kv.cache import KVCache
     from minillama.kv.spec import parse_kv
     from minillama.model.generate import decode_step, prefill
@@ -188,6 +216,7 @@ def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, ro
     lm = load_model(str(folder), "bfloat16")
     cache = KVCache.for_model(lm.config, parse_kv(kv), context + room)
     state = {"token": int(prefill(lm.model, ids[:context], cache)[0].argmax())}
+    weights = weight_bytes_per_token(lm.model)
 
     def run() -> float:
         rate, state["token"] = decode_rate(
@@ -195,7 +224,10 @@ def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, ro
         )
         return rate
 
-    return run
+    def floor() -> float:
+        return measure_bandwidth() / (weights + cache.bytes.last_read)
+
+    return run, floor
 
 
 def open_llama(gguf: Path, n_ctx: int, kv: str):
@@ -290,15 +322,16 @@ def pair_rows(
             if prefill:
                 other = llama_cpp_prefiller(gguf, ids, context, theirs)
                 mine = minillama_prefiller(folder, ids, context, ours) if other is not None else None
+                floor = None  # a prompt is bound by arithmetic, not by the weights' bytes
             else:
                 other = llama_cpp_decoder(gguf, ids, context, steps, room, theirs)
-                mine = minillama_decoder(folder, ids, context, steps, room, ours) if other is not None else None
+                mine, floor = minillama_decoder(folder, ids, context, steps, room, ours) if other else (None, None)
             if other is None:
                 return rows
             pair = {"minillama": mine, "llama_cpp": other}
             what = "prefill " if prefill else ""  # decode rows keep the label earlier files have
             row = {"pair": f"{what}minillama {ours} / llama.cpp-bf16w-{theirs}", "context": context}
-            row.update(interleave(pair, rounds))
+            row.update(interleave(pair, rounds, floor))
             print(json.dumps(row), file=sys.stderr)
             rows.append(row)
     return rows

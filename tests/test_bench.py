@@ -319,6 +319,23 @@ def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread
     assert calls == ["a", "b"] * 3
     assert row["a_tokens_per_s"] == 20.0 and row["b_tokens_per_s"] == 10.0
     assert (row["ratio_median"], row["ratio_min"], row["ratio_max"], row["rounds"]) == (2.0, 1.0, 3.0, 3)
+    assert "ceiling_ratio_median" not in row  # no floor asked
+
+
+def test_peers_interleave_says_what_the_memory_allowed_each_round():
+    """With a floor (the tokens/s a round's probed bandwidth allows for a token's bytes) each round
+    also gives the first engine's share of it and the ceiling ratio, floor / second engine: the
+    most any engine reading those bytes could have shown that round."""
+    spec = importlib.util.spec_from_file_location("peers", Path(__file__).parent.parent / "bench" / "peers.py")
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    calls, a, b, f = [], iter([10.0, 30.0, 18.0]), iter([10.0, 10.0, 12.0]), iter([20.0, 40.0, 24.0])
+    runs = {"a": lambda: calls.append("a") or next(a), "b": lambda: calls.append("b") or next(b)}
+    row = peers.interleave(runs, 3, floor=lambda: calls.append("probe") or next(f))
+    assert calls == ["a", "b", "probe"] * 3  # each round's probe right after its two engines
+    assert row["floor_tokens_per_s"] == 24.0
+    assert (row["ceiling_ratio_median"], row["ceiling_ratio_min"], row["ceiling_ratio_max"]) == (2.0, 2.0, 4.0)
+    assert row["roofline_pct_median"] == 75.0  # 10/20, 30/40, 18/24
 
 
 def load_freq_blocks():
