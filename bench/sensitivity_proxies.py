@@ -73,7 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = json.loads(open(args.map, encoding="utf-8").read())
     spec = parse_kv(rows[0]["kv"])
-    lm = load(None, "float32", "cpu", None)
+    lm = load(None, "float32", "cpu", "reference")  # plain PyTorch: the backward pass reaches every key and value
     ids = lm.tokenizer.encode(read_text(args.text, args.dataset))
     bos = [lm.tokenizer.bos_id] if lm.tokenizer.add_bos else []
     tokens = torch.tensor([bos + ids[: args.prefill]])  # the map's first window starts the same way
