@@ -317,8 +317,7 @@ def test_hamlet_without_pypi_is_one_line_suggesting_text(tiny_dir, tmp_path, mon
 def test_pydoc_is_pythons_own_reference_text_in_topic_order(tiny_dir):
     """The pydoc dataset needs no download: the interpreter's help() pages, joined in sorted topic
     order, the same text every time; a run on it goes through the CLI like any dataset."""
-    from pydoc_data.topics import topics
-
+    topics = pytest.importorskip("pydoc_data.topics").topics
     from minillama.eval.datasets import load
 
     text = load("pydoc")
