@@ -215,18 +215,21 @@ def test_kernel_ab_times_the_tree_against_a_revision_in_turn():
     assert len(rows) == 1 and rows[0].startswith("hadv2") and "tree/HEAD" in rows[0]
 
 
-def attention_bounds():
-    """bench/attention_bounds.py as a module (it imports its neighbours from bench/)."""
-    spec = importlib.util.spec_from_file_location(
-        "bounds", Path(__file__).parent.parent / "bench" / "attention_bounds.py"
-    )
-    bounds = importlib.util.module_from_spec(spec)
+def bench_module(name: str):
+    """bench/NAME.py as a module (it imports its neighbours from bench/)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
     try:
-        spec.loader.exec_module(bounds)
+        spec.loader.exec_module(module)
     finally:
         sys.path.pop(0)
-    return bounds
+    return module
+
+
+def attention_bounds():
+    """bench/attention_bounds.py as a module."""
+    return bench_module("attention_bounds")
 
 
 def test_attention_bounds_variants_still_apply_to_the_kernel_source():
@@ -588,3 +591,28 @@ def test_tier_codes_every_residual_row_but_the_newest_once(monkeypatch):
         assert torch.equal(coded[:, :, :, :-3], tp.tiered(a, exact[:, :, :, :-3]))
         assert not torch.equal(coded[:, :, :, :-3], exact[:, :, :, :-3])
         assert torch.equal(b.sinks.read(0, 2), a.sinks.read(0, 2))
+
+
+def test_decode_signal_reads_the_cache_as_a_decode_step_holds_it():
+    """bench/decode_signal.py's attention of each decode query over a cache whose body is coded:
+    the plain causal attention where the body equals the exact rows; with another body, a query
+    whose history is all sinks and residual is untouched, and a later one reads exactly the
+    sinks, the coded body and the newest `residual` rows (and itself), as written out by hand."""
+    signal, proxies = bench_module("decode_signal"), bench_module("sensitivity_proxies")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 20, 8, generator=g) for h in (6, 2, 2))  # GQA 3
+    plain = proxies.attention(q, k, v)  # (1, 6, 20, 8): every position reads 0..itself
+    first, sinks, residual = 5, 2, 3
+    assert torch.allclose(
+        signal.cached_attention(q, k, v, k, v, first, sinks, residual), plain[:, :, first:], atol=1e-6
+    )
+
+    kq, vq = k + torch.randn(k.shape, generator=g), v + torch.randn(v.shape, generator=g)
+    held = signal.cached_attention(q, k, v, kq, vq, first, sinks, residual)  # (1, 6, 15, 8)
+    assert torch.allclose(held[:, :, 0], plain[:, :, first], atol=1e-6)  # position 5: sinks 0-1, residual 2-4
+    t = 19  # sinks 0-1 exact, the body 2-15 coded, 16-18 and 19 itself exact
+    keys = torch.cat([k[:, :, :sinks], kq[:, :, sinks : t - residual], k[:, :, t - residual :]], dim=2)
+    values = torch.cat([v[:, :, :sinks], vq[:, :, sinks : t - residual], v[:, :, t - residual :]], dim=2)
+    by_hand = proxies.attention(q, keys, values)[:, :, t]
+    assert torch.allclose(held[:, :, t - first], by_hand, atol=1e-5)
+    assert not torch.allclose(held[:, :, t - first], plain[:, :, t], atol=1e-3)
