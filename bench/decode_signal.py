@@ -14,8 +14,9 @@ layer's queries, keys and values, and computes each layer's **local error**: the
 or another statistic) over the decode positions P..N-1 and the query heads of the squared
 difference between the layer's attention output read from exact keys and values and read from
 the cache as the map's spec would hold it (the sinks and the newest `residual` tokens exact, the
-body stored by the layer's codec), keys and values apart. A cache could measure this online (its
-residual rows are exact before they are coded).
+body stored by the layer's codec; centered keys take their center from the whole window, as
+bench/sensitivity_proxies.py's `stored` does), keys and values apart. A cache could measure this
+online (its residual rows are exact before they are coded).
 
 A local error is not a KLD: what a layer's error costs downstream is a gain of the model's. With
 the first text's map as the calibration, gain[l] = KLD[l] / local[l], and the other texts' maps
