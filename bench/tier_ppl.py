@@ -5,6 +5,7 @@
     python bench/tier_ppl.py --text wikitext-2-raw-test.txt 1 --tokens 2048
     python bench/tier_ppl.py hamlet 4 --mix k3v2mixb --residuals 32,64 --tier int8
     python bench/tier_ppl.py hamlet 4 --spec "k2.73=$(minillama kv allocate $M --bits 2.73 --byte-scales | tail -1)"
+    python bench/tier_ppl.py hamlet 4 --spec "k2.73=..." --residuals 64 --exact 8 --from-exact   # no double rounding
 
 Keeping the last R tokens exact (the spec's ``residual=R``) instead of 8 takes 30-50% off the
 mixes' KLD (docs/quality.md, Frontier XV): the recent tokens carry a large share of the loss,
@@ -15,7 +16,9 @@ what such a tier keeps of the exact window's gain: every row of the residual but
 (`--exact E`, default 0) is coded and decoded with TIER (`--tier`, default lm4hb; in the mix's
 own rotated and centered storage space), so the attention reads the tier's values for the R - E
 tokens before the newest E; as a token ages out of the residual it is coded again at its layer's
-codec from those values (the double rounding a real tier that re-codes would pay). The sinks
+codec from those values (the double rounding a real tier that re-codes would pay; with
+`--from-exact` from its exact values instead, as a writer that coded each row for the body when it
+entered the tier would). The sinks
 stay exact, and the new token's own key and value in its step are exact, as they are today.
 No kernel writes these rows (every append takes the PyTorch path, ``LayeredStore.append``); the
 attention kernels read the residual as they always do. Bits are computed, not counted: the
@@ -82,6 +85,22 @@ def append_through_tier(self: LayeredStore, x: torch.Tensor, evict: int) -> tupl
     return out
 
 
+def append_coding_the_body_from_exact(self: LayeredStore, x: torch.Tensor, evict: int) -> tuple[int, int]:
+    """``append_through_tier`` without the double rounding (``--from-exact``): the residual's held
+    rows are put back exact before each append, so a row leaving it is coded into the body from
+    its exact values; then every held row but the newest EXACT is coded by TIER again (the same
+    values each time: a codec is a function)."""
+    ring = self.residual
+    if getattr(self, "_exact", None) is not None:
+        ring.buf.copy_(self._exact)
+    out = _append(self, x, evict)
+    self._exact = ring.buf.clone()  # (L, B, H, slots, D): the held rows exact
+    want = max(0, ring.lead.count - EXACT)
+    for a, b in ring.lead._spans(0, want) if want else []:  # ring slots of rows [0, want)
+        ring.buf[:, :, :, a:b] = tiered(self, ring.buf[:, :, :, a:b])
+    return out
+
+
 def main() -> None:
     global TIER, EXACT
     args = sys.argv[1:]
@@ -102,6 +121,9 @@ def main() -> None:
     tokens = int(option("--tokens", "896"))
     TIER = option("--tier", TIER)
     EXACT = int(option("--exact", "0"))
+    from_exact = "--from-exact" in args
+    if from_exact:
+        args.remove("--from-exact")
     if len(args) < 2:
         sys.exit(__doc__)
     windows = int(args[-1])
@@ -114,9 +136,9 @@ def main() -> None:
         rows += [(f"{mix}, residual {r} exact", spec.replace("residual=8", f"residual={r}"), 0) for r in residuals]
     specs = [spec for _, spec, _ in rows]
     exact = cached_path_rows(specs, text, windows, lm, tokens)
-    LayeredStore.append = append_through_tier
+    LayeredStore.append = append_coding_the_body_from_exact if from_exact else append_through_tier
     LayeredStore.token_write = lambda self, x: None  # every write through append, and so the tier
-    newest = f", newest {EXACT} exact" if EXACT else ""
+    newest = (f", newest {EXACT} exact" if EXACT else "") + (", body from exact" if from_exact else "")
     tier_rows = [
         (f"{mix}, residual {r} as {TIER}{newest}", spec.replace("residual=8", f"residual={r}"), r)
         for mix, spec in mixes.items()

@@ -215,21 +215,9 @@ def test_kernel_ab_times_the_tree_against_a_revision_in_turn():
     assert len(rows) == 1 and rows[0].startswith("hadv2") and "tree/HEAD" in rows[0]
 
 
-def bench_module(name: str):
-    """bench/NAME.py as a module (it imports its neighbours from bench/)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent.parent / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.pop(0)
-    return module
-
-
 def attention_bounds():
     """bench/attention_bounds.py as a module."""
-    return bench_module("attention_bounds")
+    return load_bench("attention_bounds")
 
 
 def test_attention_bounds_variants_still_apply_to_the_kernel_source():
@@ -598,7 +586,7 @@ def test_decode_signal_reads_the_cache_as_a_decode_step_holds_it():
     the plain causal attention where the body equals the exact rows; with another body, a query
     whose history is all sinks and residual is untouched, and a later one reads exactly the
     sinks, the coded body and the newest `residual` rows (and itself), as written out by hand."""
-    signal, proxies = bench_module("decode_signal"), bench_module("sensitivity_proxies")
+    signal, proxies = load_bench("decode_signal"), load_bench("sensitivity_proxies")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 20, 8, generator=g) for h in (6, 2, 2))  # GQA 3
     plain = proxies.attention(q, k, v)  # (1, 6, 20, 8): every position reads 0..itself
@@ -616,3 +604,31 @@ def test_decode_signal_reads_the_cache_as_a_decode_step_holds_it():
     by_hand = proxies.attention(q, keys, values)[:, :, t]
     assert torch.allclose(held[:, :, t - first], by_hand, atol=1e-5)
     assert not torch.allclose(held[:, :, t - first], plain[:, :, t], atol=1e-3)
+
+
+def test_tier_from_exact_codes_the_body_from_exact_rows(monkeypatch):
+    """bench/tier_ppl.py --from-exact: the residual reads as with the double-rounding tier (the
+    newest EXACT rows exact, the older ones as the tier codes them), but the rows that left it
+    for the body were coded from their exact values: the body equals an unchanged cache's."""
+    tp = load_bench("tier_ppl")
+    monkeypatch.setattr(tp, "EXACT", 3)
+    spec = parse_kv("k=lm2hb,v=lm2hb,group=64,residual=16,sinks=2")
+    g = torch.Generator().manual_seed(0)
+    kv = [
+        [(torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g)) for _ in range(2)]
+        for n in [20] + [1] * 10  # a prompt of 20 tokens, then ten decode tokens
+    ]
+    monkeypatch.setattr(LayeredStore, "token_write", lambda self, x: None)  # every write through append
+    appends = {"plain": tp._append, "double": tp.append_through_tier, "exact": tp.append_coding_the_body_from_exact}
+    caches = {name: KVCache(spec, 2, 2, 64, 128) for name in appends}
+    for name, cache in caches.items():
+        monkeypatch.setattr(LayeredStore, "append", appends[name])
+        for step in kv:
+            cache.append(step)
+    for a, b, c in zip(caches["plain"].stores, caches["double"].stores, caches["exact"].stores):
+        held = a.residual.lead.count
+        assert torch.equal(c.residual.read(0, held), b.residual.read(0, held))
+        body = {name: ring.lead.count for name, ring in a.body.items()}  # codes and scales: 30 - 2 sinks - 16
+        assert all(n == 12 for n in body.values())
+        assert all(torch.equal(c.body[k].read(0, n), a.body[k].read(0, n)) for k, n in body.items())
+        assert not all(torch.equal(b.body[k].read(0, n), a.body[k].read(0, n)) for k, n in body.items())
