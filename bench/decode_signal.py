@@ -37,7 +37,7 @@ import argparse
 import json
 
 import torch
-from sensitivity_proxies import spearman, stored  # bench/ is the script's folder, so on sys.path
+from sensitivity_proxies import per_layer_klds, spearman, stored, top5  # bench/ is the script's folder, so on sys.path
 
 import minillama.model.llama as llama
 from minillama.app.options import load, read_text
@@ -105,13 +105,6 @@ STATS = {
 }
 
 
-def map_klds(rows: list[dict]) -> dict[str, list[float]]:
-    per = [r for r in rows if r["layer"] is not None]
-    return {
-        t: [r["kld_mean"] for r in sorted((r for r in per if r["tensor"] == t), key=lambda r: r["layer"])] for t in "kv"
-    }
-
-
 def predicted_map(rows: list[dict], pred: dict[str, list[float]], text: str) -> list[dict]:
     """The calibration map's per-layer rows with each KLD replaced by the prediction for `text`
     (ppl and delta_pct dropped: not measured), a map ``minillama kv allocate --map`` reads."""
@@ -151,20 +144,19 @@ def main() -> None:
         with torch.inference_mode():
             local = local_errors(lm, ids, spec, args.tokens, args.prefill, args.stat)
         rows = cal_rows if i == 0 else json.loads(open(path, encoding="utf-8").read()) if path else None
-        texts.append((name, map_klds(rows) if rows else None, local))
+        texts.append((name, per_layer_klds(rows) if rows else None, local))
         print(f"{name}: local errors computed ({len(local['k'])} layers)", flush=True)
     cal_name, cal_map, cal_local = texts[0]
     gain = {t: [m / max(e, 1e-30) for m, e in zip(cal_map[t], cal_local[t])] for t in "kv"}
-    top = lambda x: sorted(range(len(x)), key=lambda i: -x[i])[:5]  # noqa: E731
     print(
         f"\n{cal_rows[0]['kv']}, N {args.tokens}, P {args.prefill}, {args.stat} of the queries' errors; gains from {cal_name}'s map"
     )
     print(
         f"{'text':10s} {'tensor':6s} {'local':>6s} {'pred':>6s} {'calmap':>7s}   top 5: map | local | pred | calibration map"
     )
-    for name, kmap, local in texts:
+    for i, (name, kmap, local) in enumerate(texts):
         pred = {t: [g * e for g, e in zip(gain[t], local[t])] for t in "kv"}
-        if args.write and name != cal_name:
+        if args.write and i:  # every text but the calibration one
             out = f"{args.write}/{args.map.rsplit('/', 1)[-1].removesuffix('.json')}_predicted_{name}.json"
             with open(out, "w", encoding="utf-8") as f:
                 json.dump(predicted_map(cal_rows, pred, name), f, indent=1)
@@ -174,7 +166,7 @@ def main() -> None:
         for t in "kv":
             print(
                 f"{name:10s} {t:6s} {spearman(local[t], kmap[t]):6.2f} {spearman(pred[t], kmap[t]):6.2f} "
-                f"{spearman(cal_map[t], kmap[t]):7.2f}   {top(kmap[t])} | {top(local[t])} | {top(pred[t])} | {top(cal_map[t])}"
+                f"{spearman(cal_map[t], kmap[t]):7.2f}   {top5(kmap[t])} | {top5(local[t])} | {top5(pred[t])} | {top5(cal_map[t])}"
             )
     print("\nper layer: the local error's ratio to the calibration text's, and the map's ratio")
     for name, kmap, local in texts[1:]:

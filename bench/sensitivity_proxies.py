@@ -46,6 +46,17 @@ def spearman(a: list[float], b: list[float]) -> float:
     return sum((x - m) * (y - m) for x, y in zip(ra, rb)) / sum((x - m) ** 2 for x in ra)
 
 
+def per_layer_klds(rows: list[dict]) -> dict[str, list[float]]:
+    """A sensitivity map's per-layer KLDs in layer order, keys ("k") and values ("v") apart."""
+    per = sorted((r for r in rows if r["layer"] is not None), key=lambda r: r["layer"])
+    return {t: [r["kld_mean"] for r in per if r["tensor"] == t] for t in "kv"}
+
+
+def top5(x: list[float]) -> list[int]:
+    """The indices of the five largest entries, largest first."""
+    return sorted(range(len(x)), key=lambda i: -x[i])[:5]
+
+
 def stored(codec, x: torch.Tensor, group: int, centered: bool) -> torch.Tensor:
     """x (B, H, T, D) -> what a read of it returns after storing it with `codec`, in model space."""
     y = codec.to_space(x.float())
@@ -109,23 +120,16 @@ def main() -> None:
             proxies["attn"][t].append(((oh - o).pow(2).sum() / o.pow(2).sum()).item())
             proxies["fisher"][t].append((g * (xh - x)).pow(2).sum().item())
 
-    measured = {
-        t: [
-            r["kld_mean"]
-            for r in sorted((r for r in rows if r["tensor"] == t and r["layer"] is not None), key=lambda r: r["layer"])
-        ]
-        for t in "kv"
-    }
+    measured = per_layer_klds(rows)
     print(
         f"map {args.map} ({spec}), prefill {args.prefill} tokens: Spearman rank correlation with the map's KLD per layer"
     )
     print(f"{'proxy':8s} {'keys':>6s} {'values':>7s} {'both':>6s}   top-5 layers (keys | values)")
-    top = lambda x: sorted(range(len(x)), key=lambda i: -x[i])[:5]  # noqa: E731
     for name, p in proxies.items():
         both = spearman(p["k"] + p["v"], measured["k"] + measured["v"])
         keys, values = spearman(p["k"], measured["k"]), spearman(p["v"], measured["v"])
-        print(f"{name:8s} {keys:6.2f} {values:7.2f} {both:6.2f}   {top(p['k'])} | {top(p['v'])}")
-    print(f"{'map':8s} {'':6s} {'':7s} {'':6s}   {top(measured['k'])} | {top(measured['v'])}")
+        print(f"{name:8s} {keys:6.2f} {values:7.2f} {both:6.2f}   {top5(p['k'])} | {top5(p['v'])}")
+    print(f"{'map':8s} {'':6s} {'':7s} {'':6s}   {top5(measured['k'])} | {top5(measured['v'])}")
 
 
 if __name__ == "__main__":

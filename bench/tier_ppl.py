@@ -57,6 +57,13 @@ def tiered(store: LayeredStore, rows: torch.Tensor) -> torch.Tensor:
     return back.to(rows.dtype).reshape(L, B, H, n, D)
 
 
+def code_held(store: LayeredStore, first: int, last: int) -> None:
+    """The residual's held rows [first, last) (oldest first) coded and decoded by TIER in place."""
+    ring = store.residual
+    for a, b in ring.lead._spans(first, last - first) if last > first else []:  # their ring slots
+        ring.buf[:, :, :, a:b] = tiered(store, ring.buf[:, :, :, a:b])
+
+
 _append = LayeredStore.append
 
 
@@ -79,8 +86,7 @@ def append_through_tier(self: LayeredStore, x: torch.Tensor, evict: int) -> tupl
     held = ring.lead.count
     done = max(0, tiered_before - (before + pushed[0] - held))  # the coded rows that are still held
     want = max(0, held - EXACT)
-    for a, b in ring.lead._spans(done, want - done) if want > done else []:  # ring slots of rows [done, want)
-        ring.buf[:, :, :, a:b] = tiered(self, ring.buf[:, :, :, a:b])
+    code_held(self, done, want)
     self._tiered = max(done, want)
     return out
 
@@ -95,9 +101,7 @@ def append_coding_the_body_from_exact(self: LayeredStore, x: torch.Tensor, evict
         ring.buf.copy_(self._exact)
     out = _append(self, x, evict)
     self._exact = ring.buf.clone()  # (L, B, H, slots, D): the held rows exact
-    want = max(0, ring.lead.count - EXACT)
-    for a, b in ring.lead._spans(0, want) if want else []:  # ring slots of rows [0, want)
-        ring.buf[:, :, :, a:b] = tiered(self, ring.buf[:, :, :, a:b])
+    code_held(self, 0, ring.lead.count - EXACT)
     return out
 
 

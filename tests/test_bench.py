@@ -550,20 +550,27 @@ def test_diffused_values_cancel_along_the_tokens_at_a_price_per_row():
     assert torch.equal(last, expected)
 
 
-def test_tier_codes_every_residual_row_but_the_newest_once(monkeypatch):
-    """bench/tier_ppl.py: after a prompt and decode tokens the residual holds its newest EXACT rows
-    as an unchanged cache holds them, and every older one as the tier codec codes and decodes
-    the exact row (once, whatever appends it lived through); the sinks stay exact."""
+def tier_setup(monkeypatch):
+    """bench/tier_ppl.py with EXACT 3, a 2-layer 2-bit spec with a 16-row residual and 2 sinks,
+    and its appends: a prompt of 20 tokens, then ten decode tokens ((K, V) per layer each); every
+    write through LayeredStore.append, where the script hooks in."""
     tp = load_bench("tier_ppl")
     monkeypatch.setattr(tp, "EXACT", 3)
     spec = parse_kv("k=lm2hb,v=lm2hb,group=64,residual=16,sinks=2")
     g = torch.Generator().manual_seed(0)
-    steps = [20] + [1] * 10  # a prompt of 20 tokens, then ten decode tokens
     kv = [
         [(torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g)) for _ in range(2)]
-        for n in steps
+        for n in [20] + [1] * 10
     ]
-    monkeypatch.setattr(LayeredStore, "token_write", lambda self, x: None)  # every write through append
+    monkeypatch.setattr(LayeredStore, "token_write", lambda self, x: None)
+    return tp, spec, kv
+
+
+def test_tier_codes_every_residual_row_but_the_newest_once(monkeypatch):
+    """bench/tier_ppl.py: after a prompt and decode tokens the residual holds its newest EXACT rows
+    as an unchanged cache holds them, and every older one as the tier codec codes and decodes
+    the exact row (once, whatever appends it lived through); the sinks stay exact."""
+    tp, spec, kv = tier_setup(monkeypatch)
     plain = KVCache(spec, 2, 2, 64, 128)
     for step in kv:
         plain.append(step)
@@ -610,15 +617,7 @@ def test_tier_from_exact_codes_the_body_from_exact_rows(monkeypatch):
     """bench/tier_ppl.py --from-exact: the residual reads as with the double-rounding tier (the
     newest EXACT rows exact, the older ones as the tier codes them), but the rows that left it
     for the body were coded from their exact values: the body equals an unchanged cache's."""
-    tp = load_bench("tier_ppl")
-    monkeypatch.setattr(tp, "EXACT", 3)
-    spec = parse_kv("k=lm2hb,v=lm2hb,group=64,residual=16,sinks=2")
-    g = torch.Generator().manual_seed(0)
-    kv = [
-        [(torch.randn(1, 2, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g)) for _ in range(2)]
-        for n in [20] + [1] * 10  # a prompt of 20 tokens, then ten decode tokens
-    ]
-    monkeypatch.setattr(LayeredStore, "token_write", lambda self, x: None)  # every write through append
+    tp, spec, kv = tier_setup(monkeypatch)
     appends = {"plain": tp._append, "double": tp.append_through_tier, "exact": tp.append_coding_the_body_from_exact}
     caches = {name: KVCache(spec, 2, 2, 64, 128) for name in appends}
     for name, cache in caches.items():
