@@ -7,7 +7,7 @@ prints a measured budget.
 
 from __future__ import annotations
 
-from minillama.kv.codecs import Codec
+from minillama.kv.codecs import CODE_PARTS, Codec
 from minillama.kv.spec import KVSpec
 
 
@@ -32,7 +32,7 @@ def store_live_bytes(
     coded = [(p, body) for p in codec.parts(head_dim, group)]
     coded += [(p, tier) for p in tier_codec.parts(head_dim, head_dim)] if tier_len else []
     for p, n in coded:
-        key = "codes" if p.name in ("codes", "values") else "scales"
+        key = "codes" if p.name in CODE_PARTS else "scales"
         out[key] += n // p.tokens_per_row * p.width * p.dtype.itemsize
     if centered and tokens:
         out["scales"] += head_dim * exact  # the per-channel key mean, one row per head

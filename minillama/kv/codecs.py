@@ -47,6 +47,10 @@ from minillama.kv.quantize import (
 )
 from minillama.native.abi import RowKind
 
+# The parts a cache counts as codes (the rest of a codec's parts, scales and zeros, as scales):
+# packed codes, float rows, and the exact entries beside a dense code (kv/outliers.py).
+CODE_PARTS = ("codes", "values", "oidx", "oval")
+
 
 @dataclass(frozen=True)
 class PartSpec:

@@ -90,6 +90,12 @@ def row_source(
         if "levels" in tables:
             src.lo, src.span, src.levels = (tables[n].data_ptr() for n in ("lo", "span", "levels"))
             src.nlevels = tables["levels"].shape[-1]
+        if "oidx" in part.rings:  # exact entries beside the dense code (kv/outliers.py), read at the codes' slots
+            oidx, oval = part.rings["oidx"], part.rings["oval"]
+            if any((r.start, r.buf.shape[2]) != (codes.start, codes.buf.shape[2]) for r in (oidx, oval)):
+                raise NotSupported(f"{codec.name} {part.name}: its outliers' rings are not placed as its codes")
+            src.oidx, src.oval = oidx.buf.data_ptr(), oval.buf.data_ptr()
+            src.nout, src.orot = codec.count, int(codec.rotate)
     if rope is not None:
         if center is not None:
             center = center.float().contiguous()  # (B, H, 1, D)

@@ -386,6 +386,31 @@ def block_unrotate(y: torch.Tensor, nb: int) -> torch.Tensor:
     return out
 
 
+# -- dense-and-sparse outliers (KVQuant, Hooper et al. 2024) --
+
+
+def split_outliers(x: torch.Tensor, count: int, rotated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (..., T, D) in storage space -> (rest, idx, val): in the model's own channels (x H when
+    the storage space is rotated, H being its own inverse) the `count` entries of each row with the
+    largest magnitude, their channel indices ascending (..., T, count) uint8 and their values
+    (..., T, count) float16; rest (..., T, D) float32 is x less them, in storage space, for a dense
+    codec to code. Taking a key's outlier channel out *before* the rotation is what shrinks the
+    rest's scale: rotated, a channel 10x the others spreads over every coordinate.
+    Bits: 24 count / D an element on top of the dense codec's (fp16 value + one-byte index)."""
+    u = hadamard_rotate(x.float()) if rotated else x.float()  # (..., T, D) the model's channels
+    idx = u.abs().topk(count, dim=-1).indices.sort(dim=-1).values  # (..., T, count)
+    val = u.gather(-1, idx).to(torch.float16)  # (..., T, count)
+    return x.float() - outlier_rows(idx, val, x.shape[-1], rotated), idx.to(torch.uint8), val
+
+
+def outlier_rows(idx: torch.Tensor, val: torch.Tensor, d: int, rotated: bool) -> torch.Tensor:
+    """The sparse part as dense rows: idx, val (..., T, count) -> float32 (..., T, D) in storage
+    space (val at idx, rotated when the storage space is)."""
+    sparse = torch.zeros(*idx.shape[:-1], d, device=val.device)  # (..., T, D)
+    sparse = sparse.scatter(-1, idx.long(), val.float())
+    return hadamard_rotate(sparse) if rotated else sparse
+
+
 # -- per-channel ranges fitted once per sequence (KVQuant-style, calibrated on the prefill) --
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from minillama.errors import UserError, shown
 from minillama.kv.codecs import CODECS, Codec
 from minillama.kv.freq_blocks import frequency_blocks
+from minillama.kv.outliers import outlier_codec, with_outliers
 
 
 @dataclass(frozen=True)
@@ -264,9 +265,10 @@ PRESET_NOTES: dict[str, str] = {
 GRAMMAR = (
     "k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
     "[,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]"
-    "[,layers=K/V;K/V;...][,tier=N:CODEC]"
+    "[,layers=K/V;K/V;...][,tier=N:CODEC][,outliers=N][,koutliers=N][,voutliers=N]"
 )
 NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start", "first")
+NUMBERS += ("outliers", "koutliers", "voutliers")  # exact entries a row (kv/outliers.py)
 WORDS = {"rope": ("post", "pre"), "positions": ("absolute", "cache")}
 _FIELD = re.compile(r"^([a-z]+)=(.+)$")
 
@@ -274,13 +276,13 @@ _FIELD = re.compile(r"^([a-z]+)=(.+)$")
 def codec_named(name: str) -> Codec | None:
     """A registered codec, or one a parametric name spells (``lm3f2:24.33.15``: freq_blocks.py);
     None if neither."""
-    return CODECS.get(name) or frequency_blocks(name)
+    return CODECS.get(name) or frequency_blocks(name) or outlier_codec(name)
 
 
 def _choices() -> str:
     return (
         f"presets: {', '.join([*PRESETS, *MIXES])}; codecs: {', '.join(CODECS)}, "
-        "lm{bits}f{blocks}:{widths per KV head} (frequency blocks)"
+        "lm{b}f{nb}:{widths} (frequency blocks), {codec}o{N} (outliers)"
     )
 
 
@@ -348,6 +350,11 @@ def parse_kv(text: str) -> KVSpec:
     quantized = quantized or any(c.quantized for pair in layers for c in pair)
     residual = nums.get("residual", 32 if quantized else 0)
     tier, tier_codec = _tier(fields["tier"], quantized) if "tier" in fields else (0, None)
+    kout, vout = nums.get("koutliers", nums.get("outliers", 0)), nums.get("voutliers", nums.get("outliers", 0))
+    if kout or vout:  # every quantized codec of the tensor, layer by layer
+        k, v = _sparse(k, kout), _sparse(v, vout)
+        kfirst = _sparse(kfirst, kout) if kfirst is not None else None
+        layers = tuple((_sparse(a, kout), _sparse(b, vout)) for a, b in layers)
     return KVSpec(
         k,
         v,
@@ -366,6 +373,11 @@ def parse_kv(text: str) -> KVSpec:
         tier=tier,
         tier_codec=tier_codec,
     )
+
+
+def _sparse(codec: Codec, count: int) -> Codec:
+    """`codec` with `count` exact entries a row (kv/outliers.py) where it quantizes at all."""
+    return with_outliers(codec, count) if count and codec.quantized else codec
 
 
 def _tier(text: str, quantized: bool) -> tuple[int, Codec]:

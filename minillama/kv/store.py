@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillama.kv.codecs import Codec, exact_codec
+from minillama.kv.codecs import CODE_PARTS, Codec, exact_codec
 from minillama.kv.interface import PartView
 from minillama.kv.ring import Cursor, Ring, ring_buffer
 from minillama.kv.spec import KVSpec
@@ -217,8 +217,8 @@ class TensorStore:
     def live_bytes(self) -> dict[str, int]:
         """Held bytes by component: codes and scales of the body and the tier, residual, sinks."""
         coded = [*self.body.items(), *self.tier.items()]
-        codes = sum(r.live_bytes for n, r in coded if n in ("codes", "values"))
-        scales = sum(r.live_bytes for n, r in coded if n in ("scale", "zero")) + self.center_bytes
+        codes = sum(r.live_bytes for n, r in coded if n in CODE_PARTS)
+        scales = sum(r.live_bytes for n, r in coded if n not in CODE_PARTS) + self.center_bytes
         return {"codes": codes, "scales": scales, "residual": self.residual.live_bytes, "sinks": self.sinks.live_bytes}
 
     def allocated_bytes(self) -> int:

@@ -74,6 +74,10 @@ class RowSource(ctypes.Structure):
         ("sin", ctypes.c_void_p),
         ("pos0", ctypes.c_int),
         ("scale8", ctypes.c_void_p),
+        ("oidx", ctypes.c_void_p),
+        ("oval", ctypes.c_void_p),
+        ("nout", ctypes.c_int),
+        ("orot", ctypes.c_int),
     ]
 
 

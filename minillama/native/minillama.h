@@ -67,6 +67,12 @@ struct RowSource {
     const float* sin;
     int pos0;               // position of the part's first token (consecutive after it)
     const uint8_t* scale8;  // ROW_TOKEN codebooks with one-byte log scales (rows.h: log_scale), instead of scale
+    // Dense-and-sparse outliers (kv/outliers.py; outliers.h adds them to the dense part's scores
+    // and values): each row's nout channel indices and fp16 values in the model's channels, in
+    // rings of the data's slots and start; orot: the rows are stored Hadamard-rotated.
+    const uint8_t* oidx;    // (B*H, slots, nout), or null: no outliers
+    const uint16_t* oval;   // (B*H, slots, nout)
+    int nout, orot;
 };
 
 struct Part {
@@ -256,10 +262,10 @@ int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 Layer
 
 // The layouts ctypes mirrors (x86-64 and aarch64 LP64: 8-byte pointers, 4-byte ints).
 static_assert(sizeof(void*) == 8, "minillama's native kernels assume a 64-bit target");
-static_assert(sizeof(RowSource) == 136, "RowSource layout changed: update native/abi.py");
+static_assert(sizeof(RowSource) == 160, "RowSource layout changed: update native/abi.py");
 static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56 && offsetof(RowSource, vdim) == 92,
               "RowSource layout");
-static_assert(sizeof(Part) == 144, "Part layout changed: update native/abi.py");
+static_assert(sizeof(Part) == 168, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8 + 8 + 8, "StepEnds layout changed: update native/abi.py");

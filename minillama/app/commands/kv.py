@@ -25,6 +25,9 @@ def describe_codecs() -> str:
         f"  {'lm{b}f{nb}:{widths}':<7} b + 8 nb/D  (per KV head and RoPE frequency block: Lloyd-Max bits, a byte scale)",
         "    keys in nb frequency blocks, per KV head one digit a block (its bits, highest frequencies first;",
         "    each head's digits add up to nb x b): lm3f2:24.33.15 for 3 KV heads (rows kernel; no SIMD kernel yet)",
+        f"  {'{codec}o{N}':<7} + 24 N/D  (dense-and-sparse: a per-token codec plus each row's N largest entries exact)",
+        "    fp16 value and byte index, taken in the model's channels before the rotation: lm3hbo1; outliers=N",
+        "    (koutliers=N, voutliers=N) gives every quantized codec of both tensors (or one) N a row",
     ]
     lines += [
         "",
