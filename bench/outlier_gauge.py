@@ -3,6 +3,7 @@
     python bench/outlier_gauge.py lm3h,lm2h,int4h
     python bench/outlier_gauge.py lm3h --dataset wikitext2 --tokens 896
     python bench/outlier_gauge.py lm3h,lm4h --text wiki.test.raw     # any text file
+    python bench/outlier_gauge.py lm3h,lm2h --center 128             # keys as center=1 stores them
 
 The default model's keys and values of every layer over one prefill of a text (an fp32 cache,
 the reference backend), each codec's round trip (groups of 64 channels) measured as relative
@@ -11,7 +12,10 @@ as it is, and with the k largest |x| of every row (before any rotation) kept exa
 back after the rest is decoded -- the dense-and-sparse split of KVQuant. An outlier costs its
 value and its channel index per row; the script prints the bits per element that costs at
 fp16 and at int8 values, and, for scale, what one more code bit does to the same error.
-Nothing here is a codec: it says whether one is worth building.
+With ``--center N`` the keys are first centered on the channel mean of their first N tokens, as
+a cache with ``center=1`` stores them (the mean of its first write, a perplexity window's
+prefill): the large, nearly constant channels a mean takes out are then no longer outliers.
+Nothing here is a codec: it says whether one is worth building (the built one: kv/outliers.py).
 """
 
 from __future__ import annotations
@@ -80,12 +84,16 @@ def prefill_layers(args: argparse.Namespace) -> tuple:
 def main() -> None:
     ap = gauge_arguments(__doc__)
     ap.add_argument("--max-k", type=int, default=2, help="outliers per row to try, 1 .. this")
+    ap.add_argument("--center", type=int, default=0, help="center the keys on their first N tokens' mean")
     args = ap.parse_args()
     lm, ids, layers = prefill_layers(args)  # [(k, v)] (1, H, T, D) each
+    if args.center:
+        layers = [(k - k[:, :, : args.center].mean(2, keepdim=True), v) for k, v in layers]
     d = layers[0][0].shape[-1]
     index_bits = math.ceil(math.log2(d))
     print(
         f"{lm.name}, {args.text or args.dataset}, {len(ids)} tokens; head_dim {d}, groups of {GROUP}; relative squared error"
+        + (f"; keys centered on their first {args.center} tokens" if args.center else "")
     )
     print(
         f"an outlier per row costs {(16 + index_bits) / d:.3f} bits/element as fp16 + index, {(8 + index_bits) / d:.3f} as int8 + index"

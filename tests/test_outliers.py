@@ -133,7 +133,7 @@ def test_the_integer_route_adds_the_sparse_part_exactly():
 
 
 def test_the_model_decodes_an_outlier_cache_alike_on_both_backends(tiny):
-    """The native step (kernels-exact; the cache write takes the PyTorch path and records why)
+    """The native step (kernels-exact; the cache write takes the PyTorch append)
     against the PyTorch layers, 30 steps after a 40-token prefill."""
     t = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))
     spec = "k=lm3hb,v=lm2hb,group=32,residual=4,sinks=2,center=1,outliers=1,tier=12:lm4hb"

@@ -15,8 +15,9 @@ outlier; D = 64: 0.375 bits an outlier a row). The parts ``oidx`` (count bytes a
 The kernels read the dense part through its own route and add the sparse part to each block's
 scores (q . s in the model's channels: the query rotated back, since H is its own inverse) and
 to the values' partial output (p s H: each outlier's Hadamard row, +-1/sqrt(D)), in
-native/outliers.h. The cache write of a decode token takes the PyTorch path (no native encoder
-codes outliers; the write records why). What it bought: docs/quality.md, Frontier XXI.
+native/outliers.h. The cache write of a decode token takes the PyTorch append: no native
+encoder codes outliers (kv/token_write.py declines the group). What it bought: docs/quality.md,
+Frontier XXI.
 """
 
 from __future__ import annotations

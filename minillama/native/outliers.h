@@ -18,10 +18,19 @@
 #include "hadamard.h"
 #include "minillama.h"
 
-// Slot of token i of a part's ring (its rows start at `start`, wrapping at `slots`).
-static inline int64_t outlier_row(const RowSource& s, int64_t bh, int i) {
-    return bh * s.slots + ((int64_t)s.start + i) % s.slots;
-}
+// The rows of tokens i0, i0 + 1, ... of head bh in a part's ring (starting at `start`, wrapping
+// at `slots`), one division for the whole run.
+struct OutlierRows {
+    int64_t base;
+    int slot, slots;
+    OutlierRows(const RowSource& s, int64_t bh, int i0)
+        : base(bh * s.slots), slot((int)(((int64_t)s.start + i0) % s.slots)), slots(s.slots) {}
+    int64_t next() {  // this token's row, then on to the next token's
+        const int64_t row = base + slot;
+        if (++slot == slots) slot = 0;
+        return row;
+    }
+};
 
 static inline void outlier_scores(const RowSource& s, int64_t bh, int R, int D, const float* q, int i0, int n,
                                   float* out, int ld) {
@@ -33,8 +42,9 @@ static inline void outlier_scores(const RowSource& s, int64_t bh, int R, int D, 
             const float norm = 1.f / std::sqrt((float)D);
             for (int d = 0; d < D; d++) qu[r * D + d] *= norm;
         }
+    OutlierRows rows(s, bh, i0);
     for (int j = 0; j < n; j++) {
-        const int64_t row = outlier_row(s, bh, i0 + j) * s.nout;
+        const int64_t row = rows.next() * s.nout;
         for (int o = 0; o < s.nout; o++) {
             const int c = s.oidx[row + o];
             const float v = half_to_float(s.oval[row + o]);
@@ -46,8 +56,9 @@ static inline void outlier_scores(const RowSource& s, int64_t bh, int R, int D, 
 static inline void outlier_values(const RowSource& s, int64_t bh, int R, int D, const float* p, int lp, int i0, int n,
                                   float* acc) {
     const float norm = 1.f / std::sqrt((float)D);
+    OutlierRows rows(s, bh, i0);
     for (int j = 0; j < n; j++) {
-        const int64_t row = outlier_row(s, bh, i0 + j) * s.nout;
+        const int64_t row = rows.next() * s.nout;
         for (int o = 0; o < s.nout; o++) {
             const int c = s.oidx[row + o];
             const float v = half_to_float(s.oval[row + o]);
