@@ -307,6 +307,28 @@ def test_presets_are_exactly_the_documented_ones():
     assert parse_kv("k=int4,v=int4,residual=0,sinks=4").sinks == 4
 
 
+def test_a_preset_takes_fields_given_anew_after_its_name():
+    """``PRESET,key=value``: the preset's spec with those fields replaced, named as written."""
+    spec = parse_kv("hadv2,sinks=4,residual=16")
+    assert spec.canonical() == parse_kv("k=int4c,v=int2h,group=32,residual=16,sinks=4").canonical()
+    assert str(spec) == "hadv2,sinks=4,residual=16"
+    mix = parse_kv("k3v2mixt,koutliers=1")  # a mix keeps its layers and tier
+    assert mix.tier == 56 and all(k.name.endswith("o1") for k, _ in mix.layer_codecs)
+
+
+@pytest.mark.parametrize(
+    "text,error",
+    [
+        ("hadv2,sinks=4,sinks=2", "names sinks= twice"),
+        ("hadv2,junk", "expected key=value"),
+        ("hadv2,foo=1", "malformed"),
+    ],
+)
+def test_a_preset_with_a_bad_field_is_refused_in_one_line(text, error):
+    with pytest.raises(UserError, match=error):
+        parse_kv(text)
+
+
 def test_all_codec_pairs_parse():
     for k, v in itertools.product(CODECS, repeat=2):
         parse_kv(f"k={k},v={v}").validate(64)

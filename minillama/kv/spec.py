@@ -1,6 +1,6 @@
 """The ``--kv`` spec: which codec each tensor uses, and the cache's windows and options.
 
-    --kv PRESET
+    --kv PRESET[,key=value...]
     --kv k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]
                         [,rope=post|pre][,positions=absolute|cache][,start=N]
 
@@ -292,6 +292,9 @@ def parse_kv(text: str) -> KVSpec:
     if text in PRESETS or text in MIXES:
         spec = parse_kv(PRESETS.get(text) or MIXES[text])
         return KVSpec(**{**spec.__dict__, "name": text})
+    first, _, changes = text.partition(",")
+    if first.strip() in PRESETS or first.strip() in MIXES:  # a preset with fields changed: hadv2,sinks=4
+        return _changed(first.strip(), changes, text)
     if "=" not in text:
         raise UserError(f"unknown --kv preset {shown(text)} ({_choices()})")
     fields: dict[str, str] = {}
@@ -373,6 +376,22 @@ def parse_kv(text: str) -> KVSpec:
         tier=tier,
         tier_codec=tier_codec,
     )
+
+
+def _changed(preset: str, changes: str, text: str) -> KVSpec:
+    """``PRESET,key=value,...``: the preset's spec with those fields given anew (each once)."""
+    fields = dict(item.split("=", 1) for item in (PRESETS.get(preset) or MIXES[preset]).split(","))
+    given = [item.strip().partition("=")[0] for item in changes.split(",")]
+    twice = sorted({key for key in given if given.count(key) > 1})
+    if twice:
+        raise UserError(f"--kv {shown(text)} names {twice[0]}= twice: give each key once")
+    for item in changes.split(","):
+        key, eq, value = item.strip().partition("=")
+        if not eq:
+            raise UserError(f"malformed --kv item {shown(item)} after the preset {preset}: expected key=value")
+        fields[key] = value
+    spec = parse_kv(",".join(f"{key}={value}" for key, value in fields.items()))
+    return KVSpec(**{**spec.__dict__, "name": text})
 
 
 def _sparse(codec: Codec, count: int) -> Codec:
