@@ -24,8 +24,9 @@ from minillama.kv.fused_attention import attend_one_part, fused_decode_attention
 from minillama.kv.quantize import hadamard_rotate, outlier_rows, split_outliers
 from minillama.kv.spec import codec_named, parse_kv
 from minillama.model.attention import attend
+from minillama.model.rope import RotaryTable
 from minillama.native import backend
-from minillama.native.abi import Route
+from minillama.native.abi import NotSupported, Route
 
 SPIKY = "k=lm3hb,v=lm2hb,group=64,residual=4,sinks=2,center=1,outliers=1"
 SPECS = [
@@ -151,6 +152,16 @@ def test_the_model_decodes_an_outlier_cache_alike_on_both_backends(tiny):
             pytest.skip(f"the kernels are not available here: {backend.describe()}")
         native = run()
     assert torch.allclose(native, reference, atol=1e-4)
+
+
+def test_no_kernel_adds_outliers_to_keys_rotated_for_their_positions(lib):
+    """Keys stored before RoPE are rotated for their positions as they are read; the sparse part
+    is not, so the kernels refuse such a part (the step then takes the reference attention)."""
+    cache = fill("k=int4,v=int2,group=32,residual=4,rope=pre,koutliers=1")
+    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
+    rotary = RotaryTable(1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    with pytest.raises(NotSupported, match="int4o1 body"):
+        fused_decode_attention(lib, q, k, v, cache.layer(0), rope=rotary.halves)
 
 
 def test_a_saved_cache_keeps_its_outliers(tmp_path):
