@@ -127,3 +127,16 @@ def english_text() -> str:
         return hamlet()
     except UserError as e:
         pytest.fail(f"the Hamlet test text could not be fetched: {e}", pytrace=False)
+
+
+def decode_steps(model, spec: str, steps: int = 30, prompt: int = 40) -> torch.Tensor:
+    """Logits (2, steps, vocab) of `steps` decode steps after a `prompt`-token prefill, two random
+    sequences, into a fresh cache of `spec`: what the tier and outlier tests compare across backends."""
+    from minillama.kv.cache import KVCache
+    from minillama.kv.spec import parse_kv
+
+    t = torch.randint(0, 300, (2, prompt + steps), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = KVCache.for_model(model.config, parse_kv(spec), 128, batch=2)
+        model.model(t[:, :prompt], cache)
+        return torch.cat([model.model(t[:, i : i + 1], cache) for i in range(prompt, prompt + steps)], dim=1)

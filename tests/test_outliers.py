@@ -27,6 +27,7 @@ from minillama.model.attention import attend
 from minillama.model.rope import RotaryTable
 from minillama.native import backend
 from minillama.native.abi import NotSupported, Route
+from tests.conftest import decode_steps
 
 SPIKY = "k=lm3hb,v=lm2hb,group=64,residual=4,sinks=2,center=1,outliers=1"
 SPECS = [
@@ -136,21 +137,13 @@ def test_the_integer_route_adds_the_sparse_part_exactly():
 def test_the_model_decodes_an_outlier_cache_alike_on_both_backends(tiny):
     """The native step (kernels-exact; the cache write takes the PyTorch append)
     against the PyTorch layers, 30 steps after a 40-token prefill."""
-    t = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))
     spec = "k=lm3hb,v=lm2hb,group=32,residual=4,sinks=2,center=1,outliers=1,tier=12:lm4hb"
-
-    @torch.inference_mode()
-    def run():
-        cache = KVCache.for_model(tiny.config, parse_kv(spec), 128, batch=2)
-        tiny.model(t[:, :40], cache)
-        return torch.cat([tiny.model(t[:, i : i + 1], cache) for i in range(40, 70)], dim=1)
-
     with backend.using("reference"):
-        reference = run()
+        reference = decode_steps(tiny, spec)
     with backend.using("kernels-exact"):
         if backend.library() is None:
             pytest.skip(f"the kernels are not available here: {backend.describe()}")
-        native = run()
+        native = decode_steps(tiny, spec)
     assert torch.allclose(native, reference, atol=1e-4)
 
 

@@ -23,6 +23,7 @@ from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import parse_kv
 from minillama.model.attention import attend
 from minillama.native import backend
+from tests.conftest import decode_steps
 
 TIERED = "k=lm3hb,v=lm2hb,group=32,residual=4,sinks=2,center=1,tier=12:lm4hb"
 APPENDS = [30] + [1] * 20 + [5, 17] + [1] * 9  # a prefill, decode steps, short chunks
@@ -135,19 +136,11 @@ def test_the_decode_kernels_read_the_tier_like_the_reference(lib, spec, hq, hkv,
 def test_the_model_decodes_a_tiered_cache_alike_on_both_backends(tiny):
     """The native step (kernels-exact: every layer's attention over four parts in C++) against the
     PyTorch layers, 30 steps after a 40-token prefill that already fills the tier."""
-    t = torch.randint(0, 300, (2, 70), generator=torch.Generator().manual_seed(0))
-
-    @torch.inference_mode()
-    def run():
-        cache = KVCache.for_model(tiny.config, parse_kv(TIERED), 128, batch=2)
-        tiny.model(t[:, :40], cache)
-        return torch.cat([tiny.model(t[:, i : i + 1], cache) for i in range(40, 70)], dim=1)
-
     with backend.using("reference"):
-        reference = run()
+        reference = decode_steps(tiny, TIERED)
     seen = len(backend.fallbacks())
     with backend.using("kernels-exact"):
-        native = run()
+        native = decode_steps(tiny, TIERED)
     assert backend.fallbacks()[seen:] == []
     assert torch.allclose(native, reference, atol=1e-4)
 

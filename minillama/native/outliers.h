@@ -18,19 +18,17 @@
 #include "hadamard.h"
 #include "minillama.h"
 
-// The rows of tokens i0, i0 + 1, ... of head bh in a part's ring (starting at `start`, wrapping
-// at `slots`), one division for the whole run.
-struct OutlierRows {
-    int64_t base;
-    int slot, slots;
-    OutlierRows(const RowSource& s, int64_t bh, int i0)
-        : base(bh * s.slots), slot((int)(((int64_t)s.start + i0) % s.slots)), slots(s.slots) {}
-    int64_t next() {  // this token's row, then on to the next token's
-        const int64_t row = base + slot;
-        if (++slot == slots) slot = 0;
-        return row;
+// Each outlier of tokens i0 .. i0 + n - 1 of head bh in a part's ring (rows from `start`, wrapping
+// at `slots`; one division for the run): f(j, channel, value), token by token.
+template <class F>
+static inline void each_outlier(const RowSource& s, int64_t bh, int i0, int n, F f) {
+    int slot = (int)(((int64_t)s.start + i0) % s.slots);
+    for (int j = 0; j < n; j++) {
+        const int64_t row = (bh * s.slots + slot) * s.nout;
+        for (int o = 0; o < s.nout; o++) f(j, (int)s.oidx[row + o], half_to_float(s.oval[row + o]));
+        if (++slot == s.slots) slot = 0;
     }
-};
+}
 
 static inline void outlier_scores(const RowSource& s, int64_t bh, int R, int D, const float* q, int i0, int n,
                                   float* out, int ld) {
@@ -42,37 +40,25 @@ static inline void outlier_scores(const RowSource& s, int64_t bh, int R, int D, 
             const float norm = 1.f / std::sqrt((float)D);
             for (int d = 0; d < D; d++) qu[r * D + d] *= norm;
         }
-    OutlierRows rows(s, bh, i0);
-    for (int j = 0; j < n; j++) {
-        const int64_t row = rows.next() * s.nout;
-        for (int o = 0; o < s.nout; o++) {
-            const int c = s.oidx[row + o];
-            const float v = half_to_float(s.oval[row + o]);
-            for (int r = 0; r < R; r++) out[(int64_t)r * ld + j] += qu[r * D + c] * v;
-        }
-    }
+    each_outlier(s, bh, i0, n, [&](int j, int c, float v) {
+        for (int r = 0; r < R; r++) out[(int64_t)r * ld + j] += qu[r * D + c] * v;
+    });
 }
 
 static inline void outlier_values(const RowSource& s, int64_t bh, int R, int D, const float* p, int lp, int i0, int n,
                                   float* acc) {
     const float norm = 1.f / std::sqrt((float)D);
-    OutlierRows rows(s, bh, i0);
-    for (int j = 0; j < n; j++) {
-        const int64_t row = rows.next() * s.nout;
-        for (int o = 0; o < s.nout; o++) {
-            const int c = s.oidx[row + o];
-            const float v = half_to_float(s.oval[row + o]);
-            for (int r = 0; r < R; r++) {
-                const float w = p[(int64_t)r * lp + j] * v;
-                if (w == 0.f) continue;
-                float* a = acc + (int64_t)r * D;
-                if (!s.orot) {
-                    a[c] += w;
-                    continue;
-                }
-                const float wn = w * norm;
-                for (int d = 0; d < D; d++) a[d] += __builtin_parity((unsigned)(c & d)) ? -wn : wn;
+    each_outlier(s, bh, i0, n, [&](int j, int c, float v) {
+        for (int r = 0; r < R; r++) {
+            const float w = p[(int64_t)r * lp + j] * v;
+            float* a = acc + (int64_t)r * D;
+            if (w == 0.f) continue;
+            if (!s.orot) {
+                a[c] += w;
+                continue;
             }
+            const float wn = w * norm;
+            for (int d = 0; d < D; d++) a[d] += __builtin_parity((unsigned)(c & d)) ? -wn : wn;
         }
-    }
+    });
 }
