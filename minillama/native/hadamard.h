@@ -1,7 +1,9 @@
 // The fast Walsh-Hadamard transform's butterflies and the frequency blocks' channel order, shared
 // by the cache write (encode.cpp: prepare_rows) and decode attention (layer_attention.cpp: the
-// query, the new key and value, the output).
+// query, the new key and value, the output; outliers.h: the query back in the model's channels).
 #pragma once
+
+#include <cmath>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -68,6 +70,13 @@ static inline void fwht(float* x, int D) {
     }
 #endif
     fwht_reference(x, D);
+}
+
+// x <- x H, H the normalized Sylvester-Hadamard matrix (D a power of two).
+static inline void hadamard(float* x, int D) {
+    fwht(x, D);
+    const float norm = 1.f / std::sqrt((float)D);
+    for (int d = 0; d < D; d++) x[d] *= norm;
 }
 
 // out <- x's D channels in nb RoPE frequency blocks (kv/quantize.py: frequency_block_order): block

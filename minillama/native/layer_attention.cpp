@@ -195,13 +195,6 @@ static inline void store_vec(float* x, int D, int dtype, void* base, int64_t off
     }
 }
 
-// x <- x H, H the normalized Sylvester-Hadamard matrix (D a power of two).
-static inline void hadamard(float* x, int D) {
-    fwht(x, D);
-    const float norm = 1.f / std::sqrt((float)D);
-    for (int d = 0; d < D; d++) x[d] *= norm;
-}
-
 // x <- its nb frequency blocks in order (hadamard.h), each block x_b H (kv/quantize.py:
 // block_rotate). nb = 1 is x H.
 static inline void rotate_blocks(float* x, int D, int nb) {

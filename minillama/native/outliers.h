@@ -35,11 +35,7 @@ static inline void outlier_scores(const RowSource& s, int64_t bh, int R, int D, 
     float qu[16 * 512];  // (R, D): the queries in the model's channels
     std::memcpy(qu, q, sizeof(float) * R * D);
     if (s.orot)
-        for (int r = 0; r < R; r++) {
-            fwht(qu + r * D, D);
-            const float norm = 1.f / std::sqrt((float)D);
-            for (int d = 0; d < D; d++) qu[r * D + d] *= norm;
-        }
+        for (int r = 0; r < R; r++) hadamard(qu + r * D, D);
     each_outlier(s, bh, i0, n, [&](int j, int c, float v) {
         for (int r = 0; r < R; r++) out[(int64_t)r * ld + j] += qu[r * D + c] * v;
     });
