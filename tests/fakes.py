@@ -88,7 +88,9 @@ class ListCache:
         positions = list(range(self.held)) if self.slot_positions else self.kept
         return ListLayer(*self.layers[i], positions, self.empty)
 
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    wants_queries = 0  # it stores every token exact: nothing to choose
+
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries=None) -> None:
         n = new_kv[0][0].shape[2]
         for (keys, values), (k, v) in zip(self.layers, new_kv):
             keys.extend(k.float().split(1, dim=2))

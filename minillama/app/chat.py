@@ -266,6 +266,7 @@ class ChatSession:
             "live bytes: " + ", ".join(f"{k} {v:,}" for k, v in live.items()) + f"; total {sum(live.values()):,}",
             f"allocated bytes: {c.allocated_bytes():,}; effective bits/element "
             + (f"{c.bits_per_element():.2f}" if c.held else "- (the cache is empty)"),
+            *([c.spec.auto_state(c.head_dim, c.n_layers)] if c.spec.auto else []),
             f"last step: {c.bytes.last_read:,} bytes read, {c.bytes.last_written:,} bytes written",
             f"backend: {backend.describe()}",
             f"last turn: reused {self.last.reused_tokens} cached tokens, prefilled {self.last.prefilled_tokens} new",

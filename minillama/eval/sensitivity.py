@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from minillama.errors import UserError
 from minillama.eval.perplexity import evaluate
 from minillama.kv.codecs import CODECS
 from minillama.kv.spec import KVSpec
@@ -33,6 +34,11 @@ class Variant:
 
 def variants(spec: KVSpec, n_layers: int) -> list[Variant]:
     """Layer by layer, K then V; then K of every layer, V of every layer, and the whole spec."""
+    if spec.auto:
+        raise UserError(
+            f"--sensitivity prices one spec's codecs layer by layer; {spec} chooses them per sequence "
+            "(bits=auto): give the codecs with k= and v="
+        )
     codecs = [(spec.tensors(i)[0][0], spec.tensors(i)[1][0]) for i in range(n_layers)]  # the spec's (K, V) per layer
 
     def only(keep: Callable[[int, str], bool], label: str) -> KVSpec:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from minillama.errors import UserError
+from minillama.kv.auto import QUERIES, choose
 from minillama.kv.fused_attention import CachePlans
 from minillama.kv.interface import PartView
 from minillama.kv.layered import LayeredStore
@@ -82,9 +83,20 @@ class KVCache:
             for codec, group, _ in spec.tensors(layer)
         )
         check_fits(batch * n_kv_heads * per_head, f"a {spec} cache of {capacity:,} tokens", device)
-        self.spec, self.capacity, self.batch, self.on_full = spec, capacity, batch, on_full
-        self.unit = spec.unit  # tokens evicted together (whole per-channel groups)
+        self.capacity, self.batch, self.on_full = capacity, batch, on_full
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.device = device
+        self._build(spec)
+        self.position = 0
+        self.evicted = 0
+        self.bytes = ByteCounters()
+        self._step_read = 0  # bytes read since the last append (the step in progress)
+
+    def _build(self, spec: KVSpec) -> None:
+        """Empty stores for `spec`: made once, and again where an auto spec chooses or is reset."""
+        self.spec = spec
+        self.unit = spec.unit  # tokens evicted together (whole per-channel groups)
+        n_layers, batch, n_kv_heads, head_dim = self.n_layers, self.batch, self.n_kv_heads, self.head_dim
         # Keys, then values: the layers that share a codec keep their rings in shared buffers and
         # are written together (kv/layered.py); self.layers[i] is layer i's (K, V) stores.
         self.stores: list[LayeredStore] = []
@@ -94,7 +106,9 @@ class KVCache:
             kinds = [spec.tensors(layer)[t] for layer in range(n_layers)]  # (codec, group, centered) per layer
             for kind in dict.fromkeys(kinds):
                 members = [i for i, k in enumerate(kinds) if k == kind]
-                shared = LayeredStore(members, *kind[:2], spec, capacity, batch, n_kv_heads, head_dim, device, kind[2])
+                shared = LayeredStore(
+                    members, *kind[:2], spec, self.capacity, batch, n_kv_heads, head_dim, self.device, kind[2]
+                )
                 self.stores.append(shared)
                 self.tensor_of.append(t)
                 for i, store in zip(members, shared.stores):
@@ -109,12 +123,14 @@ class KVCache:
             for ring in (shared.sinks, *shared.body.values(), *shared.tier.values(), shared.residual)
         ]
         self._with_params = [s for s in self.stores if s.stores[0].centered or s.stores[0].codec.per_sequence]
-        self.position = 0
-        self.evicted = 0
-        self.bytes = ByteCounters()
-        self._step_read = 0  # bytes read since the last append (the step in progress)
         self._plans: CachePlans | None = None  # the native step's description of the layers, made on first use
         self._writes: TokenWrites | None = None  # a decode token's write, every group's structs in one array
+
+    @property
+    def wants_queries(self) -> int:
+        """How many of the newest queries of each layer the next append needs (kv/interface.py): an
+        auto spec's (kv/auto.py) until its cache has chosen, else 0."""
+        return QUERIES if self.spec.auto and not self.spec.layer_codecs else 0
 
     @classmethod
     def for_model(
@@ -177,9 +193,18 @@ class KVCache:
         self.bytes.total_read += nbytes
         self._step_read += nbytes
 
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full."""
-        self.append_stacked(torch.stack([k for k, _ in new_kv]), torch.stack([v for _, v in new_kv]))
+    def append(
+        self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries: list[torch.Tensor] | None = None
+    ) -> None:
+        """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full. An auto
+        spec's cache first chooses every layer's codecs from them and from ``queries``, each layer's
+        newest queries (B, H_q, m, D), which it asks for by ``wants_queries``."""
+        k, v = torch.stack([k for k, _ in new_kv]), torch.stack([v for _, v in new_kv])  # (L, B, H_kv, n, D)
+        if self.wants_queries:
+            check_finite(k)
+            check_finite(v)
+            self._build(choose(self.spec, k, v, queries))
+        self.append_stacked(k, v)
 
     def append_stacked(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """``append`` with every layer's keys and values stacked, each (L, B, H_kv, n, D) (the native
@@ -283,6 +308,8 @@ class KVCache:
         return self.position
 
     def reset(self) -> None:
+        if self.spec.auto and self.spec.layer_codecs:  # a new sequence: an auto spec chooses again
+            self._build(self.spec.asked())
         for shared in self.stores:
             shared.clear()
         self.position = self.evicted = 0

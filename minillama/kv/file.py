@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -304,10 +304,16 @@ def restore(
             )
         if made.get("fingerprint") != identity.get("fingerprint"):
             raise CacheFileError(f"{where} was made with another model ({name!r}: its weights differ from this one's)")
-    if spec_text is not None and parse_kv(spec_text).canonical() != h["kv"]:
+    try:
+        saved_spec = parse_kv(h["kv"])  # with bits=auto, the layers its cache chose
+    except UserError as e:
+        raise CacheFileError(f"{where} has a spec this version cannot read ({e})") from None
+    if spec_text is not None and parse_kv(spec_text).canonical() != saved_spec.asked().canonical():
         raise CacheFileError(f"{where} holds a --kv {h['kv_name']} cache, not {spec_text}")
     try:
         spec = parse_kv(h["kv_name"])  # as the user named it (a preset keeps its name)
+        if spec.auto:  # the codecs its cache chose from the saved sequence's prefill
+            spec = replace(spec, layer_codecs=saved_spec.layer_codecs)
         if spec.canonical() != h["kv"]:
             raise CacheFileError(f"{where} is inconsistent: its spec {h['kv_name']!r} is not {h['kv']!r}")
         cache = KVCache(

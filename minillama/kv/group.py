@@ -89,12 +89,21 @@ class CacheGroup:
     def next_position(self) -> int:
         return self.caches[0].next_position
 
+    @property
+    def wants_queries(self) -> int:
+        return max(c.wants_queries for c in self.caches)
+
     def layer(self, i: int) -> GroupView:
         return GroupView([c.layer(i) for c in self.caches], self.rows)
 
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """new_kv: per layer (k, v), each (sum of batches, H, T, D): each cache gets its rows."""
+    def append(
+        self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries: list[torch.Tensor] | None = None
+    ) -> None:
+        """new_kv: per layer (k, v), each (sum of batches, H, T, D), and queries (sum of batches, Hq,
+        m, D) per layer when asked for: each cache gets its rows."""
         start = 0
         for cache, n in zip(self.caches, self.rows):
-            cache.append([(k[start : start + n], v[start : start + n]) for k, v in new_kv])
+            rows = slice(start, start + n)
+            mine = [q[rows] for q in queries] if queries is not None and cache.wants_queries else None
+            cache.append([(k[rows], v[rows]) for k, v in new_kv], mine)
             start += n

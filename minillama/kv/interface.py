@@ -7,7 +7,9 @@ gpt-fast's model uses ``KVCache.update`` and mlx-lm's ``offset``/``update_and_fe
     cache.pre_rope             keys are stored before RoPE (rotated for their positions when read)
     cache.held                 how many tokens are stored
     cache.layer(i)             a LayerView: what attention reads of layer i
-    cache.append(new_kv)       the one place the cache grows (and evicts)
+    cache.wants_queries        how many of each layer's newest queries the next append needs (0 but
+                               for a cache that chooses its codecs from them: bits=auto, kv/auto.py)
+    cache.append(new_kv, queries)  the one place the cache grows (and evicts)
 
 A ``LayerView`` gives the codecs of keys and values (their storage spaces), the key center,
 the held tokens' positions, ``read(dtype)`` for the reference attention (dequantized, counted
@@ -87,6 +89,11 @@ class Cache(Protocol):
     @property
     def next_position(self) -> int: ...
 
+    @property
+    def wants_queries(self) -> int: ...
+
     def layer(self, i: int) -> LayerView: ...
 
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
+    def append(
+        self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries: list[torch.Tensor] | None = None
+    ) -> None: ...

@@ -28,9 +28,10 @@ A spec is plain data; the cache (``cache.py``) and its stores (``store.py``) act
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minillama.errors import UserError, shown
+from minillama.kv.auto import CANDIDATES as AUTO_CANDIDATES
 from minillama.kv.codecs import CODECS, Codec
 from minillama.kv.freq_blocks import frequency_blocks
 from minillama.kv.outliers import outlier_codec, with_outliers
@@ -58,6 +59,10 @@ class KVSpec:
     layer_codecs: tuple[tuple[Codec, Codec], ...] = ()
     tier: int = 0  # tokens kept in tier_codec between the body and the exact residual
     tier_codec: Codec | None = None
+    # bits=auto:B: every layer's codecs chosen by the cache from each sequence's prefill, at most B
+    # body bits on average (kv/auto.py); 0 = off. Until a cache chooses, layer_codecs is empty and
+    # k, v are the costliest candidate (what the cache reserves memory for).
+    auto: float = 0.0
 
     @property
     def quantized(self) -> bool:
@@ -69,6 +74,10 @@ class KVSpec:
         keys = [self.k] + ([self.kfirst] if self.kfirst else []) + [k for k, _ in self.layer_codecs]
         values = [self.v] + [v for _, v in self.layer_codecs]
         return max(*(v.unit(self.vgroup) for v in values), *(k.unit(self.kgroup) for k in keys))
+
+    def asked(self) -> KVSpec:
+        """The spec as written: an auto spec without the layers a cache chose for it."""
+        return replace(self, layer_codecs=()) if self.auto else self
 
     def tier_of(self, codec: Codec) -> tuple[int, Codec | None]:
         """(tokens, codec) of the age tier of a tensor stored with `codec`: none for exact tensors."""
@@ -89,6 +98,21 @@ class KVSpec:
             for side, codec in zip("kv", pair):
                 counts[side][codec.name] = counts[side].get(codec.name, 0) + 1
         return counts
+
+    def body_bits(self, head_dim: int, n_layers: int) -> float:
+        """Bits an element of the quantized body, codes and scales, averaged over every layer's K and V:
+        what ``kv allocate --bits`` and ``bits=auto:B`` bound (sinks, residual and tier not counted)."""
+        bits = [c.body_bits(head_dim, g) for i in range(n_layers) for c, g, _ in self.tensors(i)]
+        return sum(bits) / len(bits)
+
+    def auto_state(self, head_dim: int, n_layers: int) -> str:
+        """For a bits=auto spec, what its cache chose (or that it has not yet): a line for /stats and kv."""
+        if not self.layer_codecs:
+            return f"bits=auto:{self.auto:g}: each layer's K and V not chosen yet (at the first prompt's prefill)"
+        return (
+            f"bits=auto:{self.auto:g} chose {self.layer_mix()} "
+            f"({self.body_bits(head_dim, n_layers):.3f} body bits an element)"
+        )
 
     def layer_mix(self) -> str:
         """``codec_counts`` as text ("" without layers=): "K lm3h x28, lm4h x2; V lm2h x30"."""
@@ -125,6 +149,13 @@ class KVSpec:
                 )
         if head_dim % 2:
             raise UserError(f"head_dim {head_dim} is odd: RoPE pairs channels")
+        if self.auto:
+            least = min(CODECS[c].body_bits(head_dim, min(self.kgroup, self.vgroup)) for c in AUTO_CANDIDATES)
+            if self.auto < least - 1e-9:
+                raise UserError(
+                    f"--kv bits=auto:{self.auto:g} is below the cheapest choice ({least:.3f} bits an element with "
+                    f"{AUTO_CANDIDATES[0]} everywhere at head_dim {head_dim}): raise it"
+                )
         if self.tier:
             self.tier_codec.validate(head_dim, head_dim)
             if self.start:
@@ -148,7 +179,8 @@ class KVSpec:
         """The spec in the grammar with every field spelled out: equal for equal specs, whatever
         name or order they were written with (a saved cache is matched by it)."""
         group = f"group={self.kgroup}" if self.kgroup == self.vgroup else f"kgroup={self.kgroup},vgroup={self.vgroup}"
-        text = f"k={self.k.name},v={self.v.name},{group},residual={self.residual},sinks={self.sinks}"
+        codecs = f"bits=auto:{self.auto:g}" if self.auto else f"k={self.k.name},v={self.v.name}"
+        text = f"{codecs},{group},residual={self.residual},sinks={self.sinks}"
         extras = [
             ("center=1", self.center),
             ("rope=pre", self.rope == "pre"),
@@ -266,6 +298,7 @@ GRAMMAR = (
     "k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
     "[,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]"
     "[,layers=K/V;K/V;...][,tier=N:CODEC][,outliers=N][,koutliers=N][,voutliers=N]"
+    " | bits=auto:B[,group=G][,residual=R][,sinks=S][,center=0|1][,tier=N:CODEC]"
 )
 NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start", "first")
 NUMBERS += ("outliers", "koutliers", "voutliers")  # exact entries a row (kv/outliers.py)
@@ -300,7 +333,7 @@ def parse_kv(text: str) -> KVSpec:
     fields: dict[str, str] = {}
     for item in text.split(","):
         m = _FIELD.match(item.strip())
-        if not m or m.group(1) not in ("k", "v", "kfirst", "layers", "tier", *NUMBERS, *WORDS):
+        if not m or m.group(1) not in ("k", "v", "kfirst", "layers", "tier", "bits", *NUMBERS, *WORDS):
             raise UserError(  # the grammar alone: with every preset and codec the line outgrew a terminal's screen
                 f"malformed --kv item {shown(item)}: expected {GRAMMAR} (`minillama kv --list` shows the presets and codecs)"
             )
@@ -310,6 +343,7 @@ def parse_kv(text: str) -> KVSpec:
                 f"{m.group(1)}={shown(m.group(2).strip())}): give each key once"
             )
         fields[m.group(1)] = m.group(2).strip()
+    auto = _auto(fields) if "bits" in fields else 0.0
     if "layers" in fields:  # k= and v= default to the first layer's codecs
         first_pair = _layers(fields["layers"])[0]
         fields.setdefault("k", first_pair[0].name)
@@ -375,6 +409,7 @@ def parse_kv(text: str) -> KVSpec:
         layer_codecs=layers,
         tier=tier,
         tier_codec=tier_codec,
+        auto=auto,
     )
 
 
@@ -392,6 +427,28 @@ def _changed(preset: str, changes: str, text: str) -> KVSpec:
         fields[key] = value
     spec = parse_kv(",".join(f"{key}={value}" for key, value in fields.items()))
     return KVSpec(**{**spec.__dict__, "name": text})
+
+
+def _auto(fields: dict[str, str]) -> float:
+    """``bits=auto:B`` -> B, with k= and v= filled in as the costliest candidate (the cache chooses
+    each layer's codecs at its first append, kv/auto.py). The options that name codecs are refused."""
+    text = fields["bits"]
+    kind, _, budget = text.partition(":")
+    try:
+        bits = float(budget)
+    except ValueError:
+        bits = float("nan")
+    if kind != "auto" or not bits > 0 or bits == float("inf"):
+        raise UserError(
+            f"--kv bits={shown(text)}: write bits=auto:B, B the average bits an element (e.g. bits=auto:2.75)"
+        )
+    named = [key for key in ("k", "v", "kfirst", "first", "outliers", "koutliers", "voutliers") if key in fields]
+    if named:
+        raise UserError(
+            f"--kv bits=auto chooses every layer's codecs among {', '.join(AUTO_CANDIDATES)}: drop {named[0]}="
+        )
+    fields["k"] = fields["v"] = AUTO_CANDIDATES[-1]
+    return bits
 
 
 def _sparse(codec: Codec, count: int) -> Codec:

@@ -47,8 +47,9 @@ class Attention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
     def forward(self, x, cos, sin, cache: Cache | None, layer: int, rotary: RotaryTable | None = None, fused=None):
-        """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output and the
-        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``fused``:
+        """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output, the
+        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys, and the queries
+        q (B, Hq, T, D) after RoPE (a cache may ask for the newest: ``wants_queries``). ``fused``:
         the fused attention for the new tokens, or None for the explicit math (model/attention.py)."""
         b, t, _ = x.shape
         if self.qkv is not None:  # one matrix product for q, k and v (their weights are views of it)
@@ -67,7 +68,7 @@ class Attention(nn.Module):
         else:
             out = attend_cache(q, k_rope, v, cache.layer(layer), rotary if pre else None, fused)
         out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
-        return self.o_proj(out), (stored, v)
+        return self.o_proj(out), (stored, v), q
 
 
 class MLP(nn.Module):
@@ -95,9 +96,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, cache, layer, rotary=None, fused=None):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fused)
+        h, kv, q = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fused)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        return x + self.mlp(self.post_attention_layernorm(x)), kv, q
 
 
 class Backbone(nn.Module):
@@ -208,11 +209,15 @@ class Llama(nn.Module):
         cos, sin = rope_tables(self.inv_freq, positions, self.dtype)  # (T, D) each
         fused = step.chunk_attention()
         new_kv = []
+        asked = cache.wants_queries if cache is not None else 0  # an auto cache chooses its codecs from these
+        queries = [] if asked else None  # per layer (B, Hq, m, D): the newest m queries
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, cache, i, rotary, fused)
+            x, kv, q = layer(x, cos, sin, cache, i, rotary, fused)
             new_kv.append(kv)
+            if queries is not None:
+                queries.append(q[:, :, -asked:])
         if cache is not None:
-            cache.append(new_kv)  # the one place the cache grows
+            cache.append(new_kv, queries)  # the one place the cache grows
         if last_only:
             x = x[:, -1:]
         x = self.model.norm(x)  # (B, T, hidden)

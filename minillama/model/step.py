@@ -247,6 +247,8 @@ def decode(
     reads (recorded as a fallback; nothing ran)."""
     if tokens.shape[1] != 1:  # a prefill chunk: the PyTorch layers, fused attention (chunk_attention)
         return None
+    if cache is not None and cache.wants_queries:  # it chooses its codecs from this step's queries (kv/auto.py)
+        return None
     lib = kernels(tokens.device)
     if lib is None:  # the reference backend, or no kernels on this machine (describe() says why)
         return None

@@ -36,6 +36,8 @@ def describe_codecs() -> str:
         "center=1 stores keys minus a per-sequence channel mean (softmax ignores the shift; codes get finer).",
         "rope=pre stores keys before RoPE and rotates them when read; positions=cache numbers held tokens by slot.",
         "start=N keeps every token exact until N are held.",
+        "bits=auto:B chooses each layer's K and V among lm2hb, lm3hb, lm4hb from every sequence's prefill (the",
+        "    newest queries' attention error, kv/auto.py), at most B body bits an element on average.",
         "Residual and sink tokens are stored in fp16 (unquantized codecs: in their own dtype).",
     ]
     return "\n".join(lines)
