@@ -90,7 +90,7 @@ class ListCache:
 
     wants_queries = 0  # it stores every token exact: nothing to choose
 
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries=None) -> None:
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], probes=None) -> None:
         n = new_kv[0][0].shape[2]
         for (keys, values), (k, v) in zip(self.layers, new_kv):
             keys.extend(k.float().split(1, dim=2))

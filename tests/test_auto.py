@@ -2,10 +2,11 @@
 append -- the prompt's prefill -- among lm2hb, lm3hb and lm4hb, at most B body bits on average.
 
 The cost of a candidate is the attention-output error of the prompt's newest queries with that
-one tensor coded (sinks and each query's newest residual + tier tokens exact). These tests hold
-that cost to a plain per-query computation in model space, the choice to its budget and to the
-same answer for the same input, the cache to the mix it chose (bytes, logits, the saved file)
-and the refusals to one line each.
+one tensor coded (sinks and each query's newest residual + tier tokens exact), times the weight of
+an error in that layer's output, which the model hands with the queries. These tests hold that
+cost to a plain per-query computation in model space, the weight to its formula, the choice to
+its budget and to the same answer for the same input, the cache to the mix it chose (bytes,
+logits, the saved file) and the refusals to one line each.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from minillama.kv.cache import KVCache
 from minillama.kv.codecs import CODECS
 from minillama.kv.file import encode, read, restore, write_atomic
 from minillama.kv.group import CacheGroup
+from minillama.kv.interface import Probe
 from minillama.kv.spec import parse_kv
 from minillama.native import backend
 from tests.conftest import decode_steps
@@ -29,12 +31,12 @@ AUTO = "bits=auto:2.6,group=64,residual=4,sinks=2,center=1"
 
 def rows(layers: int, t: int, heads: int = 2, d: int = 64, seed: int = 0, hq: int = 4):
     """Random keys (with a large shared channel, as real keys have), values (L, B, H, t, D) and
-    each layer's newest queries (B, Hq, QUERIES, D)."""
+    each layer's probe: its newest queries (B, Hq, QUERIES, D), error weight 1."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(layers, 1, heads, t, d, generator=g)
     k[..., 3] += 6.0
     v = torch.randn(layers, 1, heads, t, d, generator=g)
-    q = [torch.randn(1, hq, min(QUERIES, t), d, generator=g) for _ in range(layers)]
+    q = [Probe(torch.randn(1, hq, min(QUERIES, t), d, generator=g), 1.0) for _ in range(layers)]
     return k, v, q
 
 
@@ -68,8 +70,8 @@ def plain_cost(name: str, tensor: str, k, v, q, sinks: int, window: int, centere
 
 @pytest.mark.parametrize("centered", [False, True])
 def test_a_candidates_cost_is_the_attention_error_of_the_newest_queries(centered):
-    k, v, q = rows(1, 40)
-    q = [x[:, :, -6:] for x in q]  # six queries keep the plain loop short
+    k, v, probes = rows(1, 40)
+    q = [p.queries[:, :, -6:] for p in probes]  # six queries keep the plain loop short
     with backend.using("reference"):
         k_costs, v_costs = layer_costs(k[0], v[0], q[0], (64, 64), centered, sinks=2, window=4)
         for i, name in enumerate(CANDIDATES):
@@ -80,13 +82,13 @@ def test_a_candidates_cost_is_the_attention_error_of_the_newest_queries(centered
 
 def test_more_bits_cost_less():
     k, v, q = rows(1, 96)
-    k_costs, v_costs = layer_costs(k[0], v[0], q[0], (64, 64), True, sinks=2, window=4)
+    k_costs, v_costs = layer_costs(k[0], v[0], q[0].queries, (64, 64), True, sinks=2, window=4)
     assert k_costs == sorted(k_costs, reverse=True) and v_costs == sorted(v_costs, reverse=True)
 
 
 def test_a_short_prompt_still_measures_with_every_token_but_the_sinks_coded():
     k, v, q = rows(1, 8)  # 8 tokens: a window of 60 leaves no body for any query
-    k_costs, v_costs = layer_costs(k[0], v[0], q[0], (64, 64), False, sinks=2, window=60)
+    k_costs, v_costs = layer_costs(k[0], v[0], q[0].queries, (64, 64), False, sinks=2, window=60)
     assert min(k_costs + v_costs) > 0
 
 
@@ -116,7 +118,31 @@ def test_the_bits_go_to_the_tensor_whose_error_is_largest():
     assert bits[(1, "v")] == max(bits.values()) > CODECS["lm2hb"].body_bits(64, 64)
 
 
-def test_without_queries_each_tensor_is_priced_by_its_own_error():
+def test_the_bits_go_to_the_layer_whose_errors_weigh_most():
+    k, v, q = rows(3, 120)
+    q[2] = Probe(q[2].queries, 1000.0)  # layer 2's output errors weigh 1000x downstream
+    chosen = choose(parse_kv("bits=auto:2.5,group=64,residual=4,sinks=2"), k, v, q)
+    assert {c.name for c in chosen.layer_codecs[2]} != {"lm2hb"}
+    assert {c.name for pair in chosen.layer_codecs[:2] for c in pair} == {"lm2hb"}
+
+
+def test_a_layers_error_weight_is_o_proj_over_the_typical_residual_norm(tiny):
+    """Layer 0's weight from the embeddings it reads, written out: ||W_o||_F^2 / median_t ||x_t||^2."""
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(0))
+    layer = tiny.model.model.layers[0]
+    x = tiny.model.model.embed_tokens(tokens)  # (1, 20, hidden): the stream entering layer 0
+    expected = layer.self_attn.o_proj.weight.pow(2).sum() / x.pow(2).sum(-1).median()
+    assert layer.error_weight(x) == pytest.approx(float(expected), rel=1e-5)
+    cache = KVCache.for_model(tiny.config, parse_kv(AUTO), 64)
+    handed = []
+    cache.append = lambda new_kv, probes: handed.extend(probes)  # what the model hands its cache
+    with torch.inference_mode():
+        tiny.model(tokens, cache)
+    assert len(handed) == 2 and handed[0].weight == pytest.approx(float(expected), rel=1e-5)
+    assert handed[0].queries.shape == (1, 4, 20, 64)  # every query of a prompt shorter than QUERIES
+
+
+def test_without_probes_each_tensor_is_priced_by_its_own_error():
     k, v, _ = rows(3, 120)
     v[2] *= 20.0
     chosen = choose(parse_kv("bits=auto:2.5,group=64,residual=4,sinks=2"), k, v, None)
@@ -154,7 +180,7 @@ def test_a_group_hands_each_auto_cache_its_own_rows():
     group = CacheGroup(grouped)
     assert group.wants_queries == QUERIES
     both = [(torch.cat([k[i], k[i], k2[i]]), torch.cat([v[i], v[i], v2[i]])) for i in range(2)]
-    group.append(both, [torch.cat([q[i], q[i], q2[i]]) for i in range(2)])
+    group.append(both, [Probe(torch.cat([q[i].queries, q[i].queries, q2[i].queries]), 1.0) for i in range(2)])
     assert [c.spec.layer_codecs for c in grouped[1:]] == [c.spec.layer_codecs for c in alone]
 
 

@@ -8,20 +8,24 @@ gets one of ``CANDIDATES``, the average body bits stay within B, and the choice 
 cache is reset (a new sequence chooses anew). One cache chooses once for all its rows: a batch
 of sequences shares the choice, measured on all of them.
 
-The signal is the *local error* of bench/decode_signal.py (docs/quality.md, Frontier XX), taken
-on the prompt instead of the decode. For each layer, tensor and candidate: the prompt's newest
-``QUERIES`` queries attend the prompt with that one tensor of that layer stored by the candidate
--- the sinks and the newest ``residual + tier`` tokens before each query exact, as the cache keeps
-them, the body coded -- and the cost is the mean squared difference from the exact attention
-output. Keys and values perturb the same output, so their costs share one unit and one greedy
-allocation (kv/allocate.py) spends the budget over both. What the rest of the model makes of a
-layer's error is not weighed (no map is read): Frontier XX measured that gain to be where the
-offline maps know more, and a choice from the decode's own error to be no better than a map of
-another text at this model's 3 bits (docs/quality.md measures this spec beside ``k3v2mixt``).
+The price of a choice is the *local error* of bench/decode_signal.py (docs/quality.md, Frontier
+XX) taken on the prompt instead of the decode, times the layer's *error weight*. For each layer,
+tensor and candidate: the prompt's newest ``QUERIES`` queries attend the prompt with that one
+tensor of that layer stored by the candidate -- the sinks and the newest ``residual + tier``
+tokens before each query exact, as the cache keeps them, the body coded -- and the local error is
+the mean squared difference from the exact attention output. Keys and values perturb the same
+output, so their prices share one unit. What the rest of the model makes of that error is the
+weight the model hands with the queries (kv/interface.py: Probe; model/llama.py:
+``DecoderLayer.error_weight``): ||W_o||_F^2 over the median squared norm of the residual stream
+entering the layer, since the error reaches the stream through o_proj and the next RMSNorm divides
+the stream by its norm. Measured against the sensitivity maps of three texts, the local error alone
+ranks the layers at Spearman 0.31-0.69 and weighted at 0.80-0.96 (docs/quality.md, Frontier XXII);
+no constant is fitted. One greedy allocation (kv/allocate.py) then spends the budget over all
+tensors.
 
 A prompt too short to have a body for its queries is measured with every token but the sinks
-coded. A cache filled without queries (synthetic rows: ``minillama kv``) prices each tensor by
-its own reconstruction error instead. These are pure functions; ``KVCache`` calls ``choose``.
+coded. A cache filled without probes (synthetic rows: ``minillama kv``) prices each tensor by its
+own reconstruction error instead. These are pure functions; ``KVCache`` calls ``choose``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from minillama.kv.allocate import Choice, allocate
 from minillama.kv.codecs import CODECS, Codec
+from minillama.kv.interface import Probe
 from minillama.kv.write import encode  # the cache's own writer: the kernels' encoder where they run
 
 CANDIDATES = ("lm2hb", "lm3hb", "lm4hb")  # every tensor's choices, cheapest first (rotated Lloyd-Max, byte scales)
@@ -134,20 +139,20 @@ def layer_costs(
     return costs
 
 
-def choose(spec, keys: torch.Tensor, values: torch.Tensor, queries: list[torch.Tensor] | None):
+def choose(spec, keys: torch.Tensor, values: torch.Tensor, probes: list[Probe] | None):
     """The auto spec `spec` (``spec.auto`` = B) with every layer's codecs chosen (``layer_codecs``)
-    from the first tokens a cache receives: keys, values (L, B, H, T, D) and, per layer, the newest
-    queries (B, Hq, m, D) (or None: module doc). The same inputs always give the same choice, and
-    its average body bits never exceed B."""
+    from the first tokens a cache receives: keys, values (L, B, H, T, D) and, per layer, a Probe: the
+    newest queries (B, Hq, m, D) and the weight of an error in the layer's output (or None: module
+    doc). The same inputs always give the same choice, and its average body bits never exceed B."""
     head_dim = keys.shape[-1]
     window = spec.residual + spec.tier
     groups = (spec.kgroup, spec.vgroup)
     tensors: list[list[Choice]] = []
     for layer in range(keys.shape[0]):
-        q = None if queries is None else queries[layer]
+        q, weight = (None, 1.0) if probes is None else (probes[layer].queries, probes[layer].weight)
         k_costs, v_costs = layer_costs(keys[layer], values[layer], q, groups, spec.center, spec.sinks, window)
         for costs, group in ((k_costs, spec.kgroup), (v_costs, spec.vgroup)):
-            tensors.append([Choice(c, c.body_bits(head_dim, group), x) for c, x in zip(candidates(), costs)])
+            tensors.append([Choice(c, c.body_bits(head_dim, group), weight * x) for c, x in zip(candidates(), costs)])
     pick = allocate(tensors, spec.auto)
     chosen = [options[i].codec for options, i in zip(tensors, pick)]
     return replace(spec, layer_codecs=tuple(zip(chosen[0::2], chosen[1::2])))

@@ -22,7 +22,7 @@ import torch
 from minillama.errors import UserError
 from minillama.kv.auto import QUERIES, choose
 from minillama.kv.fused_attention import CachePlans
-from minillama.kv.interface import PartView
+from minillama.kv.interface import PartView, Probe
 from minillama.kv.layered import LayeredStore
 from minillama.kv.memory import check_fits
 from minillama.kv.quantize import check_finite
@@ -193,17 +193,15 @@ class KVCache:
         self.bytes.total_read += nbytes
         self._step_read += nbytes
 
-    def append(
-        self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries: list[torch.Tensor] | None = None
-    ) -> None:
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], probes: list[Probe] | None = None) -> None:
         """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full. An auto
-        spec's cache first chooses every layer's codecs from them and from ``queries``, each layer's
-        newest queries (B, H_q, m, D), which it asks for by ``wants_queries``."""
+        spec's cache first chooses every layer's codecs from them and from ``probes`` (each layer's
+        newest queries and error weight, kv/interface.py), which it asks for by ``wants_queries``."""
         k, v = torch.stack([k for k, _ in new_kv]), torch.stack([v for _, v in new_kv])  # (L, B, H_kv, n, D)
         if self.wants_queries:
             check_finite(k)
             check_finite(v)
-            self._build(choose(self.spec, k, v, queries))
+            self._build(choose(self.spec, k, v, probes))
         self.append_stacked(k, v)
 
     def append_stacked(self, k: torch.Tensor, v: torch.Tensor) -> None:

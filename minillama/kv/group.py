@@ -17,7 +17,7 @@ import torch
 
 from minillama.errors import UserError
 from minillama.kv.cache import KVCache
-from minillama.kv.interface import LayerView, PartView
+from minillama.kv.interface import LayerView, PartView, Probe
 from minillama.native.abi import NotSupported
 
 ONE_AT_A_TIME = "a group of caches is attended one cache at a time (kv/group.py)"
@@ -96,14 +96,12 @@ class CacheGroup:
     def layer(self, i: int) -> GroupView:
         return GroupView([c.layer(i) for c in self.caches], self.rows)
 
-    def append(
-        self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries: list[torch.Tensor] | None = None
-    ) -> None:
-        """new_kv: per layer (k, v), each (sum of batches, H, T, D), and queries (sum of batches, Hq,
-        m, D) per layer when asked for: each cache gets its rows."""
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], probes: list[Probe] | None = None) -> None:
+        """new_kv: per layer (k, v), each (sum of batches, H, T, D), and a Probe per layer when asked
+        for: each cache gets its rows (a probe's weight is the whole batch's)."""
         start = 0
         for cache, n in zip(self.caches, self.rows):
             rows = slice(start, start + n)
-            mine = [q[rows] for q in queries] if queries is not None and cache.wants_queries else None
+            mine = [Probe(p.queries[rows], p.weight) for p in probes] if probes and cache.wants_queries else None
             cache.append([(k[rows], v[rows]) for k, v in new_kv], mine)
             start += n

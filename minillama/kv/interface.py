@@ -9,7 +9,8 @@ gpt-fast's model uses ``KVCache.update`` and mlx-lm's ``offset``/``update_and_fe
     cache.layer(i)             a LayerView: what attention reads of layer i
     cache.wants_queries        how many of each layer's newest queries the next append needs (0 but
                                for a cache that chooses its codecs from them: bits=auto, kv/auto.py)
-    cache.append(new_kv, queries)  the one place the cache grows (and evicts)
+    cache.append(new_kv, probes)   the one place the cache grows (and evicts); probes, one ``Probe``
+                               a layer, only when the cache asked for them
 
 A ``LayerView`` gives the codecs of keys and values (their storage spaces), the key center,
 the held tokens' positions, ``read(dtype)`` for the reference attention (dequantized, counted
@@ -53,6 +54,17 @@ class PartView:
     params: dict[str, torch.Tensor] | None = None  # per-sequence parameters of calibrated codecs
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What a cache that chooses its codecs (``wants_queries``) is handed for one layer with its first
+    append: the layer's newest queries, and how much an error in its attention output weighs."""
+
+    queries: torch.Tensor  # (B, Hq, m, D): the newest m queries, after RoPE (rotated as the stored keys)
+    # ||o_proj||_F^2 / the median over the tokens of ||x||^2, x the residual stream entering the layer:
+    # an output error e reaches the stream as o_proj(e), and the next RMSNorm divides it by ||x||
+    weight: float
+
+
 class LayerView(Protocol):
     """What attention reads of one layer."""
 
@@ -94,6 +106,4 @@ class Cache(Protocol):
 
     def layer(self, i: int) -> LayerView: ...
 
-    def append(
-        self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], queries: list[torch.Tensor] | None = None
-    ) -> None: ...
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], probes: list[Probe] | None = None) -> None: ...

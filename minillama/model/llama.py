@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillama.kv.interface import Cache
+from minillama.kv.interface import Cache, Probe
 from minillama.model import step
 from minillama.model.attention import attend, attend_cache
 from minillama.model.config import LlamaConfig
@@ -94,6 +94,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+
+    def error_weight(self, x: torch.Tensor) -> float:
+        """How much an error e in this layer's attention output weighs downstream, for x (B, T, hidden)
+        the residual stream entering it: e reaches the stream as o_proj(e), about ||W_o||_F^2 ||e||^2
+        in squared norm for an error with no preferred direction, and the next RMSNorm divides the
+        stream by its norm, so relative to the median token's ||x||^2 (the median leaves out the few
+        tokens of massive activations: the BOS). kv/auto.py prices a layer's codecs by it."""
+        typical = x.float().pow(2).sum(-1).flatten().median()  # ()
+        return float(self.self_attn.o_proj.weight.float().pow(2).sum() / typical.clamp_min(1e-30))
 
     def forward(self, x, cos, sin, cache, layer, rotary=None, fused=None):
         h, kv, q = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fused)
@@ -210,14 +219,15 @@ class Llama(nn.Module):
         fused = step.chunk_attention()
         new_kv = []
         asked = cache.wants_queries if cache is not None else 0  # an auto cache chooses its codecs from these
-        queries = [] if asked else None  # per layer (B, Hq, m, D): the newest m queries
+        probes = [] if asked else None  # per layer: the newest queries, the weight of an output error
         for i, layer in enumerate(self.model.layers):
+            weight = layer.error_weight(x) if asked else 0.0
             x, kv, q = layer(x, cos, sin, cache, i, rotary, fused)
             new_kv.append(kv)
-            if queries is not None:
-                queries.append(q[:, :, -asked:])
+            if probes is not None:
+                probes.append(Probe(q[:, :, -asked:], weight))  # (B, Hq, m, D)
         if cache is not None:
-            cache.append(new_kv, queries)  # the one place the cache grows
+            cache.append(new_kv, probes)  # the one place the cache grows
         if last_only:
             x = x[:, -1:]
         x = self.model.norm(x)  # (B, T, hidden)
