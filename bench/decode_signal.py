@@ -22,7 +22,9 @@ A local error is not a KLD: what a layer's error costs downstream is a gain of t
 the first text's map as the calibration, gain[l] = KLD[l] / local[l], and the other texts' maps
 are predicted as gain[l] x local_text[l] (``--write DIR``: as maps ``kv allocate`` reads). It
 prints, per text with a map and tensor, the Spearman correlation with the text's own map of (a)
-the local error alone, (b) the calibrated prediction, (c) the calibration text's map itself (the
+the local error alone (with ``--weighted``, times each layer's error weight as a ``bits=auto``
+cache prices it: ||W_o||^2 over the median token's squared stream norm over the prefill,
+kv/auto.py), (b) the calibrated prediction, (c) the calibration text's map itself (the
 offline allocation's assumption), and the top five layers of each: a signal worth allocating by
 beats (c) and finds the text's own hot spots; then each layer's local error and KLD as ratios to
 the calibration text's.
@@ -65,9 +67,12 @@ def cached_attention(q, k, v, kq, vq, first: int, sinks: int, residual: int) -> 
     return (p * e) @ vx + (p * (1 - e)) @ vb  # the exact rows' values, and the body's coded ones
 
 
-def local_errors(lm, ids: list[int], spec, n: int, first: int, stat: str = "mean") -> dict[str, list[float]]:
+def local_errors(
+    lm, ids: list[int], spec, n: int, first: int, stat: str = "mean", weighted: bool = False
+) -> dict[str, list[float]]:
     """Per layer, keys and values apart: the `stat` (STATS) of each decode query's squared
-    attention-output error (module doc)."""
+    attention-output error (module doc); with `weighted`, times the layer's error weight as the
+    model hands it to a bits=auto cache (``DecoderLayer.error_weight`` of the prefill's stream)."""
     bos = [lm.tokenizer.bos_id] if lm.tokenizer.add_bos else []
     tokens = torch.tensor([bos + ids[:n]])  # (1, N+1): the maps' first window
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -77,12 +82,21 @@ def local_errors(lm, ids: list[int], spec, n: int, first: int, stat: str = "mean
         seen.append((q, k, v))
         return plain(q, k, v, view, rotary, fast)
 
+    weights: list[float] = []  # each layer's error weight, from the stream over the prefill's tokens
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda mod, args: weights.append(mod.error_weight(args[0][:, : first + len(bos)]))
+        )
+        for layer in lm.model.model.layers
+    ]
     llama.attend_cache = capture
     try:
         cache = KVCache.for_model(lm.config, parse_kv("fp32"), capacity=tokens.shape[1] + 1)
         lm.model(tokens, cache)
     finally:
         llama.attend_cache = plain
+        for h in hooks:
+            h.remove()
     out: dict[str, list[float]] = {"k": [], "v": []}
     start = first + len(bos)  # the first decode position (the first scored prediction's query)
     for layer, (q, k, v) in enumerate(seen):
@@ -92,7 +106,7 @@ def local_errors(lm, ids: list[int], spec, n: int, first: int, stat: str = "mean
         for t, kq, vq in (("k", kh, v), ("v", k, vh)):
             oh = cached_attention(q, k, v, kq, vq, start, spec.sinks, spec.residual)
             err = (oh - o).pow(2).sum(-1)  # (B, Hq, T'): each query's squared error
-            out[t].append(STATS[stat](err, o).item())
+            out[t].append(STATS[stat](err, o).item() * (weights[layer] if weighted else 1.0))
     return out
 
 
@@ -132,6 +146,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--stat", choices=sorted(STATS), default="mean", help="a layer's number from its queries' errors")
     ap.add_argument("--write", metavar="DIR", help="write each other text's predicted map there")
+    ap.add_argument(
+        "--weighted", action="store_true", help="each layer's local error times its error weight (bits=auto's price)"
+    )
     args = ap.parse_args()
     cal_rows = json.loads(open(args.map, encoding="utf-8").read())
     spec = parse_kv(cal_rows[0]["kv"])
@@ -142,7 +159,7 @@ def main() -> None:
         name, _, file = head.partition("@")
         ids = lm.tokenizer.encode(read_text(file or None, None if file else name))
         with torch.inference_mode():
-            local = local_errors(lm, ids, spec, args.tokens, args.prefill, args.stat)
+            local = local_errors(lm, ids, spec, args.tokens, args.prefill, args.stat, args.weighted)
         rows = cal_rows if i == 0 else json.loads(open(path, encoding="utf-8").read()) if path else None
         texts.append((name, per_layer_klds(rows) if rows else None, local))
         print(f"{name}: local errors computed ({len(local['k'])} layers)", flush=True)

@@ -92,6 +92,13 @@ def test_a_short_prompt_still_measures_with_every_token_but_the_sinks_coded():
     assert min(k_costs + v_costs) > 0
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_prompt_no_longer_than_the_sinks_still_chooses(t):
+    k, v, q = rows(2, t)
+    chosen = choose(parse_kv("bits=auto:2.6,group=64,residual=4,sinks=4"), k, v, q)
+    assert chosen.body_bits(64, 2) <= 2.6
+
+
 def test_the_choice_stays_within_the_budget_and_repeats():
     k, v, q = rows(4, 120)
     for budget in (2.125, 2.6, 3.3, 4.125):

@@ -110,6 +110,7 @@ MAX_RELATIVE_ERROR = {
     "k4v3hc": 0.12,
     "k4v3lmc": 0.27,
     "k4v4lmc": 0.13,  # [0.040, 0.090, 0.043]
+    "k3v2auto": 0.6,
 }
 
 
@@ -233,8 +234,8 @@ def test_byte_counters_equal_the_closed_form(tiny, preset, batch):
     for n in (1, 31, 32, 70, 129):
         cache = KVCache.for_model(cfg, spec, 256, batch=batch)
         fill_synthetic(cache, n, chunk=17)
-        assert cache.live_bytes() == formula_live_bytes(
-            cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, spec, n, batch
+        assert cache.live_bytes() == formula_live_bytes(  # cache.spec: with bits=auto, the layers it chose
+            cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, cache.spec, n, batch
         )
         bits = (
             8
@@ -286,6 +287,8 @@ BY_HAND = {
 def test_every_preset_holds_the_bytes_its_format_says(preset, n):
     """2 layers x 2 KV heads x batch 3: the counters equal the hand-written bytes per token, with
     KIVI's rule for what stays in the residual (keys leave it in whole groups of 32 tokens)."""
+    if parse_kv(preset).auto:
+        pytest.skip("codecs chosen per sequence: tests/test_auto.py holds the bytes to the chosen mix's closed form")
     kc, ks, vc, vs, residual, sinks, unit, centered = BY_HAND[preset]
     cache = KVCache(parse_kv(preset), n_layers=2, n_kv_heads=2, head_dim=64, capacity=256, batch=3)
     fill_synthetic(cache, n, chunk=17)

@@ -124,7 +124,7 @@ def bench_row(
 ) -> BenchRow:
     reset_peak_rss()
     seen = len(backend.fallbacks())
-    capacity = max(context + decode_tokens + WARMUP + 1, spec.sinks + spec.residual + spec.unit)  # never evicts
+    capacity = max(context + decode_tokens + WARMUP + 1, spec.min_capacity)  # never evicts
     cache = KVCache.for_model(lm.config, spec, capacity)
     prefill_tps = None
     if fill == "prefill":

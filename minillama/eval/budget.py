@@ -16,8 +16,7 @@ from minillama.kv.spec import KVSpec
 
 def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tokens: int) -> str:
     """A printable budget of `spec` for a model of these sizes at `tokens` tokens, measured from a real cache."""
-    smallest = spec.sinks + spec.residual + spec.tier + spec.unit  # the least capacity a cache of the spec takes
-    cache = KVCache(spec, n_layers, n_kv_heads, head_dim, capacity=max(tokens, smallest))
+    cache = KVCache(spec, n_layers, n_kv_heads, head_dim, capacity=max(tokens, spec.min_capacity))
     fill_synthetic(cache, tokens)
     live = cache.live_bytes()
     fp16 = n_layers * 2 * n_kv_heads * head_dim * tokens * 2

@@ -243,7 +243,7 @@ def run(
             for i, t in enumerate(cell):  # trials whose prompts have the same token count share one batch
                 by_len.setdefault(len(t.ids), []).append(i)
             for n, members in by_len.items():
-                capacity = max(ctx or n + max_new, spec.sinks + spec.residual + spec.unit)
+                capacity = max(ctx or n + max_new, spec.min_capacity)
                 cache = KVCache.for_model(lm.config, spec, capacity, batch=len(members), device=lm.model.device)
                 texts = answer_batch(lm, [cell[i].ids for i in members], cache, max_new, progress=progress)
                 for i, text in zip(members, texts):

@@ -251,9 +251,7 @@ def evaluate(
     exact = None if streaming else lm.model.hidden(seq[:, :-1])  # (W, L-1, hidden)
     steps = seq.shape[1] - first
     caches = [
-        KVCache.for_model(
-            lm.config, spec, max(ctx or seq.shape[1], spec.sinks + spec.residual + spec.unit), windows, lm.model.device
-        )
+        KVCache.for_model(lm.config, spec, max(ctx or seq.shape[1], spec.min_capacity), windows, lm.model.device)
         for spec in specs
     ]
     if streaming:  # each cache evicts on its own schedule: one scheme at a time

@@ -112,7 +112,8 @@ def layer_costs(
     outputs and squared errors there are those of model space, and each tensor is rotated once."""
     space = candidates()[0]  # every candidate rotates by the same normalized Hadamard matrix
     t = k.shape[2]
-    positions = torch.cat([torch.arange(min(sinks, t)), torch.arange(max(sinks, t - SIGNAL_TOKENS), t)])  # (n,)
+    newest = min(t, max(sinks, t - SIGNAL_TOKENS))  # the first of the newest tokens the signal reads
+    positions = torch.cat([torch.arange(min(sinks, t)), torch.arange(newest, t)])  # (n,)
     kx = space.to_space(k.float()[:, :, positions])  # (B, H, n, D)
     vx = space.to_space(v.float()[:, :, positions])  # (B, H, n, D)
     # The key center the cache takes from its first append: the mean of every token (B, H, 1, D),

@@ -65,7 +65,7 @@ class KVCache:
         on_full: str = "evict",
     ):
         spec.validate(head_dim, n_layers)
-        if capacity - spec.sinks - spec.residual - spec.tier < spec.unit:
+        if capacity < spec.min_capacity:
             tier = f" + tier={spec.tier}" if spec.tier else ""
             raise UserError(
                 f"cache capacity {capacity} is too small for sinks={spec.sinks} + residual={spec.residual}{tier} "

@@ -79,6 +79,11 @@ class KVSpec:
         """The spec as written: an auto spec without the layers a cache chose for it."""
         return replace(self, layer_codecs=()) if self.auto else self
 
+    @property
+    def min_capacity(self) -> int:
+        """The fewest tokens a cache of this spec holds: its sinks, residual and tier, and one unit."""
+        return self.sinks + self.residual + self.tier + self.unit
+
     def tier_of(self, codec: Codec) -> tuple[int, Codec | None]:
         """(tokens, codec) of the age tier of a tensor stored with `codec`: none for exact tensors."""
         return (self.tier, self.tier_codec) if self.tier and codec.quantized else (0, None)
@@ -132,7 +137,7 @@ class KVSpec:
             if self.name in MIXES:
                 raise UserError(
                     f"--kv {self.name} is a mix for a {len(self.layer_codecs)}-layer model (SmolLM2-135M); this one has "
-                    f"{n_layers} layers: make one for it with minillama kv allocate"
+                    f"{n_layers} layers: use k3v2auto (chosen per prompt) or make one with minillama kv allocate"
                 )
             raise UserError(
                 f"--kv layers= gives codecs for {len(self.layer_codecs)} layers; the model has {n_layers}: "
@@ -213,6 +218,9 @@ PRESETS: dict[str, str] = {
     "k4v3hc": "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
     "k4v3lmc": "k=lm4h,v=lm3h,group=64,residual=8,sinks=4,center=1",
     "k4v4lmc": "k=lm4h,v=lm4h,group=64,residual=8,sinks=4,center=1",
+    # Each layer's codecs chosen per sequence from its prefill (kv/auto.py), at k3v2mixt's budget:
+    # the 3-bit point for a model with no map (docs/quality.md, Frontier XXII).
+    "k3v2auto": "bits=auto:2.73,group=64,residual=8,sinks=4,center=1,tier=56:lm4hb",
 }
 
 
@@ -284,6 +292,7 @@ PRESET_NOTES: dict[str, str] = {
     "k4v3hc": "k4v3h with centered keys (per-sequence channel mean subtracted)",
     "k4v3lmc": "Lloyd-Max 4-bit keys (centered) and 3-bit values, group 64, residual 8, 4 sinks",
     "k4v4lmc": "Lloyd-Max 4-bit keys (centered) and 4-bit values, group 64, residual 8, 4 sinks",
+    "k3v2auto": "~3.0 bits, any model: each layer's K/V among lm2hb/3hb/4hb chosen from the prompt, tier 56 at 4",
     "k2v2mix": "~2.5 bits: Lloyd-Max keys 2/3-bit, values 2-bit by layer (kv allocate; SmolLM2-135M)",
     "k3v2mix": "~3.0 bits: Lloyd-Max keys 2/3/4-bit, values 2/3-bit by layer (kv allocate; SmolLM2-135M)",
     "k4v3mix": "~4.0 bits: Lloyd-Max keys 2/4-bit, values 2/3/4-bit by layer (kv allocate; SmolLM2-135M)",
