@@ -280,6 +280,14 @@ def test_stats_on_an_empty_cache_shows_a_dash_not_nan(tiny):
     assert "nan" not in text and "effective bits/element - (the cache is empty)" in text
 
 
+def test_stats_shows_what_an_auto_cache_chose(tiny):
+    session = ChatSession(tiny, parse_kv("bits=auto:3,group=64,residual=4,sinks=2"), ctx=256, max_tokens=4)
+    assert "not chosen yet" in session.stats()
+    "".join(session.send("a first question, long enough to choose from"))
+    chose = [line for line in session.stats().splitlines() if line.startswith("bits=auto:3 chose K ")]
+    assert chose and "body bits an element" in chose[0]
+
+
 COMMANDS = ["/save", "/load", "/kv", "/system", "/reset", "/stats", "/help", "/bogus", "/", "/save /", "/kv k="]
 
 

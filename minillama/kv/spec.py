@@ -155,7 +155,8 @@ class KVSpec:
         if head_dim % 2:
             raise UserError(f"head_dim {head_dim} is odd: RoPE pairs channels")
         if self.auto:
-            least = min(CODECS[c].body_bits(head_dim, min(self.kgroup, self.vgroup)) for c in AUTO_CANDIDATES)
+            cheapest = CODECS[AUTO_CANDIDATES[0]]
+            least = (cheapest.body_bits(head_dim, self.kgroup) + cheapest.body_bits(head_dim, self.vgroup)) / 2
             if self.auto < least - 1e-9:
                 raise UserError(
                     f"--kv bits=auto:{self.auto:g} is below the cheapest choice ({least:.3f} bits an element with "
