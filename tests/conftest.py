@@ -140,3 +140,16 @@ def decode_steps(model, spec: str, steps: int = 30, prompt: int = 40) -> torch.T
         cache = KVCache.for_model(model.config, parse_kv(spec), 128, batch=2)
         model.model(t[:, :prompt], cache)
         return torch.cat([model.model(t[:, i : i + 1], cache) for i in range(prompt, prompt + steps)], dim=1)
+
+
+def decode_on_both_backends(model, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_steps`` on the PyTorch reference and on the native step (kernels-exact), in that
+    order; the test is skipped where the kernels do not build."""
+    from minillama.native import backend
+
+    with backend.using("reference"):
+        reference = decode_steps(model, spec)
+    with backend.using("kernels-exact"):
+        if backend.library() is None:
+            pytest.skip(f"the kernels are not available here: {backend.describe()}")
+        return reference, decode_steps(model, spec)

@@ -24,7 +24,7 @@ from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Probe
 from minillama.kv.spec import parse_kv
 from minillama.native import backend
-from tests.conftest import decode_steps
+from tests.conftest import decode_on_both_backends
 
 AUTO = "bits=auto:2.6,group=64,residual=4,sinks=2,center=1"
 
@@ -210,12 +210,7 @@ def test_the_model_hands_its_queries_and_decodes_as_the_chosen_mix(tiny, each_ba
 
 
 def test_the_model_decodes_an_auto_cache_alike_on_both_backends(tiny):
-    with backend.using("reference"):
-        reference = decode_steps(tiny, AUTO)
-    with backend.using("kernels-exact"):
-        if backend.library() is None:
-            pytest.skip(f"the kernels are not available here: {backend.describe()}")
-        native = decode_steps(tiny, AUTO)
+    reference, native = decode_on_both_backends(tiny, AUTO)
     assert torch.allclose(native, reference, atol=1e-4)
 
 

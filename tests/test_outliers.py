@@ -27,7 +27,7 @@ from minillama.model.attention import attend
 from minillama.model.rope import RotaryTable
 from minillama.native import backend
 from minillama.native.abi import NotSupported, Route
-from tests.conftest import decode_steps
+from tests.conftest import decode_on_both_backends
 
 SPIKY = "k=lm3hb,v=lm2hb,group=64,residual=4,sinks=2,center=1,outliers=1"
 SPECS = [
@@ -142,12 +142,7 @@ def test_the_model_decodes_an_outlier_cache_alike_on_both_backends(tiny):
     """The native step (kernels-exact; the cache write takes the PyTorch append)
     against the PyTorch layers, 30 steps after a 40-token prefill."""
     spec = "k=lm3hb,v=lm2hb,group=32,residual=4,sinks=2,center=1,outliers=1,tier=12:lm4hb"
-    with backend.using("reference"):
-        reference = decode_steps(tiny, spec)
-    with backend.using("kernels-exact"):
-        if backend.library() is None:
-            pytest.skip(f"the kernels are not available here: {backend.describe()}")
-        native = decode_steps(tiny, spec)
+    reference, native = decode_on_both_backends(tiny, spec)
     assert torch.allclose(native, reference, atol=1e-4)
 
 
