@@ -24,6 +24,31 @@ from minillama.eval.perplexity import evaluate
 from minillama.kv.spec import parse_kv
 
 
+def own_windows(lm, ids: list[int], specs: list, n: int, prefill: int, windows: int) -> list[dict]:
+    """Each spec's rows pooled over `windows` consecutive windows of `n` tokens, each window run
+    alone (module doc); the first spec is the baseline of ``delta_pct``."""
+    per_window = [evaluate(lm, ids, specs, n, prefill, offset=i * n, windows=1, blind=False) for i in range(windows)]
+    rows = []
+    for j, spec in enumerate(specs):
+        mine = [results[j] for results in per_window]
+        rows.append(
+            {
+                "kv": str(spec),
+                "ppl": math.exp(sum(math.log(r.ppl) for r in mine) / len(mine)),
+                "kld_mean": sum(r.kld_mean for r in mine) / len(mine),
+                "bits_per_element": sum(r.bits_per_element for r in mine) / len(mine),
+                "windows_ppl": [r.ppl for r in mine],
+                "windows_kld": [r.kld_mean for r in mine],
+                "tokens": n,
+                "prefill": prefill,
+                "windows": windows,
+            }
+        )
+    for r in rows:
+        r["delta_pct"] = 100 * (r["ppl"] / rows[0]["ppl"] - 1)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", choices=["hamlet", "wikitext2", "pydoc"])
@@ -36,29 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     lm = load(None, "float32", "cpu")
     ids = lm.tokenizer.encode(read_text(args.text, args.dataset))
-    specs = [parse_kv(s) for s in args.kv]
-    per_window = [
-        evaluate(lm, ids, specs, args.tokens, args.prefill, offset=i * args.tokens, windows=1, blind=False)
-        for i in range(args.windows)
-    ]
-    rows = []
-    for j, spec in enumerate(specs):
-        mine = [results[j] for results in per_window]
-        rows.append(
-            {
-                "kv": str(spec),
-                "ppl": math.exp(sum(math.log(r.ppl) for r in mine) / len(mine)),
-                "kld_mean": sum(r.kld_mean for r in mine) / len(mine),
-                "bits_per_element": sum(r.bits_per_element for r in mine) / len(mine),
-                "windows_ppl": [r.ppl for r in mine],
-                "windows_kld": [r.kld_mean for r in mine],
-                "tokens": args.tokens,
-                "prefill": args.prefill,
-                "windows": args.windows,
-            }
-        )
-    for r in rows:
-        r["delta_pct"] = 100 * (r["ppl"] / rows[0]["ppl"] - 1)
+    rows = own_windows(lm, ids, [parse_kv(s) for s in args.kv], args.tokens, args.prefill, args.windows)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -67,7 +70,8 @@ def main() -> None:
     for r in rows:
         klds = " ".join(f"{k:.4f}" for k in r["windows_kld"])
         print(
-            f"{r['kv']:<60} {r['bits_per_element']:>6.3f} {r['ppl']:>9.4f} {r['delta_pct']:>+7.2f}% {r['kld_mean']:>9.5f}  {klds}"
+            f"{r['kv']:<60} {r['bits_per_element']:>6.3f} {r['ppl']:>9.4f} {r['delta_pct']:>+7.2f}% "
+            f"{r['kld_mean']:>9.5f}  {klds}"
         )
 
 

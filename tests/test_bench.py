@@ -631,3 +631,32 @@ def test_tier_from_exact_codes_the_body_from_exact_rows(monkeypatch):
         assert all(n == 12 for n in body.values())
         assert all(torch.equal(c.body[k].read(0, n), a.body[k].read(0, n)) for k, n in body.items())
         assert not all(torch.equal(b.body[k].read(0, n), a.body[k].read(0, n)) for k, n in body.items())
+
+
+def test_own_windows_pool_as_a_batch_of_windows_would(tiny):
+    """bench/own_window_ppl.py: each window in its own cache, pooled; for specs that choose
+    nothing per sequence that is ``evaluate`` over the same windows as one batch."""
+    from minillama.eval.perplexity import evaluate
+
+    own = load_bench("own_window_ppl")
+    ids = tiny.tokenizer.encode("It was the best of times, it was the worst of times. " * 12)
+    specs = [parse_kv("fp32"), parse_kv("kivi4")]
+    rows = own.own_windows(tiny, ids, specs, n=96, prefill=16, windows=2)
+    batch = evaluate(tiny, ids, specs, n=96, prefill=16, windows=2, blind=False)
+    for row, whole in zip(rows, batch):
+        assert row["ppl"] == pytest.approx(whole.ppl, rel=1e-4)
+        assert row["kld_mean"] == pytest.approx(whole.kld_mean, rel=1e-3, abs=1e-7)
+    assert rows[0]["delta_pct"] == 0 and len(rows[1]["windows_ppl"]) == 2
+
+
+def test_rms_scales_leave_each_codebook_scale_at_its_groups_rms_and_put_refinement_back():
+    """bench/rms_scale.py: inside, a Lloyd-Max group's scale is its RMS (as fp16); after, refined."""
+    from minillama.kv.quantize import quantize_codebook
+
+    rms = load_bench("rms_scale")
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))  # (H, T, D)
+    with rms.rms_scales():
+        _, scale = quantize_codebook(x, 3, 64)
+    assert torch.equal(scale.float(), x.pow(2).mean(-1, keepdim=True).sqrt().half().float())
+    _, refined = quantize_codebook(x, 3, 64)
+    assert not torch.equal(refined, scale)
