@@ -24,7 +24,6 @@ def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tok
     codecs = f"k={spec.k.name} v={spec.v.name}"
     if spec.auto:  # the synthetic rows choose without queries: each tensor by its reconstruction error
         codecs = f"{cache.spec.auto_state(head_dim, n_layers)} from synthetic rows (a real prompt chooses its own)"
-        spec = cache.spec
     lines = [
         f"kv {spec}: {codecs} kgroup={spec.kgroup} vgroup={spec.vgroup} residual={spec.residual} "
         f"sinks={spec.sinks}"
@@ -33,7 +32,7 @@ def byte_budget(n_layers: int, n_kv_heads: int, head_dim: int, spec: KVSpec, tok
         + (" positions=cache" if spec.positions == "cache" else "")
         + (f" start={spec.start}" if spec.start else "")
         + (f" tier={spec.tier}:{spec.tier_codec.name}" if spec.tier else "")
-        + (f"; layers: {spec.layer_mix()}" if spec.layer_codecs and not spec.auto else ""),
+        + (f"; layers: {spec.layer_mix()}" if spec.layer_codecs else ""),
         f"model: {n_layers} layers x {n_kv_heads} KV heads x head_dim {head_dim}; {tokens} tokens",
         *(f"  {k:<9}{v:>14,d} bytes" for k, v in live.items()),
         f"  {'live':<9}{sum(live.values()):>14,d} bytes ({sum(live.values()) / 2**20:.2f} MiB, {sum(live.values()) / fp16:.1%} of fp16)",
