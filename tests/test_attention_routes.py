@@ -27,17 +27,17 @@ from minillama.native.build import TARGETS, build
 
 # One spec per kind of part: float rows, KIVI keys with per-token values, Hadamard 2-bit values
 # with sinks, centered Hadamard keys with 3-bit values, codebooks, keys before RoPE (rows decoded
-# one at a time), calibrated codes, vector codes, codebooks with one-byte scales.
+# one at a time), vector codes, codebooks with one-byte scales.
 SPECS = [
     "fp16",
     "kivi4",
-    "hadv2s",
-    "k4v3hc",
+    "hadv2,sinks=4",
+    "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
     "k4v3lmc",
-    "k3v2lm",
+    "k=lm3h,v=lm2h,group=64,residual=8,sinks=4",
     "k=int4c,v=int2h,group=32,residual=8,sinks=4,rope=pre",
-    "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=2",
-    "k=vq2h,v=vq2hs,kgroup=64,vgroup=16,residual=8,sinks=4",  # vector codes: rows decoded by table lookup
+    "k=int2c,v=int3h,vgroup=64,residual=8,sinks=2",
+    "k=vq2hs,v=vq2hs,kgroup=64,vgroup=16,residual=8,sinks=4",  # vector codes: rows decoded by table lookup
     "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4",  # one-byte log scales
     "k=lm4hb,v=lm3hb,kgroup=32,vgroup=16,residual=8,center=1",  # ... in narrower groups
     "k=lm4hb,v=lm2hb,kgroup=64,residual=8",  # ... one a row at head_dim 64: the integer codebook keys
@@ -105,7 +105,7 @@ def test_a_long_context_walks_several_blocks_a_thread(target, r, d):
     to block: 5000 tokens through a wrapped ring are several blocks for every thread, and each
     block kernel call covers a whole block. Exact float kernels equal the reference; the integer
     ones (kernels backend) stay within their bound."""
-    specs = ("fp16", "hadv2s", "k4v3lmc", "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4")
+    specs = ("fp16", "hadv2,sinks=4", "k4v3lmc", "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4")
     with backend.using("kernels-exact", target):
         lib = backend.library()
         for spec in specs:
@@ -139,8 +139,8 @@ def test_the_integer_route_stays_within_its_bound_on_every_shape(target, r, d):
         lib = backend.library()
         for spec in (
             "kivi4",
-            "hadv2s",
-            "k4v3hc",
+            "hadv2,sinks=4",
+            "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
             "k4v3lmc",
             "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4",
             "k=lm2h,v=lm2h,kgroup=64,vgroup=64,residual=8,sinks=4,center=1",  # integer 2-bit book keys at head_dim 64

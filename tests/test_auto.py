@@ -224,7 +224,7 @@ def test_a_saved_auto_cache_keeps_its_choice(tmp_path):
     assert back.spec.layer_codecs == cache.spec.layer_codecs and back.wants_queries == 0
     assert back.layer(1).read(torch.float32)[1].equal(cache.layer(1).read(torch.float32)[1])
     with pytest.raises(UserError, match="holds a --kv"):
-        restore(read(path), None, "k3v2lm")
+        restore(read(path), None, "k=lm3h,v=lm2h,group=64,residual=8,sinks=4")
 
 
 @pytest.mark.parametrize(
@@ -234,8 +234,7 @@ def test_a_saved_auto_cache_keeps_its_choice(tmp_path):
         ("bits=3", "write bits=auto:B"),
         ("bits=auto:-1", "write bits=auto:B"),
         ("bits=auto:3,k=lm3h", "drop k="),
-        ("bits=auto:3,koutliers=1", "drop koutliers="),
-        ("bits=auto:3,kfirst=lm4h,first=2", "drop kfirst="),
+        ("bits=auto:3,v=lm4h", "drop v="),
     ],
 )
 def test_a_malformed_auto_spec_is_refused_in_one_line(spec, message):

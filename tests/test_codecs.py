@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -67,16 +66,13 @@ def gaussian(outliers=False):
 BOUNDS = {
     "int8": 2e-4,
     "int4": 0.02,
-    "int3": 0.08,
     "int2": 0.35,
-    "int8c": 2e-4,
     "int4c": 0.02,
     "int2c": 0.35,
     "int4h": 0.02,
     "int3h": 0.08,
     "int2h": 0.35,
     "tern": 0.4,
-    "ternh": 0.4,
     # Lloyd-Max on N(0,1): 0.0095 (4 bits), 0.0345 (3), 0.1175 (2), plus RMS-estimate noise.
     "lm4h": 0.015,
     "lm3h": 0.05,
@@ -84,8 +80,7 @@ BOUNDS = {
     "lm4hb": 0.015,  # one-byte log scales: steps of 4.4%, the refinement picks the best grid point
     "lm3hb": 0.05,
     "lm2hb": 0.16,
-    "vq2h": 0.14,  # 4-dim Gaussian k-means vectors: ~0.099 on N(0, I)
-    "vq2hs": 0.14,  # the same with a sign x 16-pattern book: ~0.103
+    "vq2hs": 0.14,  # 4 channels a byte from a sign x 16-pattern book: ~0.103 on N(0, I)
 }
 
 
@@ -95,7 +90,7 @@ def test_quantization_error_is_bounded_on_gaussian_data(name):
     assert relative_mse(x, roundtrip(name, x)) < BOUNDS[name]
 
 
-@pytest.mark.parametrize("plain,rotated", [("int4", "int4h"), ("int3", "int3h"), ("int2", "int2h"), ("tern", "ternh")])
+@pytest.mark.parametrize("plain,rotated", [("int4", "int4h"), ("int2", "int2h")])
 def test_rotation_lowers_error_on_outlier_channels(plain, rotated):
     x = gaussian(outliers=True)
     assert relative_mse(x, roundtrip(rotated, x)) < relative_mse(x, roundtrip(plain, x))
@@ -155,7 +150,7 @@ def test_the_sign_structured_book_is_signs_times_sixteen_patterns():
     """vq2hs's book: vectors 0-15 are non-negative patterns, and vector 16 s + p is pattern p with
     coordinate c negated where bit c of s is set -- what the integer kernel rebuilds in
     registers; on N(0, I) it keeps most of the free book's gain over scalar levels."""
-    book = quantize.gaussian_vector_codebook(4, 2, signs=True)  # (256, 4)
+    book = quantize.gaussian_vector_codebook(4, 2)  # (256, 4)
     patterns = book[:16]  # (16, 4)
     assert (patterns >= 0).all()
     for k in range(256):
@@ -170,7 +165,7 @@ def test_the_sign_structured_search_finds_the_books_nearest_vector():
     """quantize_vectors searches vq2hs's book as signs x 16 patterns (the code native/encode.cpp
     reproduces): x's signs and the pattern nearest |x|. That is the nearest of all 256 vectors,
     and a zero coordinate keeps its + (the lower code, as an argmin over the whole book picks)."""
-    book = quantize.gaussian_vector_codebook(4, 2, signs=True)  # (256, 4)
+    book = quantize.gaussian_vector_codebook(4, 2)  # (256, 4)
     x = torch.randn(50000, 4, generator=torch.Generator().manual_seed(12))  # (S, 4)
     x[:100, 1] = 0.0
     codes = quantize._nearest_signed(x, quantize.vector_patterns(4, 2))
@@ -180,17 +175,17 @@ def test_the_sign_structured_search_finds_the_books_nearest_vector():
 
 
 def test_vector_codes_beat_scalar_levels_at_equal_bits():
-    """vq2h and lm2h store the same bytes (2 bits per element + an fp16 scale per group); on
+    """vq2hs and lm2h store the same bytes (2 bits per element + an fp16 scale per group); on
     Gaussian coordinates the vector code's error is lower by more than a tenth."""
     x = gaussian()
-    assert CODECS["vq2h"].body_bits(64, 64) == CODECS["lm2h"].body_bits(64, 64) == 2.25
-    assert relative_mse(x, roundtrip("vq2h", x, 64)) < 0.9 * relative_mse(x, roundtrip("lm2h", x, 64))
+    assert CODECS["vq2hs"].body_bits(64, 64) == CODECS["lm2h"].body_bits(64, 64) == 2.25
+    assert relative_mse(x, roundtrip("vq2hs", x, 64)) < 0.9 * relative_mse(x, roundtrip("lm2h", x, 64))
 
 
 @pytest.mark.parametrize("d, g", [(64, 64), (64, 16), (128, 32), (128, 4)])
 def test_vector_code_bits_are_two_plus_the_scale(d, g):
     """One byte per 4 channels and one fp16 scale per G channels: 2 + 16/G bits per element."""
-    codec = CODECS["vq2h"]
+    codec = CODECS["vq2hs"]
     assert codec.body_bits(d, g) == 2 + 16 / g
     parts = codec.encode(torch.randn(1, 2, 5, d), g)
     assert parts["codes"].shape == (1, 2, 5, d // 4) and parts["scale"].shape == (1, 2, 5, d // g)
@@ -198,7 +193,7 @@ def test_vector_code_bits_are_two_plus_the_scale(d, g):
 
 def test_vector_codes_need_groups_of_whole_vectors():
     with pytest.raises(UserError, match="multiple"):
-        parse_kv("k=fp16,v=vq2h,vgroup=2").validate(64)
+        parse_kv("k=fp16,v=vq2hs,vgroup=2").validate(64)
 
 
 def test_per_channel_beats_per_token_on_outlier_channels():
@@ -312,8 +307,8 @@ def test_a_preset_takes_fields_given_anew_after_its_name():
     spec = parse_kv("hadv2,sinks=4,residual=16")
     assert spec.canonical() == parse_kv("k=int4c,v=int2h,group=32,residual=16,sinks=4").canonical()
     assert str(spec) == "hadv2,sinks=4,residual=16"
-    mix = parse_kv("k3v2mixt,koutliers=1")  # a mix keeps its layers and tier
-    assert mix.tier == 56 and all(k.name.endswith("o1") for k, _ in mix.layer_codecs)
+    mix = parse_kv("k3v2mixt,residual=16")  # a map keeps its layers and tier
+    assert mix.tier == 56 and mix.residual == 16 and len(mix.layer_codecs) == 30
 
 
 @pytest.mark.parametrize(
@@ -332,66 +327,6 @@ def test_a_preset_with_a_bad_field_is_refused_in_one_line(text, error):
 def test_all_codec_pairs_parse():
     for k, v in itertools.product(CODECS, repeat=2):
         parse_kv(f"k={k},v={v}").validate(64)
-
-
-# -- per-sequence calibrated codecs (int3cs..., nuq3...) --
-
-
-def numpy_error(x, lo, span, levels) -> np.ndarray:
-    """Squared error per head of x (heads, T, D) rebuilt from the nearest level of each channel's
-    [lo, lo + span] grid, computed in numpy point by point (independent of kv/quantize.py)."""
-    x, lo, span, levels = (np.asarray(t, dtype=np.float64) for t in (x, lo.float(), span.float(), levels.float()))
-    grid = lo[..., None] + span[..., None] * levels[:, None, None, :]  # (heads, 1, D, L): every level in x's units
-    return ((x[..., None] - grid) ** 2).min(-1).sum(axis=(1, 2))  # (heads,)
-
-
-def numpy_lloyd(x, lo, span, bits: int, iters: int = 16) -> np.ndarray:
-    """Lloyd's algorithm on one head's normalized points, weighted by span^2, from the uniform grid."""
-    s = np.where(span > 0, span, 1.0)
-    u = np.clip((x - lo) / s, 0, 1).ravel()  # (T*D,)
-    w = np.broadcast_to(span**2, x.shape).ravel()
-    levels = np.arange(2**bits) / (2**bits - 1)
-    for _ in range(iters):
-        nearest = np.abs(u[:, None] - levels[None, :]).argmin(1)
-        for j in range(len(levels)):
-            if w[nearest == j].sum() > 0:
-                levels[j] = (w * u)[nearest == j].sum() / w[nearest == j].sum()
-        levels.sort()
-    return levels
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_fitted_grid_is_lloyds_grid_or_uniform_whichever_fits_better(bits):
-    g = torch.Generator().manual_seed(bits)
-    # three heads: Gaussian, heavy-tailed (Student-t like), and uniform data, where uniform is already optimal
-    x = torch.stack(
-        [
-            torch.randn(256, 16, generator=g),
-            torch.randn(256, 16, generator=g) / torch.rand(256, 16, generator=g).clamp_min(0.05),
-            torch.rand(256, 16, generator=g),
-        ]
-    )  # (heads, T, D)
-    lo, span = quantize.fit_channel_range(x)
-    fitted = quantize.fit_levels(x, lo, span, bits)
-    assert torch.equal(fitted, quantize.fit_levels(x, lo, span, bits))  # same data, same grid
-    uniform = quantize.uniform_levels(bits, (3,))
-    for head in range(3):
-        ours = numpy_lloyd(x[head].double().numpy(), lo[head].double().numpy(), span[head].double().numpy(), bits)
-        candidates = {"lloyd": torch.tensor(ours).to(torch.float16), "uniform": uniform[head]}
-        errors = {
-            k: numpy_error(x[head : head + 1], lo[head : head + 1], span[head : head + 1], v[None])[0]
-            for k, v in candidates.items()
-        }
-        best = min(errors, key=errors.get)
-        assert torch.allclose(fitted[head].float(), candidates[best].float(), atol=2e-3), (head, best)
-    fitted_err = numpy_error(x, lo, span, fitted)
-    assert fitted_err[1] < 0.8 * numpy_error(x, lo, span, uniform)[1]  # heavy tails: the fitted grid is clearly better
-
-
-def test_channel_ranges_are_each_channels_min_and_span():
-    x = torch.tensor([[[1.0, -2.0], [3.0, 0.0], [2.0, 4.0]]])  # (1, T=3, D=2)
-    lo, span = quantize.fit_channel_range(x)
-    assert lo.tolist() == [[[1.0, -2.0]]] and span.tolist() == [[[2.0, 6.0]]]
 
 
 def test_one_byte_log_scales_are_the_grid_2_to_the_k_over_16():

@@ -29,12 +29,12 @@ SPECS = (
     + [f"k={c},v={c},group=16,residual=5" for c in CODECS]
     + [
         "k=int4c,v=int2h,group=32,residual=32,sinks=4",
-        "k=int3h,v=ternh,group=32,residual=0,sinks=2",
+        "k=int3h,v=tern,group=32,residual=0,sinks=2",
         "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1",
         "k=int4c,v=int4,group=32,residual=32,center=1",
         "k=int4c,v=int2h,kgroup=16,vgroup=64,residual=8,sinks=4",
-        "k=nuq3,v=int3h,vgroup=64,residual=8,sinks=4,start=50",
-        "k=int3c,v=int2h,kgroup=16,residual=8,sinks=4,kfirst=int4c,first=1",
+        "k=int2c,v=int3h,vgroup=64,residual=8,sinks=4,start=50",
+        "k=int2c,v=int2h,kgroup=16,residual=8,sinks=4",
     ]
 )
 

@@ -344,14 +344,9 @@ def test_a_key_given_twice_is_refused():
         parse_kv("k=int4,k=int2,v=int4")
 
 
-@pytest.mark.parametrize(
-    "first, message", [(99, "first=99 names more layers than the model's 2"), (0, "first=0 gives no layer")]
-)
-def test_a_first_outside_the_model_is_refused(model, first, message):
-    line = one_error_line(
-        invoke(["generate", "hi", "--model", model, "--kv", f"k=int4,v=int4,kfirst=int2,first={first}"])
-    )
-    assert message in line
+def test_layers_for_another_model_are_refused(model):
+    line = one_error_line(invoke(["generate", "hi", "--model", model, "--kv", "k=int4,v=int4,layers=int4/int4"]))
+    assert "gives codecs for 1 layers; the model has 2" in line
 
 
 def test_a_huge_kv_string_is_echoed_cut(model):

@@ -70,9 +70,9 @@ def skipped_where_unread(what: str):
 SCORE_SPECS = [
     "kivi4",
     "hadv2",
-    "k4v3hc",
+    "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
     "kivi2",
-    "k=int3c,v=int4,group=16,residual=3",
+    "k=int2c,v=int4,group=16,residual=3",
     "k=int3h,v=int4,group=64,residual=3",
     "k=int4,v=int2,group=64,residual=5,sinks=4",
     "k=int2h,v=int3h,group=64,residual=0",
@@ -80,9 +80,9 @@ SCORE_SPECS = [
 VALUE_SPECS = [
     "kivi4",
     "hadv2",
-    "k4v3hc",
+    "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
     "kivi2",
-    "k=int4c,v=int3,group=32,residual=3",
+    "k=int4c,v=int3h,group=32,residual=3",
     "k=int4c,v=int4h,vgroup=64,residual=5,sinks=4",
 ]
 
@@ -126,7 +126,7 @@ def test_integer_scores_are_within_the_int8_query_bound(lib, spec, n, batch):
     check_score_bound(lib, spec, n, batch)
 
 
-@pytest.mark.parametrize("codes", ["int4c", "int3c", "int3h", "int4"])
+@pytest.mark.parametrize("codes", ["int4c", "int3h", "int4"])
 @pytest.mark.parametrize("r, d", [(1, 64), (2, 128), (5, 64), (8, 128), (16, 64), (16, 128)])
 def test_integer_scores_hold_the_bound_for_every_gqa_and_head_size(lib, codes, r, d):
     """The SIMD score kernels keep up to 16 heads' queries: every grouping of heads, one or two
@@ -398,13 +398,13 @@ def assert_int16_level_bound(got, exact, p, levels, scale, g: int, big: float) -
     assert (got - exact).abs().max() > 0  # it is the integer path, not the exact one
 
 
-@pytest.mark.parametrize("codec", ["vq2h", "vq2hs"])
+@pytest.mark.parametrize("codec", ["vq2hs"])
 @pytest.mark.parametrize("vgroup", [16, 64])
 @pytest.mark.parametrize("r, d", [(1, 64), (3, 64), (8, 128), (16, 128)])
 def test_vector_coded_values_hold_the_int16_level_bound_where_a_target_reads_them(lib, codec, vgroup, r, d):
-    """vq2h / vq2hs values on the integer route: the book's numbers become int16 (off by at most
-    max |L| / 4094, as a codebook's levels), each token's channels come from gathers of whole
-    vectors (vq2h) or from the 16 sign-free patterns in registers (vq2hs), and the weights are
+    """vq2hs values on the integer route: the book's numbers become int16 (off by at most
+    max |L| / 4094, as a codebook's levels), each token's channels come from the 16 sign-free
+    patterns in registers, and the weights are
     int16 per block of 32 tokens; the output error is bounded by the sum of both, for one and
     several channel groups, every grouping of heads, an odd count."""
     spec = f"k=int4c,v={codec},kgroup=32,vgroup={vgroup},residual=0"
@@ -417,7 +417,7 @@ def test_vector_coded_values_hold_the_int16_level_bound_where_a_target_reads_the
     with skipped_where_unread("vector codes"):
         integer_call(lib, cache, True, p, got)
     exact = p @ store.codec.decode(parts, g, d)  # (B, H, R, D)
-    book = gaussian_vector_codebook(4, 2, codec == "vq2hs")  # (256, 4)
+    book = gaussian_vector_codebook(4, 2)  # (256, 4)
     levels = book[codes].reshape(1, 2, m, d)  # (B, H, m, D): each channel's level
     assert_int16_level_bound(got, exact, p, levels, parts["scale"], g, book.abs().max())
 
@@ -428,7 +428,7 @@ def test_vector_coded_values_hold_the_int16_level_bound_where_a_target_reads_the
         "k=int4c,v=int2,group=32,residual=0",
         "k=int4c,v=int4,vgroup=64,residual=0",
         "kivi4",
-        "k=int4c,v=int3,group=32,residual=0",  # 3-bit rows: unpacked to bytes first on AVX2
+        "k=int4c,v=int3h,group=32,residual=0",  # 3-bit rows: unpacked to bytes first on AVX2
         "k=int4c,v=int3h,vgroup=64,residual=0",
     ],
 )
@@ -506,10 +506,10 @@ def test_integer_values_widen_in_time_when_a_block_has_flat_weights(lib, spec, r
     [
         "kivi4",
         "hadv2",
-        "k4v3hc",
-        "k3v2lm",
+        "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
+        "k=lm3h,v=lm2h,group=64,residual=8,sinks=4",
         "k=int4c,v=int2h,group=8,residual=8,sinks=4",
-        "k=lm3h,v=vq2h,group=64,residual=8",
+        "k=lm3h,v=vq2hs,group=64,residual=8",
     ],
 )
 @pytest.mark.parametrize("n, capacity", [(45, 1200), (700, 200)])  # 700 into 200: the ring wraps
@@ -543,8 +543,16 @@ def test_the_integer_route_is_taken_only_where_no_exact_kernel_is_faster(lib):
     VNNI: their levels do not hold as integers up to 16 (what byte products allow), and int16
     products are no faster than the exact kernels' FMAs without vpdpwssd, so attend_layer routes
     them to the exact kernels there."""
-    hadv2, k4v3hc, k3v2lm, k4v3lmc = (filled(s, 100, 1) for s in ("hadv2", "k4v3hc", "k3v2lm", "k4v3lmc"))
-    lm2 = filled("k=lm2h,v=lm2h,group=64,residual=8,sinks=4,center=1", 100, 1)  # k2v2mix's most common layer
+    hadv2, k4v3hc, k3v2lm, k4v3lmc = (
+        filled(s, 100, 1)
+        for s in (
+            "hadv2",
+            "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
+            "k=lm3h,v=lm2h,group=64,residual=8,sinks=4",
+            "k4v3lmc",
+        )
+    )
+    lm2 = filled("k=lm2h,v=lm2h,group=64,residual=8,sinks=4,center=1", 100, 1)  # the 2-bit maps' most common layer
     features = abi.features(lib)
     vnni = "avx512_vnni" in features
     two_bit_keys = "avx512_vbmi" in features or "avx512" not in features

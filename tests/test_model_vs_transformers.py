@@ -122,7 +122,7 @@ def test_fused_projections_share_memory_and_change_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("fused", ["sdpa", "kernels"])
-@pytest.mark.parametrize("spec", ["fp32", "hadv2", "k4v3hc"])
+@pytest.mark.parametrize("spec", ["fp32", "hadv2", "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1"])
 @pytest.mark.parametrize("t,past", [(1, 0), (7, 0), (5, 40), (1100, 0), (1030, 20)])
 def test_fused_chunk_attention_equals_the_explicit_reference(fused, spec, t, past):
     """attend with a fused function -- PyTorch's scaled_dot_product_attention, or the kernels

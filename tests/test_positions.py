@@ -93,9 +93,9 @@ def compare_fused(lib, spec, n, capacity=512, chunk=7, batch=2):
         "k=fp16,v=fp16,rope=pre",
         "k=int4c,v=int2h,group=32,residual=32,sinks=4,rope=pre",
         "k=int4,v=int3h,group=16,residual=5,center=1,rope=pre",
-        "k=int3cs,v=int4,group=32,residual=8,sinks=4,rope=pre",
-        "k=nuq3,v=nuq2,residual=8,sinks=4,rope=pre,positions=cache",
-        "k=int4cs,v=int2h,residual=8,sinks=4,rope=pre,positions=cache,start=40",
+        "k=int2c,v=int4,group=32,residual=8,sinks=4,rope=pre",
+        "k=int4c,v=int2c,residual=8,sinks=4,rope=pre,positions=cache",
+        "k=int4,v=int2h,residual=8,sinks=4,rope=pre,positions=cache,start=40",
     ],
 )
 @pytest.mark.parametrize("n, capacity", [(1, 512), (45, 512), (77, 512), (700, 200)])  # 700 into 200: wrapped

@@ -29,9 +29,9 @@ FAMILIES = [
     "hadv2",  # Hadamard values
     "k4v3lmc",  # Lloyd-Max, centered keys, sinks
     "k=lm3hb,v=lm2hb,group=32,residual=8,sinks=2",  # one-byte log scales (uint8 scale parts)
-    "k=nuq3,v=int3cs,residual=5,sinks=2",  # calibrated per-sequence ranges and a fitted grid
+    "k=int2c,v=int3h,residual=5,sinks=2",  # KIVI keys waiting for a whole group
     "k=int4c,v=int2h,group=16,residual=8,sinks=4,rope=pre",
-    "k=int4cs,v=int2h,residual=8,sinks=4,rope=pre,positions=cache",
+    "k=int4c,v=int2h,residual=8,sinks=4,rope=pre,positions=cache",
 ]
 GREEDY = SamplingParams(temperature=0)
 
@@ -73,7 +73,7 @@ def test_save_load_continues_token_for_token_like_the_uninterrupted_run(tiny, tm
     assert greedy(tiny, c, ids, len(ids), resumed) == uninterrupted
 
 
-@pytest.mark.parametrize("spec", ["fp16", "hadv2", "k=nuq3,v=int3cs,residual=5,sinks=2"])
+@pytest.mark.parametrize("spec", ["fp16", "hadv2", "k=int2c,v=int3h,residual=5,sinks=2"])
 def test_a_prompt_that_extends_the_cached_one_prefills_only_the_new_tokens(tiny, tmp_path, spec):
     ids = prompt(150)
     path, _, _ = saved_file(tiny, tmp_path, spec, ids)
@@ -119,7 +119,7 @@ def test_a_prefix_the_ring_evicted_restarts_empty(tiny, tmp_path):
     assert reused == 0 and cache.held == 0
 
 
-@pytest.mark.parametrize("spec", ["hadv2", "k4v3lmc", "k=nuq3,v=int3cs,residual=5,sinks=2", TIERED])
+@pytest.mark.parametrize("spec", ["hadv2", "k4v3lmc", "k=int2c,v=int3h,residual=5,sinks=2", TIERED])
 def test_the_file_is_the_cache_bytes_plus_a_small_header(tiny, tmp_path, spec):
     """file bytes = the cache's live bytes + token ids and positions (8 bytes each) + the last
     logits (4 x vocab) + the safetensors header, which stays under 4 KiB + 512 bytes per tensor."""

@@ -125,7 +125,7 @@ def test_the_native_step_gives_the_logits_of_the_layers(model_dir, preset, dtype
     with backend.using("kernels-exact"):
         layers = decode_logits(lm, preset, batch)
     assert "decode step: disabled by the test" in backend.fallbacks()  # recorded (once: reasons are kept as a set)
-    # float32: float rounding, and on k4v3lm/k4v3lmc a value on a boundary of the fitted grid
+    # float32: float rounding, and on k4v3lmc a value on a boundary of the fitted grid
     # that the other encoder sends to the neighbouring level (2.3e-4, see the next test).
     # bfloat16: a sum that lands on the other side of a bf16 rounding step moves a value by one
     # bf16 step (2^-8 relative), so logits agree to about a percent.
@@ -141,7 +141,7 @@ def test_the_native_step_gives_the_logits_of_the_layers(model_dir, preset, dtype
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_native_step_matches_the_reference_backend(model_dir, preset):
     """float32, exact attention: no compiled code on one side, the whole step on the other.
-    Measured: at most 3e-6 apart, except on k4v3lm/k4v3lmc with head_dim 64 (2.3e-4): a value
+    Measured: at most 3e-6 apart, except on k4v3lmc with head_dim 64 (2.3e-4): a value
     that sits on a boundary of the fitted grid gets the neighbouring level from the other
     encoder, and the layer-by-layer kernels path shows the same 2.3e-4 -- the step adds nothing."""
     lm = load_model(str(model_dir), "float32")
@@ -238,9 +238,9 @@ def test_weights_loaded_between_steps_are_the_weights_the_step_uses(model_dir, a
 
 def decode_through_changes(lm, spec: str) -> torch.Tensor:
     """Logits of decode steps through everything that changes a cache's parts between steps: the
-    sinks and residual filling, the first flush (a calibrated codec fits its ranges, centered keys
+    sinks and residual filling, the first flush (centered keys
     get their center), the ring wrapping and evicting, a truncation, and a reset followed by a
-    prefill (new centers and ranges, the same parts held as before). (steps, vocab)"""
+    prefill (new centers, the same parts held as before). (steps, vocab)"""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, lm.config.vocab_size, (1, 200), generator=g)  # (1, T)
     cache = KVCache.for_model(lm.config, parse_kv(spec), 64)
@@ -262,7 +262,7 @@ def decode_through_changes(lm, spec: str) -> torch.Tensor:
     [
         "k4v3lmc",  # centered keys, sinks, codebooks
         "k=int4c,v=int2h,group=16,residual=4,sinks=2",
-        "k=nuq3,v=int4cs,group=16,residual=4",  # calibrated: ranges fitted at the first flush
+        "k=int2c,v=int4,group=16,residual=4",  # KIVI keys: whole groups at the first flush
         "k=int4c,v=int4,rope=pre,sinks=2,residual=4,group=16",  # keys rotated when read
         "k=fp16,v=fp16,group=16,residual=4,sinks=2,layers=fp16/fp16;lm3h/int2h",  # four groups, each refreshed
     ],

@@ -166,7 +166,6 @@ def test_a_bad_tier_is_refused_in_one_line(spec, message):
         ("k=int4c,v=int2h,tier=8:lm4hb", "not rotated"),
         ("k=lm3hb,v=lm2hb,tier=8:int8", "rotated"),
         ("k=lm3hb,v=lm2hb,start=64,tier=8:lm4hb", "start="),
-        ("k=nuq3,v=int3cs,tier=8:int4", "per sequence"),
     ],
 )
 def test_a_tier_that_cannot_sit_beside_the_body_is_refused(spec, message):

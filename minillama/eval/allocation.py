@@ -101,5 +101,5 @@ def allocate_from_maps(
     pick = allocate(choices, budget)
     chosen = [options[i] for options, i in zip(choices, pick)]
     layers = tuple((chosen[2 * i].codec, chosen[2 * i + 1].codec) for i in range(n_layers))
-    spec = replace(first, layer_codecs=layers, kfirst=None, first=0, name="")
+    spec = replace(first, layer_codecs=layers, name="")
     return Allocation(spec, sum(c.bits for c in chosen) / len(chosen), sum(c.cost for c in chosen), notes)

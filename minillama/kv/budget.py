@@ -36,8 +36,6 @@ def store_live_bytes(
         out[key] += n // p.tokens_per_row * p.width * p.dtype.itemsize
     if centered and tokens:
         out["scales"] += head_dim * exact  # the per-channel key mean, one row per head
-    if body:
-        out["scales"] += codec.param_bytes(head_dim)  # per-sequence ranges (and grid), fitted at the first flush
     return out
 
 

@@ -115,14 +115,14 @@ class KVCache:
                     layers[i].append(store)
         self.layers = [tuple(pair) for pair in layers]
         # What a full read touches, counted per step without walking the stores: every shared
-        # ring's cursor with the bytes of one row across its layers, and the groups that keep
-        # per-sequence parameters (a key center, a calibrated codec's ranges).
+        # ring's cursor with the bytes of one row across its layers, and the groups whose keys
+        # are centered (the center is read too).
         self._rows_read = [
             (ring.lead.cursor, ring.lead.row_bytes * len(ring.members))
             for shared in self.stores
             for ring in (shared.sinks, *shared.body.values(), *shared.tier.values(), shared.residual)
         ]
-        self._with_params = [s for s in self.stores if s.stores[0].centered or s.stores[0].codec.per_sequence]
+        self._with_params = [s for s in self.stores if s.stores[0].centered]
         self._plans: CachePlans | None = None  # the native step's description of the layers, made on first use
         self._writes: TokenWrites | None = None  # a decode token's write, every group's structs in one array
 

@@ -10,9 +10,7 @@ decode attention takes the reference path). A codec holds no state; the cache
 (``spec.py``) picks one per tensor.
 
 A row of a part covers ``tokens_per_row`` tokens: 1 for per-token parts, the group size for
-the per-channel scales of KIVI keys. Calibrated codecs (``int4cs``..., ``nuq4``...) also keep
-per-sequence *parameters* (a range per channel, for ``nuq`` a fitted grid per head), fitted
-once on the first tokens the sequence quantizes; the store keeps them.
+the per-channel scales of KIVI keys.
 
 Adding a codec is one subclass plus ``register()`` (docs/cache.md: "Add your own codec").
 """
@@ -20,6 +18,7 @@ Adding a codec is one subclass plus ``register()`` (docs/cache.md: "Add your own
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import ClassVar
 
 import torch
@@ -30,26 +29,30 @@ from minillama.kv.quantize import (
     check_finite,
     dequantize_affine,
     dequantize_codebook,
-    dequantize_levels,
     dequantize_ternary,
     dequantize_vectors,
-    fit_channel_range,
-    fit_levels,
     gaussian_codebook,
     gaussian_vector_codebook,
     hadamard_rotate,
     quantize_affine,
     quantize_codebook,
-    quantize_levels,
     quantize_ternary,
     quantize_vectors,
-    uniform_levels,
 )
-from minillama.native.abi import RowKind
 
-# The parts a cache counts as codes (the rest of a codec's parts, scales and zeros, as scales):
-# packed codes, float rows, and the exact entries beside a dense code (kv/outliers.py).
-CODE_PARTS = ("codes", "values", "oidx", "oval")
+# The parts a cache counts as codes (the rest of a codec's parts, scales and zeros, as scales).
+CODE_PARTS = ("codes", "values")
+
+
+class RowKind(IntEnum):
+    """How the compiled attention kernels decode one stored row of a codec (the kernels' own
+    ``enum RowKind`` in native/minillama.h has the same numbers)."""
+
+    FLOAT = 0  # unquantized rows
+    TOKEN = 1  # per-token codes: affine (scale, zero), ternary or codebook (scale only)
+    CHANNEL = 2  # KIVI per-channel codes: scale and zero per channel and group of tokens
+    VECTOR = 3  # one byte per `dim` channels, the index of a codebook vector, x a scale per group
+    BLOCKS = 4  # keys in RoPE frequency blocks, each at its own width (kv/freq_blocks.py)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,6 @@ class Codec:
 
     quantized: ClassVar[bool] = True
     row_kind: ClassVar[RowKind | None] = None  # how the native kernels decode a stored row; None: reference only
-    per_sequence: ClassVar[bool] = False  # fits parameters once per sequence (``calibrate``)
     channel_groups: ClassVar[bool] = False  # scales per group of G channels of a token: G must divide head_dim
 
     @property
@@ -123,19 +125,8 @@ class Codec:
         """Bits per element of a quantized row as stored: codes plus scales (and zeros)."""
         return 8 * self.bytes_per_token(head_dim, group) / head_dim
 
-    def param_bytes(self, head_dim: int) -> int:
-        """Bytes of per-sequence parameters per KV head (calibrated codecs)."""
-        return 0
-
-    def stored_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The per-sequence parameters that occupy memory (and are counted)."""
-        return params
-
-    def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise NotImplementedError(f"codec {self.name} has no per-sequence parameters")
-
-    def kernel_tables(self, params: dict | None) -> dict[str, torch.Tensor]:
-        """Lookup tables the kernels need besides the parts (a codebook; per-sequence ranges)."""
+    def kernel_tables(self) -> dict[str, torch.Tensor]:
+        """Lookup tables the kernels need besides the parts (a codebook)."""
         return {}
 
     def kernel_fields(self) -> dict[str, int]:
@@ -156,13 +147,11 @@ class Codec:
         """The inverse of to_space (a Hadamard rotation is its own inverse)."""
         return self.to_space(y)
 
-    def encode(self, x: torch.Tensor, group: int, params: dict | None = None) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
         """x (B, H, T, D), already in storage space -> parts, each (B, H, rows, width)."""
         raise NotImplementedError
 
-    def decode(
-        self, parts: dict[str, torch.Tensor], group: int, head_dim: int, params: dict | None = None
-    ) -> torch.Tensor:
+    def decode(self, parts: dict[str, torch.Tensor], group: int, head_dim: int) -> torch.Tensor:
         """parts -> float32 (B, H, T, D), still in storage space."""
         raise NotImplementedError
 
@@ -191,11 +180,11 @@ class FloatCodec(Codec):
     def parts(self, head_dim: int, group: int) -> list[PartSpec]:
         return [PartSpec("values", self.dtype, head_dim, 1)]
 
-    def encode(self, x, group, params=None):
+    def encode(self, x, group):
         check_finite(x)
         return {"values": x.to(self.dtype)}
 
-    def decode(self, parts, group, head_dim, params=None):
+    def decode(self, parts, group, head_dim):
         return parts["values"].float()
 
 
@@ -214,11 +203,11 @@ class Affine(Codec):
             PartSpec("zero", torch.float16, *per),
         ]
 
-    def encode(self, x, group, params=None):
+    def encode(self, x, group):
         codes, scale, zero = quantize_affine(x, self.bits, group, self.axis)
         return {"codes": packing.pack(codes, self.bits), "scale": scale, "zero": zero}
 
-    def decode(self, parts, group, head_dim, params=None):
+    def decode(self, parts, group, head_dim):
         return dequantize_affine(self.unpack(parts, head_dim), parts["scale"], parts["zero"], group, self.axis)
 
 
@@ -274,11 +263,11 @@ class Ternary(Scaled):
     def bits_formula(self) -> str:
         return "8/5 + 16/G  (5 trits per byte, fp16 scale per G channels)"
 
-    def encode(self, x, group, params=None):
+    def encode(self, x, group):
         codes, scale = quantize_ternary(x, group)
         return {"codes": packing.pack(codes, "trit"), "scale": scale}
 
-    def decode(self, parts, group, head_dim, params=None):
+    def decode(self, parts, group, head_dim):
         return dequantize_ternary(self.unpack(parts, head_dim), parts["scale"], group)
 
 
@@ -298,26 +287,25 @@ class Codebook(Scaled):
             return f"{self.bits} + 8/G  (Gaussian Lloyd-Max levels, one-byte log2 scale per G channels)"
         return f"{self.bits} + 16/G  (Gaussian Lloyd-Max levels, fp16 RMS scale per G channels)"
 
-    def kernel_tables(self, params):
+    def kernel_tables(self):
         return {"codebook": gaussian_codebook(self.bits)}
 
-    def encode(self, x, group, params=None):
+    def encode(self, x, group):
         codes, scale = quantize_codebook(x, self.bits, group, log_scale=self.log_scale)
         return {"codes": packing.pack(codes, self.bits), "scale": scale}
 
-    def decode(self, parts, group, head_dim, params=None):
+    def decode(self, parts, group, head_dim):
         return dequantize_codebook(self.unpack(parts, head_dim), parts["scale"], self.bits, group)
 
 
 @dataclass(frozen=True)
 class VectorCodebook(Scaled):
     """Vectors of `dim` channels (after a Hadamard rotation) replaced by the nearest of 2**(bits dim)
-    Gaussian k-means vectors, one byte-aligned code per vector, x an fp16 scale per G channels.
-    With `signs` the book is sign x magnitude pattern (gaussian_vector_codebook), which the
-    integer kernel decodes in registers rather than by gathers."""
+    vectors, one byte-aligned code per vector, x an fp16 scale per G channels. The book is sign x
+    magnitude pattern (quantize.py: gaussian_vector_codebook), which the integer kernel decodes
+    in registers."""
 
     dim: int = 4
-    signs: bool = False
 
     row_kind: ClassVar[RowKind] = RowKind.VECTOR  # AVX-512 VNNI integer values, else the general rows route
 
@@ -329,12 +317,12 @@ class VectorCodebook(Scaled):
     def kernel_bits(self) -> int:
         return 8  # one byte per code
 
-    def kernel_tables(self, params):
-        return {"codebook": gaussian_vector_codebook(self.dim, self.bits, self.signs).contiguous()}  # (256, dim)
+    def kernel_tables(self):
+        return {"codebook": gaussian_vector_codebook(self.dim, self.bits).contiguous()}  # (256, dim)
 
     def kernel_fields(self):
-        # nlevels: the magnitude patterns of a sign-structured book (book[k % nlevels] >= 0), or 0
-        return {"vdim": self.dim, "nlevels": (1 << self.bits * self.dim) >> self.dim if self.signs else 0}
+        # nlevels: the magnitude patterns of the sign-structured book (book[k % nlevels] >= 0)
+        return {"vdim": self.dim, "nlevels": (1 << self.bits * self.dim) >> self.dim}
 
     def validate(self, head_dim: int, group: int) -> None:
         super().validate(head_dim, group)
@@ -345,58 +333,19 @@ class VectorCodebook(Scaled):
         return PartSpec("codes", torch.uint8, head_dim // self.dim, 1)  # one code of bits x dim = 8 bits per vector
 
     def bits_formula(self) -> str:
-        return f"{self.bits} + 16/G  ({self.dim}-dim Gaussian k-means vectors, one byte each, fp16 RMS scale per G channels)"
+        return (
+            f"{self.bits} + 16/G  ({self.dim} channels a byte: a sign x pattern vector, fp16 RMS scale per G channels)"
+        )
 
-    def encode(self, x, group, params=None):
-        codes, scale = quantize_vectors(x, self.dim, self.bits, group, signs=self.signs)
+    def encode(self, x, group):
+        codes, scale = quantize_vectors(x, self.dim, self.bits, group)
         return {"codes": codes.to(torch.uint8), "scale": scale}
 
     def unpack(self, parts, head_dim):
         return parts["codes"]  # (B, H, T, D/dim)
 
-    def decode(self, parts, group, head_dim, params=None):
-        return dequantize_vectors(parts["codes"], parts["scale"], self.dim, self.bits, group, self.signs)
-
-
-@dataclass(frozen=True)
-class Calibrated(Codec):
-    """Per channel, one range per sequence fitted on its own first flush (KVQuant-style), and with
-    ``fitted`` a non-uniform grid per head Lloyd-fitted on the same tokens ("nuq")."""
-
-    fitted: bool = False
-    row_kind: ClassVar[RowKind] = RowKind.CALIBRATED
-    per_sequence: ClassVar[bool] = True
-
-    def bits_formula(self) -> str:
-        grid = f" + {2**self.bits} fp16 levels" if self.fitted else ""
-        return f"{self.bits} + (32 D{grid})/(D T) (fp16 lo + span per channel{grid}, once per sequence)"
-
-    def parts(self, head_dim: int, group: int) -> list[PartSpec]:
-        return [self.codes_part(head_dim)]  # the ranges are per sequence: see param_bytes
-
-    def param_bytes(self, head_dim: int) -> int:
-        return 2 * head_dim * 2 + (2**self.bits * 2 if self.fitted else 0)
-
-    def stored_params(self, params):
-        return {name: t for name, t in params.items() if name != "levels" or self.fitted}  # a uniform grid is implied
-
-    def calibrate(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-sequence parameters from x (B, H, T, D): lo, span (B, H, 1, D) and levels (B, H, 2**bits)."""
-        lo, span = fit_channel_range(x)
-        levels = (
-            fit_levels(x, lo, span, self.bits) if self.fitted else uniform_levels(self.bits, x.shape[:-2], x.device)
-        )
-        return {"lo": lo, "span": span, "levels": levels}
-
-    def kernel_tables(self, params):
-        return {name: params[name].contiguous() for name in ("lo", "span", "levels")}
-
-    def encode(self, x, group, params=None):
-        check_finite(x)
-        return {"codes": packing.pack(quantize_levels(x, params["lo"], params["span"], params["levels"]), self.bits)}
-
-    def decode(self, parts, group, head_dim, params=None):
-        return dequantize_levels(self.unpack(parts, head_dim), params["lo"], params["span"], params["levels"])
+    def decode(self, parts, group, head_dim):
+        return dequantize_vectors(parts["codes"], parts["scale"], self.dim, self.bits, group)
 
 
 CODECS: dict[str, Codec] = {}
@@ -431,30 +380,19 @@ for _codec in [
     FloatCodec("fp16", 16, "unquantized float16", dtype=torch.float16),
     TokenAffine("int8", 8, "per-token groups of G channels"),
     TokenAffine("int4", 4, "per-token groups of G channels"),
-    TokenAffine("int3", 3, "per-token groups of G channels, 8 codes in 3 bytes"),
     TokenAffine("int2", 2, "per-token groups of G channels"),
-    ChannelAffine("int8c", 8, "KIVI per-channel, groups of G tokens"),
     ChannelAffine("int4c", 4, "KIVI per-channel, groups of G tokens"),
-    ChannelAffine("int3c", 3, "KIVI per-channel, groups of G tokens, 8 codes in 3 bytes"),
     ChannelAffine("int2c", 2, "KIVI per-channel, groups of G tokens"),
-    Calibrated("int4cs", 4, "per-channel range fitted once per sequence on its prefill (KVQuant)"),
-    Calibrated("int3cs", 3, "per-channel range fitted once per sequence on its prefill (KVQuant)"),
-    Calibrated("int2cs", 2, "per-channel range fitted once per sequence on its prefill (KVQuant)"),
-    Calibrated("nuq4", 4, "per-sequence channel ranges + a grid per head fitted on the prefill", fitted=True),
-    Calibrated("nuq3", 3, "per-sequence channel ranges + a grid per head fitted on the prefill", fitted=True),
-    Calibrated("nuq2", 2, "per-sequence channel ranges + a grid per head fitted on the prefill", fitted=True),
     TokenAffine("int4h", 4, "Hadamard-rotated, then per-token groups", rotate=True),
-    TokenAffine("int3h", 3, "Hadamard-rotated, then per-token groups", rotate=True),
+    TokenAffine("int3h", 3, "Hadamard-rotated, then per-token groups, 8 codes in 3 bytes", rotate=True),
     TokenAffine("int2h", 2, "Hadamard-rotated, then per-token groups", rotate=True),
     Ternary("tern", 2, "ternary {-1,0,+1} x fp16 scale per G channels"),
-    Ternary("ternh", 2, "Hadamard-rotated ternary", rotate=True),
     Codebook("lm4h", 4, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     Codebook("lm3h", 3, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     Codebook("lm2h", 2, "Hadamard-rotated, Gaussian Lloyd-Max levels (TurboQuant-style)", rotate=True),
     Codebook("lm4hb", 4, "lm4h with a one-byte log-coded scale, 2^(k/16)", rotate=True, log_scale=True),
     Codebook("lm3hb", 3, "lm3h with a one-byte log-coded scale, 2^(k/16)", rotate=True, log_scale=True),
     Codebook("lm2hb", 2, "lm2h with a one-byte log-coded scale, 2^(k/16)", rotate=True, log_scale=True),
-    VectorCodebook("vq2h", 2, "Hadamard-rotated, 4-dim Gaussian k-means vectors, 2 bits/element", rotate=True),
-    VectorCodebook("vq2hs", 2, "vq2h with a sign x 16-pattern book (decoded in registers)", rotate=True, signs=True),
+    VectorCodebook("vq2hs", 2, "Hadamard-rotated, 4 channels a byte: one of 256 sign x pattern vectors", rotate=True),
 ]:
     register(_codec)

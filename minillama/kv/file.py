@@ -29,7 +29,6 @@ import torch
 
 from minillama.errors import UserError
 from minillama.kv.cache import KVCache
-from minillama.kv.quantize import uniform_levels
 from minillama.kv.spec import parse_kv
 from minillama.kv.store import TIER
 
@@ -93,9 +92,7 @@ def encode(
                 if ring.count:
                     tensors[f"layers.{i}.{tensor}.{part}"] = ring.read().contiguous()  # (B, H, rows, width)
                 rings[part] = {"rows": ring.count, "start": ring.start}
-            params = dict(store.codec.stored_params(store.params)) if store.params else {}
-            if store.center is not None:
-                params["center"] = store.center
+            params = {"center": store.center} if store.center is not None else {}  # per-sequence tensors
             for name, t in params.items():
                 tensors[f"layers.{i}.{tensor}.{name}"] = t.contiguous()
             stores.append(
@@ -380,28 +377,12 @@ def _fill(cache: KVCache, saved: SavedCache) -> None:
             if store.held != held:
                 raise bad(f"{prefix}rings hold {store.held} tokens, the header says {held}")
             names = set(entry["params"])
-            lead = (cache.batch, cache.n_kv_heads)
-            shapes = {
-                "center": (*lead, 1, cache.head_dim),
-                "lo": (*lead, 1, cache.head_dim),
-                "span": (*lead, 1, cache.head_dim),
-                "levels": (*lead, 2**store.codec.bits),
-            }
+            shape = (cache.batch, cache.n_kv_heads, 1, cache.head_dim)
             for name in names:
                 x = t.get(prefix + name)
-                if name not in shapes or x is None or tuple(x.shape) != shapes[name] or x.dtype != torch.float16:
-                    raise bad(f"{prefix}{name} is not a float16 tensor of shape {shapes.get(name)}")
-            device = store.residual.buf.device
-            store.center = t[prefix + "center"].to(device) if "center" in names else None
+                if name != "center" or x is None or tuple(x.shape) != shape or x.dtype != torch.float16:
+                    raise bad(f"{prefix}{name} is not a key center: a float16 tensor of shape {shape}")
+            store.center = t[prefix + "center"].to(store.residual.buf.device) if "center" in names else None
             if (store.center is not None) != (store.centered and position > 0):
                 raise bad(f"{prefix}center does not match the spec's center setting")
-            params = {n: t[prefix + n].to(device) for n in names - {"center"}}
-            if params:
-                if not store.codec.per_sequence or not {"lo", "span"} <= set(params):
-                    raise bad(f"{prefix} has per-sequence parameters its codec {store.codec.name} does not use")
-                if "levels" not in params:  # a uniform grid is implied, not stored
-                    params["levels"] = uniform_levels(store.codec.bits, lead, device)
-                store.params = params
-            elif store.codec.per_sequence and store.n_body:
-                raise bad(f"{prefix} lacks the ranges its codec {store.codec.name} was fitted with")
     cache.position, cache.evicted = position, evicted

@@ -29,7 +29,7 @@ import torch
 
 from minillama.errors import UserError
 from minillama.kv import packing
-from minillama.kv.codecs import Codec, PartSpec
+from minillama.kv.codecs import Codec, PartSpec, RowKind
 from minillama.kv.quantize import (
     block_rotate,
     block_unrotate,
@@ -38,7 +38,6 @@ from minillama.kv.quantize import (
     gaussian_codebook,
     quantize_codebook,
 )
-from minillama.native.abi import RowKind
 
 
 def code_block(xb: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +79,7 @@ class FrequencyBlocks(Codec):
     def rotation(self) -> int:
         return self.blocks
 
-    def kernel_tables(self, params):
+    def kernel_tables(self):
         """The Lloyd-Max books of widths 1-8 end to end (width w's at 2^w - 2), and the widths
         (H, nb) the kernel reads per head (kv/fused_attention.py repeats them per sequence)."""
         return {"codebook": block_books(), "widths": block_widths(self.widths)}
@@ -121,7 +120,7 @@ class FrequencyBlocks(Codec):
                 "choose a table for it (bench/freq_blocks_ppl.py --table)"
             )
 
-    def encode(self, x, group, params=None):
+    def encode(self, x, group):
         check_finite(x)
         return self.encode_blocks(x, code_block)
 
@@ -167,7 +166,7 @@ class FrequencyBlocks(Codec):
                 out[:, head : head + 1, :, i * n : (i + 1) * n] = codes
         return out  # (B, H, T, D): each block's codes in its channels
 
-    def decode(self, parts, group, head_dim, params=None):
+    def decode(self, parts, group, head_dim):
         b, h, t, _ = parts["codes"].shape
         out = torch.zeros(b, h, t, head_dim, device=parts["codes"].device)
         n = head_dim // self.blocks

@@ -23,7 +23,7 @@ kernel that reads it:
   SIMD kernels read the other rows (3- and 4-bit codebook values, 3-bit codebook keys, narrow
   groups) faster (``ops.exact_is_faster``);
 * ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their positions),
-  calibrated codecs, vector codes where no integer kernel reads them, and keys in frequency
+  vector codes where no integer kernel reads them, and keys in frequency
   blocks where the integer route does not take them (``native/row_attention.cpp``; the block
   keys' SIMD decode on AVX-512 and AVX2 builds, ``fast_attention.cpp`` / ``avx2_attention.cpp:
   score_blocks``, which also reads, exactly, a head whose blocks are too wide for the VNNI one).
@@ -40,9 +40,10 @@ from collections.abc import Callable
 
 import torch
 
+from minillama.kv.codecs import RowKind
 from minillama.kv.interface import LayerView, PartView
 from minillama.native import backend, ops
-from minillama.native.abi import DTYPE_CODE, MAX_PARTS, STATUS, LayerPlan, NotSupported, Route, RowKind, RowSource
+from minillama.native.abi import DTYPE_CODE, MAX_PARTS, STATUS, LayerPlan, NotSupported, Route, RowSource
 
 
 def row_source(
@@ -75,7 +76,7 @@ def row_source(
             else:
                 src.scale = scale.buf.data_ptr()
             src.zero = part.rings["zero"].buf.data_ptr() if "zero" in part.rings else None
-        tables = codec.kernel_tables(part.params)
+        tables = codec.kernel_tables()
         keep.append(tables)
         if "codebook" in tables:
             src.codebook = tables["codebook"].data_ptr()
@@ -87,15 +88,6 @@ def row_source(
             widths = per_row.repeat(sequences, 1).contiguous()  # (B*H, nb)
             keep.append(widths)
             src.levels = widths.data_ptr()
-        if "levels" in tables:
-            src.lo, src.span, src.levels = (tables[n].data_ptr() for n in ("lo", "span", "levels"))
-            src.nlevels = tables["levels"].shape[-1]
-        if "oidx" in part.rings:  # exact entries beside the dense code (kv/outliers.py), read at the codes' slots
-            oidx, oval = part.rings["oidx"], part.rings["oval"]
-            if any((r.start, r.buf.shape[2]) != (codes.start, codes.buf.shape[2]) for r in (oidx, oval)):
-                raise NotSupported(f"{codec.name} {part.name}: its outliers' rings are not placed as its codes")
-            src.oidx, src.oval = oidx.buf.data_ptr(), oval.buf.data_ptr()
-            src.nout, src.orot = codec.count, int(codec.rotate)
     if rope is not None:
         if center is not None:
             center = center.float().contiguous()  # (B, H, 1, D)
@@ -108,7 +100,7 @@ def row_source(
 def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> Route:
     """Which kernel reads this part (see the module docstring); NotSupported when none can."""
     kind = part.codec.row_kind
-    if src.cos or kind == RowKind.CALIBRATED:
+    if src.cos:
         chosen = Route.ROWS
     elif kind == RowKind.FLOAT:
         chosen = Route.FLOAT
@@ -222,9 +214,9 @@ class CachePlans:
     lives (rings never move), so it is described once; what a step changes is each part's token
     count, the slot of its oldest row and its first position, the same numbers for every layer
     that shares a codec (kv/layered.py). A group's plans are made again only when its parts
-    appear (sinks, body, tier, residual start out empty), a calibrated codec fits its ranges, the key
-    center is set or the cache is cleared: a group's shape in ``refresh`` (which parts hold tokens,
-    the center and parameters, the RoPE tables, the exact switch) names all of that. `keep` holds
+    appear (sinks, body, tier, residual start out empty), the key center is set or the cache is
+    cleared: a group's shape in ``refresh`` (which parts hold tokens, the center, the RoPE tables,
+    the exact switch) names all of that. `keep` holds
     alive every tensor the plans point into."""
 
     def __init__(self, lib, cache, r: int):
@@ -239,9 +231,9 @@ class CachePlans:
 
     @staticmethod
     def _same(a: tuple | None, b: tuple) -> bool:
-        """Shapes are the same: equal flags, and the very same center and parameter objects (held
-        here, so a new one can never reuse a freed one's identity)."""
-        return a is not None and a[0] == b[0] and a[1] is b[1] and a[2] is b[2] and a[3:] == b[3:]
+        """Shapes are the same: equal flags, and the very same center object (held here, so a new one
+        can never reuse a freed one's identity)."""
+        return a is not None and a[0] == b[0] and a[1] is b[1] and a[2:] == b[2:]
 
     def refresh(self, cache, rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None) -> list[LayerPlan]:
         """The plans for `cache` (the one they were made for) as it is now; NotSupported when a part
@@ -265,7 +257,7 @@ class CachePlans:
                 if not sinks:
                     position += n
             lead = shared.stores[0]
-            shape = (tuple(present), lead.center, lead.params, tables, exact)
+            shape = (tuple(present), lead.center, tables, exact)
             if not self._same(self.shapes[g], shape):
                 stale.update(shared.layers)
             lives.append(tuple(live))

@@ -51,7 +51,6 @@ class PartView:
     codec: Codec  # how its rows are stored: the tensor's codec for the body, an exact float codec otherwise
     group: int
     rings: dict[str, RingView]  # the codec's parts by name ("values" for exact rows; "codes", "scale", ...)
-    params: dict[str, torch.Tensor] | None = None  # per-sequence parameters of calibrated codecs
 
 
 @dataclass(frozen=True)

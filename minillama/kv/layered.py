@@ -170,7 +170,7 @@ class LayeredStore:
             read += r * lead.residual.row_bytes * len(stores)
             n_new = n_flush - r
             block = torch.cat([old, x[:, :, :, :n_new]], dim=3) if r else x[:, :, :, :n_new]  # (L, B, H, n_flush, D)
-            written += self._encode(block, x[:, :, :, n_new:], n_flush)
+            written += self._encode(block, n_flush)
             if r:
                 self.residual.drop_oldest(r)
             x = x[:, :, :, n_new:]
@@ -198,7 +198,7 @@ class LayeredStore:
             if from_tier:
                 block = torch.cat([self._decode_tier(from_tier).to(block.dtype), block], dim=3)
                 read += self._drop_tier(from_tier)
-            written += self._encode(block, block[:, :, :, :0], n_flush)
+            written += self._encode(block, n_flush)
         to_tier = leaving[:, :, :, n_flush - from_tier :]  # (L, B, H, m, D)
         if to_tier.shape[3]:
             l_, b, h, m, d = to_tier.shape
@@ -241,7 +241,7 @@ class LayeredStore:
         for ring in [self.sinks, self.residual, *self.body.values(), *self.tier.values()]:
             ring.clear()
         for store in self.stores:
-            store.center, store.params = None, None
+            store.center = None
 
     def _drop_tier(self, n: int) -> int:
         """Drop the n oldest tier tokens of every layer; returns their bytes (read, when they move on)."""
@@ -266,25 +266,11 @@ class LayeredStore:
             return 0
         return max(0, (waiting - lead.residual_len) // lead.unit * lead.unit)
 
-    def _encode(self, block: torch.Tensor, rest: torch.Tensor, n_flush: int) -> int:
-        """Encode block (L, B, H, n_flush, D) into the body; the first flush of a calibrated codec
-        fits its per-sequence ranges on every held non-sink token (the block and the `rest` that
-        stays in the residual). Returns bytes written."""
-        lead, stores = self.stores[0], self.stores
-        codec = lead.codec
+    def _encode(self, block: torch.Tensor, n_flush: int) -> int:
+        """Encode block (L, B, H, n_flush, D) into the body. Returns bytes written."""
+        lead = self.stores[0]
         n_layers, b, h, _, d = block.shape
-        if codec.per_sequence and lead.params is None:
-            held = torch.cat([block, rest], dim=3)  # (L, B, H, n, D)
-            params = codec.calibrate(held.reshape(n_layers * b, h, *held.shape[3:]))  # each (L*B, H, ...)
-            for i, store in enumerate(stores):
-                store.params = {name: p.reshape(n_layers, b, *p.shape[1:])[i] for name, p in params.items()}
-        params = None
-        if codec.per_sequence:
-            params = {
-                name: torch.stack([s.params[name] for s in stores]).reshape(n_layers * b, *lead.params[name].shape[1:])
-                for name in lead.params
-            }
-        parts = encode(codec, block.reshape(n_layers * b, h, n_flush, d), lead.group, params)  # (L*B, H, rows, width)
+        parts = encode(lead.codec, block.reshape(n_layers * b, h, n_flush, d), lead.group)  # (L*B, H, rows, width)
         written = 0
         for name, part in parts.items():
             written += self.body[name].push(part.reshape(n_layers, b, *part.shape[1:]))  # (L, B, H, rows, width)

@@ -24,10 +24,10 @@ minimise the expected squared error of a standard Gaussian), scaled per group by
 group's RMS (fp16). Nothing is fitted to text: the codebook is a property of the Gaussian.
 Effective bits: b + 16 / G, or b + 8 / G with one-byte log-coded scales (``lm*b``).
 
-Vector codes (issue 28's data-free vector quantizer): the same rotated, near-Gaussian
-coordinates taken ``dim`` at a time and replaced by the nearest of 2**(b dim) vectors, a
-k-means (Lloyd) codebook of seeded N(0, I) samples -- a property of the Gaussian, never of text
--- scaled per group like the scalar codebook. One code of b dim bits per ``dim`` channels;
+Vector codes: the same rotated, near-Gaussian coordinates taken ``dim`` at a time and replaced
+by the nearest of 2**(b dim) vectors, a sign x pattern book whose patterns are a k-means (Lloyd)
+codebook of the magnitudes of seeded N(0, I) samples -- a property of the Gaussian, never of
+text -- scaled per group like the scalar codebook. One code of b dim bits per ``dim`` channels;
 effective bits b + 16 / G. At equal bits a vector codebook covers the Gaussian's ball better
 than a product of scalar grids (the "space-filling" and "shape" gains of vector quantization).
 
@@ -239,37 +239,33 @@ def dequantize_codebook(codes: torch.Tensor, scale: torch.Tensor, bits: int, gro
 
 
 @functools.lru_cache(maxsize=4)
-def gaussian_vector_codebook(dim: int, bits: int, signs: bool = False) -> torch.Tensor:
-    """2**(bits dim) vectors (n, dim), float32 values of float16s: Lloyd's k-means on 2**15
-    N(0, I) samples drawn from a fixed seed, started from the first n samples, 30 rounds in
-    float64 (~2 s, once per process), then rounded to float16 so that every machine gets the
-    same table. With `signs`, a sign-structured book: k-means of the samples' magnitudes |x|
-    with n / 2**dim patterns, and vector k = pattern k % patterns with coordinate c negated
-    where bit c of k // patterns is set (the nearest such vector of x: x's signs, and the
-    pattern nearest to |x|) -- a book a kernel holds in registers."""
+def gaussian_vector_codebook(dim: int, bits: int) -> torch.Tensor:
+    """A sign-structured book of 2**(bits dim) vectors (n, dim), float32 values of float16s: P =
+    n / 2**dim non-negative patterns fitted by Lloyd's k-means on the magnitudes |x| of 2**15
+    N(0, I) samples drawn from a fixed seed, started from the first P samples, 30 rounds in
+    float64 (~1 s, once per process), then rounded to float16 so that every machine gets the
+    same table; vector k = pattern k % P with coordinate c negated where bit c of k // P is set.
+    The nearest such vector of x takes x's signs and the pattern nearest to |x|: a book a kernel
+    holds in registers."""
     n = 2 ** (bits * dim)
     g = torch.Generator().manual_seed(2604)
-    x = torch.randn(2**15, dim, generator=g, dtype=torch.float64)  # (S, dim)
-    if signs:
-        x = x.abs()
-    m = n >> dim if signs else n  # centroids fitted
+    x = torch.randn(2**15, dim, generator=g, dtype=torch.float64).abs()  # (S, dim)
+    m = n >> dim  # patterns fitted
     c = x[:m].clone()  # (m, dim)
     for _ in range(30):
         nearest = _nearest(x, c)  # (S,)
         sums = torch.zeros_like(c).index_add_(0, nearest, x)
         counts = torch.bincount(nearest, minlength=m).unsqueeze(1)
         c = torch.where(counts > 0, sums / counts.clamp_min(1), c)
-    if signs:
-        k = torch.arange(n)
-        negative = (k // m).unsqueeze(1) >> torch.arange(dim) & 1  # (n, dim)
-        c = c[k % m] * (1 - 2 * negative)
-    return c.to(torch.float16).float()
+    k = torch.arange(n)
+    negative = (k // m).unsqueeze(1) >> torch.arange(dim) & 1  # (n, dim)
+    return (c[k % m] * (1 - 2 * negative)).to(torch.float16).float()
 
 
 def vector_patterns(dim: int, bits: int) -> torch.Tensor:
     """The sign-structured book's non-negative patterns (P, dim), P = 2**(bits dim) / 2**dim: its
-    first P vectors (``gaussian_vector_codebook`` with signs), as native/encode.cpp takes them."""
-    book = gaussian_vector_codebook(dim, bits, True)  # (P 2**dim, dim)
+    first P vectors (``gaussian_vector_codebook``), as native/encode.cpp takes them."""
+    book = gaussian_vector_codebook(dim, bits)  # (P 2**dim, dim)
     return book[: book.shape[0] >> dim]
 
 
@@ -280,7 +276,7 @@ def _nearest(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def _nearest_signed(x: torch.Tensor, patterns: torch.Tensor) -> torch.Tensor:
-    """``_nearest`` in a sign-structured book (``gaussian_vector_codebook`` with signs): for each
+    """The nearest vector of the sign-structured book (``gaussian_vector_codebook``): for each
     row of x (S, dim) the index k = p + P s of vector p's pattern (patterns (P, dim), all >= 0)
     with coordinate c negated where bit c of s is set. The nearest such vector takes x's signs (a
     zero keeps +) and the pattern p that minimizes |p|^2 - 2 <|x|, p>, found in float64 with the
@@ -297,7 +293,7 @@ def _nearest_signed(x: torch.Tensor, patterns: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_vectors(
-    x: torch.Tensor, dim: int, bits: int, group: int, refine: int = REFINE, signs: bool = False
+    x: torch.Tensor, dim: int, bits: int, group: int, refine: int = REFINE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., T, D) -> codes (..., T, D/dim) int64 (index of the nearest codebook vector of each
     dim channels), scale (..., T, D/G) fp16. The scale is refined as ``quantize_codebook``
@@ -305,24 +301,22 @@ def quantize_vectors(
     Stored: bits x dim bits per code (one byte at 2 bits x 4) and 16 per G: bits + 16 / G per
     element."""
     check_finite(x)
-    book = gaussian_vector_codebook(dim, bits, signs).to(x.device)  # (n, dim)
+    book = gaussian_vector_codebook(dim, bits).to(x.device)  # (n, dim)
+    patterns = vector_patterns(dim, bits)  # (P, dim)
     xg = _grouped(x.float(), group, "token")  # (..., T, D/G, G)
-    search = (lambda v: _nearest_signed(v, vector_patterns(dim, bits))) if signs else (lambda v: _nearest(v, book))
 
     def nearest(s: torch.Tensor) -> torch.Tensor:  # (..., T, D/G, G/dim) codes for scale s
         v = (xg / s).reshape(-1, dim)
-        return search(v).reshape(*xg.shape[:-1], group // dim)
+        return _nearest_signed(v, patterns).reshape(*xg.shape[:-1], group // dim)
 
     s = _refined_scale(xg, lambda s: book[nearest(s)].reshape(xg.shape), refine)  # (..., T, D/G, 1)
     codes = nearest(s)
     return codes.reshape(*x.shape[:-1], x.shape[-1] // dim), s.squeeze(-1).to(torch.float16)
 
 
-def dequantize_vectors(
-    codes: torch.Tensor, scale: torch.Tensor, dim: int, bits: int, group: int, signs: bool = False
-) -> torch.Tensor:
+def dequantize_vectors(codes: torch.Tensor, scale: torch.Tensor, dim: int, bits: int, group: int) -> torch.Tensor:
     """codes (..., T, D/dim), scale (..., T, D/G) fp16 -> float32 (..., T, D)."""
-    book = gaussian_vector_codebook(dim, bits, signs).to(codes.device)
+    book = gaussian_vector_codebook(dim, bits).to(codes.device)
     v = book[codes.long()].reshape(*codes.shape[:-1], codes.shape[-1] * dim)  # (..., T, D)
     return (_grouped(v, group, "token") * scale.float().unsqueeze(-1)).reshape(v.shape)
 
@@ -384,106 +378,3 @@ def block_unrotate(y: torch.Tensor, nb: int) -> torch.Tensor:
     out = torch.empty_like(z)
     out[..., frequency_block_order(d, nb)] = z
     return out
-
-
-# -- dense-and-sparse outliers (KVQuant, Hooper et al. 2024) --
-
-
-def split_outliers(x: torch.Tensor, count: int, rotated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (..., T, D) in storage space -> (rest, idx, val): in the model's own channels (x H when
-    the storage space is rotated, H being its own inverse) the `count` entries of each row with the
-    largest magnitude, their channel indices ascending (..., T, count) uint8 and their values
-    (..., T, count) float16; rest (..., T, D) float32 is x less them, in storage space, for a dense
-    codec to code. Taking a key's outlier channel out *before* the rotation is what shrinks the
-    rest's scale: rotated, a channel 10x the others spreads over every coordinate.
-    Bits: 24 count / D an element on top of the dense codec's (fp16 value + one-byte index)."""
-    u = hadamard_rotate(x.float()) if rotated else x.float()  # (..., T, D) the model's channels
-    idx = u.abs().topk(count, dim=-1).indices.sort(dim=-1).values  # (..., T, count)
-    val = u.gather(-1, idx).to(torch.float16)  # (..., T, count)
-    return x.float() - outlier_rows(idx, val, x.shape[-1], rotated), idx.to(torch.uint8), val
-
-
-def outlier_rows(idx: torch.Tensor, val: torch.Tensor, d: int, rotated: bool) -> torch.Tensor:
-    """The sparse part as dense rows: idx, val (..., T, count) -> float32 (..., T, D) in storage
-    space (val at idx, rotated when the storage space is)."""
-    sparse = torch.zeros(*idx.shape[:-1], d, device=val.device)  # (..., T, D)
-    sparse = sparse.scatter(-1, idx.long(), val.float())
-    return hadamard_rotate(sparse) if rotated else sparse
-
-
-# -- per-channel ranges fitted once per sequence (KVQuant-style, calibrated on the prefill) --
-
-
-def fit_channel_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., T, D) -> lo, span (..., 1, D) float16: each channel's minimum and max - min over T.
-
-    KIVI fits a scale per channel for every group of G tokens; these ranges are fitted
-    once, on the first tokens a sequence quantizes (its prefill), and serve every later
-    token (clamped to them). Keys before RoPE have stable per-channel ranges, which is
-    what makes one range per sequence enough (KVQuant, Hooper et al. 2024)."""
-    check_finite(x)
-    lo = x.float().amin(dim=-2, keepdim=True)
-    span = x.float().amax(dim=-2, keepdim=True) - lo
-    return lo.to(torch.float16), span.to(torch.float16)
-
-
-def uniform_levels(bits: int, lead: tuple[int, ...] = (), device: torch.device | str = "cpu") -> torch.Tensor:
-    """The uniform grid i / (2**bits - 1) in [0, 1], float16, shape (*lead, 2**bits)."""
-    n = 2**bits
-    grid = torch.arange(n, dtype=torch.float32, device=device) / (n - 1)
-    return grid.to(torch.float16).expand(*lead, n).contiguous()
-
-
-def _normalized(x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-    s = span.float()
-    return ((x.float() - lo.float()) / torch.where(s > 0, s, torch.ones_like(s))).clamp_(0.0, 1.0)
-
-
-def quantize_levels(x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """x (..., T, D) -> codes (..., T, D) uint8: the nearest of `levels` (..., L) after mapping each
-    channel's [lo, lo + span] to [0, 1] (values outside are clamped)."""
-    u = _normalized(x, lo, span)  # (..., T, D)
-    lv = levels.float()  # (..., L), ascending
-    mids = (lv[..., 1:] + lv[..., :-1]) / 2  # (..., L-1)
-    flat = u.reshape(*u.shape[:-2], -1)  # (..., T*D)
-    codes = torch.searchsorted(mids.contiguous(), flat.contiguous())  # index of the nearest level
-    return codes.reshape(u.shape).to(torch.uint8)
-
-
-def dequantize_levels(codes: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """codes (..., T, D) -> float32 (..., T, D): lo + span * levels[code]."""
-    lv = levels.float()
-    picked = torch.gather(lv, -1, codes.reshape(*codes.shape[:-2], -1).long()).reshape(codes.shape)
-    return lo.float() + span.float() * picked
-
-
-def fit_levels(x: torch.Tensor, lo: torch.Tensor, span: torch.Tensor, bits: int, iters: int = 16) -> torch.Tensor:
-    """A non-uniform grid of 2**bits levels in [0, 1] for x (..., T, D), one per leading index,
-    fitted by Lloyd's algorithm from the uniform grid (KVQuant's per-layer "nuq" datatype,
-    fitted here on the sequence itself, never on other text).
-
-    Each Lloyd step (nearest-level assignment, then each level moved to the mean of its
-    points, weighted by span^2 so that the error is measured in x's units) cannot raise the
-    squared error; the result is compared with the uniform grid after float16 rounding and
-    the better one kept, so the fitted grid is never worse than uniform on its own data."""
-    lead = x.shape[:-2]
-    u = _normalized(x, lo, span).reshape(*lead, -1)  # (..., T*D)
-    w = span.float().pow(2).expand_as(x).reshape(*lead, -1)  # (..., T*D) weight of each point
-    levels = uniform_levels(bits, lead, x.device).float()
-    n = 2**bits
-    for _ in range(iters):
-        mids = (levels[..., 1:] + levels[..., :-1]) / 2
-        idx = torch.searchsorted(mids.contiguous(), u.contiguous())  # (..., T*D)
-        mass = torch.zeros(*lead, n, device=x.device).scatter_add_(-1, idx, w)
-        moment = torch.zeros(*lead, n, device=x.device).scatter_add_(-1, idx, w * u)
-        levels = torch.where(mass > 0, moment / mass.clamp_min(1e-30), levels)  # empty cells keep their level
-        levels = levels.sort(dim=-1).values
-    fitted = levels.to(torch.float16)
-
-    def error(lv: torch.Tensor) -> torch.Tensor:
-        codes = quantize_levels(x, lo, span, lv)
-        return (dequantize_levels(codes, lo, span, lv) - x.float()).pow(2).reshape(*lead, -1).sum(-1)  # (...,)
-
-    uniform = uniform_levels(bits, lead, x.device)
-    better = (error(fitted) <= error(uniform)).unsqueeze(-1)
-    return torch.where(better, fitted, uniform)

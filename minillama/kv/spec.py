@@ -1,8 +1,10 @@
 """The ``--kv`` spec: which codec each tensor uses, and the cache's windows and options.
 
-    --kv PRESET[,key=value...]
+    --kv PRESET[,key=value...]      a preset, or a map file (kv/maps/*.kv, or a path to one)
     --kv k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]
                         [,rope=post|pre][,positions=absolute|cache][,start=N]
+                        [,layers=K/V;K/V;...][,tier=N:CODEC]
+    --kv bits=auto:B[,group=G][,residual=R][,sinks=S][,center=0|1][,tier=N:CODEC]
 
 A spec is plain data; the cache (``cache.py``) and its stores (``store.py``) act on it.
 
@@ -15,26 +17,30 @@ A spec is plain data; the cache (``cache.py``) and its stores (``store.py``) act
   a ring can stream forever; ``absolute`` keeps every token's original position.
 * ``start=N`` keeps every token exact until N tokens are held (mlx-lm's
   ``quantized_kv_start``): short contexts pay no quantization error.
-* ``kfirst=CODEC,first=N``: the first N layers store keys with another codec (per-layer
-  bits: the first layers of Llama models are the most sensitive to key error).
 * ``layers=K/V;K/V;...``: every layer's (K, V) codecs, overriding ``k=`` and ``v=`` (mixed
   precision by layer; ``minillama kv allocate`` writes one from sensitivity maps, kv/allocate.py).
 * ``tier=N:CODEC``: the N tokens just older than the exact residual are kept in a finer codec
   than the body (an age tier, kv/store.py): ``residual=8,tier=56:lm4hb`` keeps the newest 8
   exact and the 56 before them at 4 bits, the rest in each layer's body codec. The recent
-  tokens are where attention looks most (docs/quality.md, Frontier XV).
+  tokens are where attention looks most.
+* ``bits=auto:B``: every layer's K and V codec chosen per sequence from its prompt (kv/auto.py),
+  at most B body bits an element on average.
+
+A *map* is a spec with ``layers=`` kept in a text file, as ``minillama kv allocate`` writes it:
+the per-layer choices fit one model (its layer count), so they are data, not code. The package
+ships the default model's best maps (``kv/maps/``), reachable by name like a preset.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from minillama.errors import UserError, shown
 from minillama.kv.auto import CANDIDATES as AUTO_CANDIDATES
 from minillama.kv.codecs import CODECS, Codec
 from minillama.kv.freq_blocks import frequency_blocks
-from minillama.kv.outliers import outlier_codec, with_outliers
 
 
 @dataclass(frozen=True)
@@ -52,10 +58,8 @@ class KVSpec:
     rope: str = "post"  # "post": keys stored after RoPE; "pre": before, rotated at read
     positions: str = "absolute"  # "absolute" or "cache" (slot positions; needs rope="pre")
     start: int = 0  # every token stays exact until this many are held
-    kfirst: Codec | None = None  # the key codec of the first `first` layers (per-layer bits), else k
-    first: int = 0
-    # Every layer's (K, V) codecs, overriding k, v and kfirst: mixed precision by layer (the
-    # sensitivity map quantizes one tensor of one layer; eval/sensitivity.py). Not in the grammar.
+    # Every layer's (K, V) codecs, overriding k and v: mixed precision by layer (layers=; the
+    # sensitivity map quantizes one tensor of one layer, eval/sensitivity.py).
     layer_codecs: tuple[tuple[Codec, Codec], ...] = ()
     tier: int = 0  # tokens kept in tier_codec between the body and the exact residual
     tier_codec: Codec | None = None
@@ -71,7 +75,7 @@ class KVSpec:
     @property
     def unit(self) -> int:
         """Eviction unit: whole groups whenever a tensor of any layer is per-channel."""
-        keys = [self.k] + ([self.kfirst] if self.kfirst else []) + [k for k, _ in self.layer_codecs]
+        keys = [self.k] + [k for k, _ in self.layer_codecs]
         values = [self.v] + [v for _, v in self.layer_codecs]
         return max(*(v.unit(self.vgroup) for v in values), *(k.unit(self.kgroup) for k in keys))
 
@@ -89,12 +93,11 @@ class KVSpec:
         return (self.tier, self.tier_codec) if self.tier and codec.quantized else (0, None)
 
     def tensors(self, layer: int = -1) -> list[tuple[Codec, int, bool]]:
-        """(codec, group, centered) for K, then V, of this layer (-1: past the first layers)."""
-        if self.layer_codecs and 0 <= layer < len(self.layer_codecs):
-            k, v = self.layer_codecs[layer]
-            return [(k, self.kgroup, self.center), (v, self.vgroup, False)]
-        k = self.kfirst if self.kfirst is not None and 0 <= layer < self.first else self.k
-        return [(k, self.kgroup, self.center), (self.v, self.vgroup, False)]
+        """(codec, group, centered) for K, then V, of this layer (-1 or no layers=: k and v)."""
+        k, v = (
+            self.layer_codecs[layer] if self.layer_codecs and 0 <= layer < len(self.layer_codecs) else (self.k, self.v)
+        )
+        return [(k, self.kgroup, self.center), (v, self.vgroup, False)]
 
     def codec_counts(self) -> dict[str, dict[str, int]]:
         """With layers=: how many layers store K ("k") and V ("v") with each codec, by name."""
@@ -129,14 +132,10 @@ class KVSpec:
         )
 
     def validate(self, head_dim: int, n_layers: int | None = None) -> None:
-        if n_layers is not None and self.kfirst is not None and self.first > n_layers:
-            raise UserError(
-                f"--kv first={self.first} names more layers than the model's {n_layers}: give first=1..{n_layers}"
-            )
         if n_layers is not None and self.layer_codecs and len(self.layer_codecs) != n_layers:
-            if self.name in MIXES:
+            if self.name in maps():
                 raise UserError(
-                    f"--kv {self.name} is a mix for a {len(self.layer_codecs)}-layer model (SmolLM2-135M); this one has "
+                    f"--kv {self.name} is a map for a {len(self.layer_codecs)}-layer model (SmolLM2-135M); this one has "
                     f"{n_layers} layers: use k3v2auto (chosen per prompt) or make one with minillama kv allocate"
                 )
             raise UserError(
@@ -145,12 +144,12 @@ class KVSpec:
             )
         for v in [self.v] + [v for _, v in self.layer_codecs]:
             v.validate(head_dim, self.vgroup)
-        for k in [self.k] + ([self.kfirst] if self.kfirst else []) + [k for k, _ in self.layer_codecs]:
+        for k in [self.k] + [k for k, _ in self.layer_codecs]:
             k.validate(head_dim, self.kgroup)
             if self.rope == "pre" and k.rotate:
                 raise UserError(
                     f"rope=pre needs an unrotated key codec, not {k.name}: the Hadamard rotation "
-                    "does not commute with RoPE (use int4c, int4, int4cs, nuq4, ...)"
+                    "does not commute with RoPE (use int4c, int4, int8, ...)"
                 )
         if head_dim % 2:
             raise UserError(f"head_dim {head_dim} is odd: RoPE pairs channels")
@@ -167,7 +166,6 @@ class KVSpec:
             if self.start:
                 raise UserError("--kv tier= and start= do not go together: give one of them")
             bodies = {c for pair in [(self.k, self.v), *self.layer_codecs] for c in pair if c.quantized}
-            bodies |= {self.kfirst} if self.kfirst is not None and self.kfirst.quantized else set()
             for body in sorted(bodies, key=lambda c: c.name):
                 if body.rotate != self.tier_codec.rotate:
                     twin = "an unrotated" if body.rotate is False else "a Hadamard (h)"
@@ -175,8 +173,6 @@ class KVSpec:
                         f"--kv tier={self.tier}:{self.tier_codec.name} codes in the space of the body codec {body.name}, "
                         f"which is {'' if body.rotate else 'not '}rotated: give the tier {twin} codec"
                     )
-                if body.per_sequence:
-                    raise UserError(f"--kv tier= cannot sit beside {body.name}: its ranges are fitted per sequence")
 
     def __str__(self) -> str:
         return self.name or self.canonical()
@@ -192,7 +188,6 @@ class KVSpec:
             ("rope=pre", self.rope == "pre"),
             ("positions=cache", self.positions == "cache"),
             (f"start={self.start}", self.start > 0),
-            (f"kfirst={self.kfirst.name if self.kfirst else ''},first={self.first}", self.kfirst is not None),
             ("layers=" + ";".join(f"{k.name}/{v.name}" for k, v in self.layer_codecs), bool(self.layer_codecs)),
             (f"tier={self.tier}:{self.tier_codec.name if self.tier_codec else ''}", self.tier > 0),
         ]
@@ -208,110 +203,48 @@ PRESETS: dict[str, str] = {
     "kivi2": "k=int2c,v=int2,group=32,residual=32",
     "hadv2": "k=int4c,v=int2h,group=32,residual=32",
     "ternary": "k=int4c,v=tern,group=32,residual=32",
-    # Frontier presets (see docs/quality.md's ablation): exact attention sinks, rotated keys,
-    # 3-bit rotated values, Lloyd-Max codebooks.
-    "kivi4s": "k=int4c,v=int4,group=32,residual=32,sinks=4",
-    "hadv2s": "k=int4c,v=int2h,group=32,residual=32,sinks=4",
-    "k4v3h": "k=int4h,v=int3h,group=64,residual=32,sinks=4",
-    "k4v3lm": "k=int4h,v=lm3h,group=64,residual=32,sinks=4",
-    "k3v2lm": "k=lm3h,v=lm2h,group=64,residual=8,sinks=4",
-    # Centered keys (center=1): the winners of the second round.
-    "k4v3hc": "k=int4h,v=int3h,group=64,residual=32,sinks=4,center=1",
     "k4v3lmc": "k=lm4h,v=lm3h,group=64,residual=8,sinks=4,center=1",
-    "k4v4lmc": "k=lm4h,v=lm4h,group=64,residual=8,sinks=4,center=1",
-    # Each layer's codecs chosen per sequence from its prefill (kv/auto.py), at k3v2mixt's budget:
-    # the 3-bit point for a model with no map (docs/quality.md, Frontier XXII).
     "k3v2auto": "bits=auto:2.73,group=64,residual=8,sinks=4,center=1,tier=56:lm4hb",
 }
 
-
-# Per-layer mixes for the default model (SmolLM2-135M, 30 layers), written by `minillama kv
-# allocate` from its sensitivity maps on Hamlet (bench/results/sensitivity_{k4v4lmc,k4v3lmc,
-# k3v2lm,k2v2lmc}_hamlet_w1.json, in that order; docs/quality.md): one K/V pair per layer, so a model with another
-# layer count refuses them. Checked on wikitext-2, a text the maps never saw.
-MIXES: dict[str, str] = {
-    # --bits 2.3: lm2h keys (lm3h in 3 layers), lm2h values
-    "k2v2mix": "k=lm2h,v=lm2h,group=64,residual=8,sinks=4,center=1,layers="
-    "lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm3h/lm2h;lm2h/lm2h;lm2h/lm2h;lm3h/lm2h;lm2h/lm2h;"
-    "lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;"
-    "lm3h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h",
-    # --bits 2.81: keys lm2h / lm3h / lm4h in 14 / 8 / 8 layers, values lm2h / lm3h in 21 / 9
-    "k3v2mix": "k=lm3h,v=lm2h,group=64,residual=8,sinks=4,center=1,layers="
-    "lm2h/lm3h;lm3h/lm3h;lm2h/lm2h;lm3h/lm2h;lm3h/lm2h;lm3h/lm3h;lm3h/lm2h;lm3h/lm2h;lm4h/lm3h;lm3h/lm2h;"
-    "lm3h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm4h/lm3h;lm4h/lm2h;lm2h/lm2h;lm4h/lm3h;lm4h/lm2h;lm2h/lm2h;"
-    "lm4h/lm3h;lm2h/lm2h;lm2h/lm2h;lm4h/lm3h;lm4h/lm3h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h;lm2h/lm2h",
-    # --bits 3.81: keys lm4h (lm2h in one layer), values lm3h / lm4h / lm2h in 17 / 9 / 4
-    "k4v3mix": "k=lm4h,v=lm3h,group=64,residual=8,sinks=4,center=1,layers="
-    "lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm3h;"
-    "lm4h/lm3h;lm4h/lm2h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm3h;lm4h/lm4h;lm4h/lm4h;lm4h/lm3h;"
-    "lm4h/lm4h;lm4h/lm3h;lm4h/lm2h;lm4h/lm4h;lm4h/lm4h;lm4h/lm2h;lm4h/lm3h;lm2h/lm2h;lm4h/lm3h;lm4h/lm3h",
-    # The same maps with one-byte log scales (kv allocate --byte-scales): every codec's lm*hb twin,
-    # the freed 1/8 bit an element spent on more layers at more bits.
-    # --bits 2.3 --byte-scales: keys lm2hb / lm3hb / lm4hb in 22 / 7 / 1 layers, values lm2hb (lm3hb in one)
-    "k2v2mixb": "k=lm2hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers="
-    "lm2hb/lm2hb;lm2hb/lm3hb;lm2hb/lm2hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;"
-    "lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;lm2hb/lm2hb;"
-    "lm3hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm4hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb",
-    # --bits 2.81 --byte-scales: keys lm2hb / lm3hb / lm4hb in 11 / 7 / 12 layers, values lm2hb / lm3hb in 20 / 10
-    "k3v2mixb": "k=lm3hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,layers="
-    "lm2hb/lm3hb;lm3hb/lm3hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;lm3hb/lm3hb;lm3hb/lm2hb;lm3hb/lm2hb;lm4hb/lm3hb;lm3hb/lm2hb;"
-    "lm4hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm4hb/lm2hb;"
-    "lm4hb/lm3hb;lm4hb/lm3hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm2hb/lm2hb;lm4hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb",
-    # --bits 3.81 --byte-scales: keys lm4hb, values lm3hb / lm4hb / lm2hb in 15 / 13 / 2
-    "k4v3mixb": "k=lm4hb,v=lm3hb,group=64,residual=8,sinks=4,center=1,layers="
-    "lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;"
-    "lm4hb/lm3hb;lm4hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;"
-    "lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm3hb;lm4hb/lm4hb;lm4hb/lm4hb;lm4hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm3hb;lm4hb/lm3hb",
-    # --bits 2.73 --byte-scales, then the 56 tokens before the newest 8 in lm4hb (tier=56:lm4hb): 3.00
-    # bits an element at N 896 (2.85 at 2048); keys lm2hb x13 / lm3hb x7 / lm4hb x10, values lm2hb x21 / lm3hb x9
-    "k3v2mixt": "k=lm4h,v=lm4h,group=64,residual=8,sinks=4,center=1,tier=56:lm4hb,layers="
-    "lm2hb/lm3hb;lm3hb/lm3hb;lm2hb/lm2hb;lm3hb/lm2hb;lm3hb/lm2hb;lm3hb/lm3hb;lm3hb/lm2hb;lm3hb/lm2hb;lm4hb/lm3hb;lm3hb/lm2hb;"
-    "lm4hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;"
-    "lm4hb/lm3hb;lm4hb/lm2hb;lm2hb/lm2hb;lm4hb/lm3hb;lm4hb/lm3hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb",
-    # bench/freq_blocks_ppl.py --frontier 2.185 --vq --tier 56:lm4hb: kv allocate at 2.185 body bits (byte
-    # scales) over the four Hamlet maps and vq2hs values' map, every key choice offered also as 2 RoPE-
-    # frequency blocks (widths chosen on Hamlet), then the tier: 2.50 bits an element at N 896; keys
-    # lm2hb x16 / lm3hb x2 / lm2f2 x12, values lm2hb (vq2hs in one layer)
-    "k2v2mixft": "k=lm2hb,v=lm2hb,group=64,residual=8,sinks=4,center=1,tier=56:lm4hb,layers="
-    "lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2f2:22.22.22/lm2hb;lm3hb/lm2hb;"
-    "lm2hb/lm2hb;lm2f2:22.13.13/lm2hb;lm3hb/vq2hs;lm2f2:22.22.22/lm2hb;lm2f2:22.22.22/lm2hb;lm2hb/lm2hb;"
-    "lm2hb/lm2hb;lm2hb/lm2hb;lm2f2:13.13.13/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2f2:13.04.22/lm2hb;"
-    "lm2f2:22.22.04/lm2hb;lm2hb/lm2hb;lm2f2:13.04.13/lm2hb;lm2f2:13.13.13/lm2hb;lm2hb/lm2hb;lm2f2:13.13.13/lm2hb;"
-    "lm2f2:04.22.04/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb;lm2hb/lm2hb",
-}
-
 PRESET_NOTES: dict[str, str] = {
-    "hadv2": "KIVI int4 keys + Hadamard-rotated 2-bit values (the method minillama reproduces)",
+    "int8": "8-bit per-token keys and values: indistinguishable from fp16",
     "kivi4": "KIVI: per-channel int4 keys, per-token int4 values",
-    "kivi2": "KIVI: per-channel int2 keys, per-token int2 values",
-    "ternary": "KIVI int4 keys + ternary values",
-    "kivi4s": "kivi4 + the first 4 tokens kept exact (attention sinks)",
-    "hadv2s": "hadv2 + the first 4 tokens kept exact (attention sinks)",
-    "k4v3h": "Hadamard int4 keys, Hadamard int3 values, group 64, 4 sinks",
-    "k4v3lm": "Hadamard int4 keys, Hadamard Lloyd-Max 3-bit values, group 64, 4 sinks",
-    "k3v2lm": "Hadamard Lloyd-Max 3-bit keys and 2-bit values, group 64, residual 8, 4 sinks",
-    "k4v3hc": "k4v3h with centered keys (per-sequence channel mean subtracted)",
-    "k4v3lmc": "Lloyd-Max 4-bit keys (centered) and 3-bit values, group 64, residual 8, 4 sinks",
-    "k4v4lmc": "Lloyd-Max 4-bit keys (centered) and 4-bit values, group 64, residual 8, 4 sinks",
-    "k3v2auto": "~3.0 bits, any model: each layer's K/V among lm2hb/3hb/4hb chosen from the prompt, tier 56 at 4",
-    "k2v2mix": "~2.5 bits: Lloyd-Max keys 2/3-bit, values 2-bit by layer (kv allocate; SmolLM2-135M)",
-    "k3v2mix": "~3.0 bits: Lloyd-Max keys 2/3/4-bit, values 2/3-bit by layer (kv allocate; SmolLM2-135M)",
-    "k4v3mix": "~4.0 bits: Lloyd-Max keys 2/4-bit, values 2/3/4-bit by layer (kv allocate; SmolLM2-135M)",
-    "k2v2mixb": "~2.5 bits: k2v2mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
-    "k3v2mixb": "~3.0 bits: k3v2mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
-    "k4v3mixb": "~4.0 bits: k4v3mix's maps with one-byte scales, 1/8 bit more for codes (kv allocate --byte-scales)",
-    "k3v2mixt": "~3.0 bits: a 2.73-bit allocation with one-byte scales, the 56 tokens before the newest 8 at 4 bits",
-    "k2v2mixft": "~2.5 bits: 2-bit keys (12 layers in two RoPE-frequency blocks) and values, the 56 before the newest 8 at 4",
+    "kivi2": "KIVI at 2 bits: what plain 2-bit values cost without a rotation",
+    "hadv2": "KIVI int4 keys + Hadamard-rotated 2-bit values: the method minillama reproduces",
+    "ternary": "KIVI int4 keys + ternary values: the method's failure case",
+    "k4v3lmc": "~3.9 bits: centered Lloyd-Max 4-bit keys, 3-bit values, 8 exact tokens, 4 sinks",
+    "k3v2auto": "~3.0 bits, any model: each layer's K/V among lm2hb/3hb/4hb chosen from the prompt",
 }
+
+MAPS_DIR = Path(__file__).parent / "maps"  # the default model's per-layer maps, one spec a file
+
+
+def maps() -> dict[str, Path]:
+    """The shipped maps by name (kv/maps/NAME.kv): specs with layers= for the default model."""
+    return {path.stem: path for path in sorted(MAPS_DIR.glob("*.kv"))}
+
+
+def read_map(path: Path) -> tuple[str, str]:
+    """(spec, about) from a map file: '#' lines describe it (the first is its one-line summary),
+    the one other line is the spec. A UserError when the file cannot be a map."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read the --kv map {shown(str(path))}: {e}") from None
+    notes = [line[1:].strip() for line in text.splitlines() if line.startswith("#")]
+    specs = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if len(specs) != 1 or len(specs[0]) > 100_000:
+        raise UserError(f"--kv map {shown(str(path))} must hold one spec line (and '#' comments), found {len(specs)}")
+    return specs[0], notes[0] if notes else ""
+
 
 GRAMMAR = (
     "k=CODEC,v=CODEC[,group=G][,kgroup=G][,vgroup=G][,residual=R][,sinks=S][,center=0|1]"
-    "[,rope=post|pre][,positions=absolute|cache][,start=N][,kfirst=CODEC,first=N]"
-    "[,layers=K/V;K/V;...][,tier=N:CODEC][,outliers=N][,koutliers=N][,voutliers=N]"
+    "[,rope=post|pre][,positions=absolute|cache][,start=N][,layers=K/V;K/V;...][,tier=N:CODEC]"
     " | bits=auto:B[,group=G][,residual=R][,sinks=S][,center=0|1][,tier=N:CODEC]"
 )
-NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start", "first")
-NUMBERS += ("outliers", "koutliers", "voutliers")  # exact entries a row (kv/outliers.py)
+NUMBERS = ("group", "kgroup", "vgroup", "residual", "sinks", "center", "start")
 WORDS = {"rope": ("post", "pre"), "positions": ("absolute", "cache")}
 _FIELD = re.compile(r"^([a-z]+)=(.+)$")
 
@@ -319,31 +252,45 @@ _FIELD = re.compile(r"^([a-z]+)=(.+)$")
 def codec_named(name: str) -> Codec | None:
     """A registered codec, or one a parametric name spells (``lm3f2:24.33.15``: freq_blocks.py);
     None if neither."""
-    return CODECS.get(name) or frequency_blocks(name) or outlier_codec(name)
+    return CODECS.get(name) or frequency_blocks(name)
 
 
 def _choices() -> str:
     return (
-        f"presets: {', '.join([*PRESETS, *MIXES])}; codecs: {', '.join(CODECS)}, "
-        "lm{b}f{nb}:{widths} (frequency blocks), {codec}o{N} (outliers)"
+        f"presets: {', '.join([*PRESETS, *maps()])}; codecs: {', '.join(CODECS)}, "
+        "lm{b}f{nb}:{widths} (frequency blocks)"
     )
 
 
+def named_spec(name: str) -> str | None:
+    """The spec text of a preset, a shipped map or a map file's path; None for anything else."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in maps():
+        return read_map(maps()[name])[0]
+    if name.endswith(".kv") and "=" not in name:
+        return read_map(Path(name))[0]
+    return None
+
+
 def parse_kv(text: str) -> KVSpec:
-    """Parse a preset name or a spec in the grammar above (GRAMMAR)."""
+    """Parse a preset name, a map (kv/maps/NAME.kv or a path ending .kv) or a spec in the grammar
+    above (GRAMMAR)."""
     text = text.strip()
-    if text in PRESETS or text in MIXES:
-        spec = parse_kv(PRESETS.get(text) or MIXES[text])
+    named = named_spec(text)
+    if named is not None:
+        spec = parse_kv(named)
         return KVSpec(**{**spec.__dict__, "name": text})
     first, _, changes = text.partition(",")
-    if first.strip() in PRESETS or first.strip() in MIXES:  # a preset with fields changed: hadv2,sinks=4
-        return _changed(first.strip(), changes, text)
+    base = named_spec(first.strip()) if "=" not in first else None
+    if base is not None:  # a preset with fields changed: hadv2,sinks=4
+        return _changed(first.strip(), base, changes, text)
     if "=" not in text:
         raise UserError(f"unknown --kv preset {shown(text)} ({_choices()})")
     fields: dict[str, str] = {}
     for item in text.split(","):
         m = _FIELD.match(item.strip())
-        if not m or m.group(1) not in ("k", "v", "kfirst", "layers", "tier", "bits", *NUMBERS, *WORDS):
+        if not m or m.group(1) not in ("k", "v", "layers", "tier", "bits", *NUMBERS, *WORDS):
             raise UserError(  # the grammar alone: with every preset and codec the line outgrew a terminal's screen
                 f"malformed --kv item {shown(item)}: expected {GRAMMAR} (`minillama kv --list` shows the presets and codecs)"
             )
@@ -358,13 +305,9 @@ def parse_kv(text: str) -> KVSpec:
         first_pair = _layers(fields["layers"])[0]
         fields.setdefault("k", first_pair[0].name)
         fields.setdefault("v", first_pair[1].name)
-        if "kfirst" in fields:
-            raise UserError("--kv layers= names every layer's codecs: drop kfirst= and first=")
     if "k" not in fields or "v" not in fields:
         raise UserError(f"--kv {shown(text)} must name both k= and v= codecs ({_choices()})")
-    if ("kfirst" in fields) != ("first" in fields):
-        raise UserError("--kv kfirst=CODEC and first=N go together: the key codec of the first N layers")
-    for key in ("k", "v", "kfirst"):
+    for key in ("k", "v"):
         if key in fields and codec_named(fields[key]) is None:
             raise UserError(f"unknown codec {shown(fields[key])} for {key}= ({_choices()})")
     k, v = codec_named(fields["k"]), codec_named(fields["v"])
@@ -384,24 +327,15 @@ def parse_kv(text: str) -> KVSpec:
     kgroup, vgroup = nums.get("kgroup", group), nums.get("vgroup", group)
     if min(kgroup, vgroup) < 1:
         raise UserError("--kv group sizes must be at least 1")
-    if "first" in nums and nums["first"] < 1:
-        raise UserError("--kv first=0 gives no layer the kfirst codec: first=N needs N >= 1")
     if nums.get("center", 0) > 1:
         raise UserError("--kv center must be 0 or 1")
     rope, positions = fields.get("rope", "post"), fields.get("positions", "absolute")
     if positions == "cache" and rope != "pre":
         raise UserError("--kv positions=cache needs rope=pre: keys stored after RoPE carry their old positions")
-    kfirst = codec_named(fields["kfirst"]) if "kfirst" in fields else None
     layers = _layers(fields["layers"]) if "layers" in fields else ()
-    quantized = k.quantized or v.quantized or (kfirst is not None and kfirst.quantized)
-    quantized = quantized or any(c.quantized for pair in layers for c in pair)
+    quantized = k.quantized or v.quantized or any(c.quantized for pair in layers for c in pair)
     residual = nums.get("residual", 32 if quantized else 0)
     tier, tier_codec = _tier(fields["tier"], quantized) if "tier" in fields else (0, None)
-    kout, vout = nums.get("koutliers", nums.get("outliers", 0)), nums.get("voutliers", nums.get("outliers", 0))
-    if kout or vout:  # every quantized codec of the tensor, layer by layer
-        k, v = _sparse(k, kout), _sparse(v, vout)
-        kfirst = _sparse(kfirst, kout) if kfirst is not None else None
-        layers = tuple((_sparse(a, kout), _sparse(b, vout)) for a, b in layers)
     return KVSpec(
         k,
         v,
@@ -409,13 +343,11 @@ def parse_kv(text: str) -> KVSpec:
         vgroup,
         residual,
         nums.get("sinks", 0),
-        name=text if text not in PRESETS.values() and text not in MIXES.values() else "",
+        name=text if text not in PRESETS.values() else "",
         center=bool(nums.get("center", 0)),
         rope=rope,
         positions=positions,
         start=nums.get("start", 0),
-        kfirst=kfirst,
-        first=nums.get("first", 0),
         layer_codecs=layers,
         tier=tier,
         tier_codec=tier_codec,
@@ -423,9 +355,9 @@ def parse_kv(text: str) -> KVSpec:
     )
 
 
-def _changed(preset: str, changes: str, text: str) -> KVSpec:
-    """``PRESET,key=value,...``: the preset's spec with those fields given anew (each once)."""
-    fields = dict(item.split("=", 1) for item in (PRESETS.get(preset) or MIXES[preset]).split(","))
+def _changed(preset: str, base: str, changes: str, text: str) -> KVSpec:
+    """``PRESET,key=value,...``: the preset's spec `base` with those fields given anew (each once)."""
+    fields = dict(item.split("=", 1) for item in base.split(","))
     given = [item.strip().partition("=")[0] for item in changes.split(",")]
     twice = sorted({key for key in given if given.count(key) > 1})
     if twice:
@@ -452,18 +384,13 @@ def _auto(fields: dict[str, str]) -> float:
         raise UserError(
             f"--kv bits={shown(text)}: write bits=auto:B, B the average bits an element (e.g. bits=auto:2.75)"
         )
-    named = [key for key in ("k", "v", "kfirst", "first", "outliers", "koutliers", "voutliers") if key in fields]
+    named = [key for key in ("k", "v") if key in fields]
     if named:
         raise UserError(
             f"--kv bits=auto chooses every layer's codecs among {', '.join(AUTO_CANDIDATES)}: drop {named[0]}="
         )
     fields["k"] = fields["v"] = AUTO_CANDIDATES[-1]
     return bits
-
-
-def _sparse(codec: Codec, count: int) -> Codec:
-    """`codec` with `count` exact entries a row (kv/outliers.py) where it quantizes at all."""
-    return with_outliers(codec, count) if count and codec.quantized else codec
 
 
 def _tier(text: str, quantized: bool) -> tuple[int, Codec]:
@@ -475,7 +402,7 @@ def _tier(text: str, quantized: bool) -> tuple[int, Codec]:
     if codec is None:
         raise UserError(f"unknown codec {shown(name.strip())} for tier= ({_choices()})")
     per_channel = codec.unit(2) != 1  # unit(G) is G for codecs that quantize along time
-    if not codec.quantized or per_channel or codec.per_sequence or codec.row_kind is None:
+    if not codec.quantized or per_channel or codec.row_kind is None:
         raise UserError(
             f"--kv tier={shown(text)}: the tier needs a per-token quantized codec the kernels read "
             "(lm4hb, lm4h, int4h, int8, ...)"

@@ -27,9 +27,8 @@ new keys are shifted too (``KVCache.key_center``). What changes is quantization:
 large, nearly constant key channels of Llama models no longer inflate each token's range,
 so per-token (rotated) key codes get finer.
 
-With ``start=N`` nothing leaves the residual until N tokens are held. Calibrated codecs
-(``int4cs``, ``nuq3``, ...) fit their per-sequence parameters on the first flush: every
-non-sink token held at that moment (the prefill, or the first N with ``start=N``).
+With ``start=N`` nothing leaves the residual until N tokens are held (mlx-lm's
+``quantized_kv_start``).
 """
 
 from __future__ import annotations
@@ -119,7 +118,6 @@ class TensorStore:
         self.center: torch.Tensor | None = (
             None  # (B, H, 1, D) per-channel mean in storage space, set by the first append
         )
-        self.params: dict[str, torch.Tensor] | None = None  # calib codecs: lo, span (B, H, 1, D), levels (B, H, 2**b)
         self.residual_len, self.unit, self.start = spec.residual, codec.unit(group), spec.start
         shapes = layout(codec, group, spec, capacity, head_dim)
         if bufs is None:
@@ -152,11 +150,8 @@ class TensorStore:
 
     @property
     def center_bytes(self) -> int:
-        """Bytes of the per-sequence parameters: the key center, a calibrated codec's ranges and grid."""
-        stored = dict(self.codec.stored_params(self.params)) if self.params else {}
-        if self.center is not None:
-            stored["center"] = self.center
-        return sum(t.numel() * t.element_size() for t in stored.values())
+        """Bytes of the key center (center=1), once it is set."""
+        return 0 if self.center is None else self.center.numel() * self.center.element_size()
 
     def live_read_bytes(self) -> int:
         """Bytes a full read of the held tokens touches (sinks, body and tier parts, residual, key center)."""
@@ -174,11 +169,7 @@ class TensorStore:
             pieces.append(self.sinks.read())
         if self.n_body:
             parts = {name: ring.read() for name, ring in self.body.items()}
-            pieces.append(
-                parts["values"]
-                if "values" in parts
-                else self.codec.decode(parts, self.group, self.head_dim, self.params)
-            )
+            pieces.append(parts["values"] if "values" in parts else self.codec.decode(parts, self.group, self.head_dim))
         if self.n_tier:
             parts = {name: ring.read() for name, ring in self.tier.items()}
             pieces.append(self.tier_codec.decode(parts, self.head_dim, self.head_dim))  # one scale a row
@@ -197,14 +188,14 @@ class TensorStore:
         positions = (0, first_rest, first_rest + self.n_body, first_rest + self.n_body + self.n_tier)
         exact = exact_codec(self.residual.buf.dtype)
         held = [
-            ("sinks", self.sinks.count, exact, self.group, {"values": self.sinks.view()}, None),
-            ("body", self.n_body, self.codec, self.group, {k: r.view() for k, r in self.body.items()}, self.params),
-            ("tier", self.n_tier, self.tier_codec, self.head_dim, {k: r.view() for k, r in self.tier.items()}, None),
-            ("residual", self.residual.count, exact, self.group, {"values": self.residual.view()}, None),
+            ("sinks", self.sinks.count, exact, self.group, {"values": self.sinks.view()}),
+            ("body", self.n_body, self.codec, self.group, {k: r.view() for k, r in self.body.items()}),
+            ("tier", self.n_tier, self.tier_codec, self.head_dim, {k: r.view() for k, r in self.tier.items()}),
+            ("residual", self.residual.count, exact, self.group, {"values": self.residual.view()}),
         ]
         return [
-            PartView(name, n, first, codec, group, rings, params)
-            for (name, n, codec, group, rings, params), first in zip(held, positions)
+            PartView(name, n, first, codec, group, rings)
+            for (name, n, codec, group, rings), first in zip(held, positions)
             if n
         ]
 

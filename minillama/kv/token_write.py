@@ -266,7 +266,7 @@ def _token_kind(codec) -> tuple[int, int, torch.Tensor | None, int] | None:
     if isinstance(codec, FloatCodec):
         return (0, 0, None, 0) if codec.dtype == torch.float16 else None
     family = native_encoding(codec)
-    if family is Affine and not codec.per_sequence and codec.bits in (2, 3, 4, 8):
+    if family is Affine and codec.bits in (2, 3, 4, 8):
         return codec.bits, int(codec.axis == "channel"), None, 0
     if family is Codebook and codec.bits in (2, 3, 4):
         return codec.bits, 0, gaussian_codebook(codec.bits), 0

@@ -48,15 +48,15 @@ def storage_form(codec: Codec, x: torch.Tensor, center: torch.Tensor | None, dty
 
 def native_encoding(codec: Codec) -> type[Codec] | None:
     """Affine, Codebook, FrequencyBlocks or VectorCodebook when native/encode.cpp writes this
-    codec's bytes (its class's encode is that family's, not a subclass's own; vector codes of a
-    sign-structured book only), else None: the codec encodes itself."""
+    codec's bytes (its class's encode is that family's, not a subclass's own), else None: the
+    codec encodes itself."""
     for family in (Affine, Codebook, FrequencyBlocks, VectorCodebook):
         if isinstance(codec, family) and type(codec).encode is family.encode:
-            return None if family is VectorCodebook and not codec.signs else family
+            return family
     return None
 
 
-def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None) -> dict[str, torch.Tensor]:
+def encode(codec: Codec, x: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     """x (B, H, T, D) in storage form -> the codec's parts, each (B, H, rows, width)."""
     lib = kernels(x.device)
     family = native_encoding(codec) if x.dtype == torch.float16 else None
@@ -82,4 +82,4 @@ def encode(codec: Codec, x: torch.Tensor, group: int, params: dict | None = None
             )
         except NotSupported as e:
             backend.fallback(f"cache write of {codec.name}: {e}")
-    return codec.encode(x, group, params)  # non-finite input: the reference raises the clear error
+    return codec.encode(x, group)  # non-finite input: the reference raises the clear error

@@ -15,17 +15,6 @@ import torch
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the one table of dtype codes
 
 
-class RowKind(IntEnum):
-    """How a stored row is decoded (minillama.h: enum RowKind; kv/codecs.py: Codec.row_kind)."""
-
-    FLOAT = 0
-    TOKEN = 1
-    CHANNEL = 2
-    CALIBRATED = 3
-    VECTOR = 4
-    BLOCKS = 5
-
-
 class Route(IntEnum):
     """Which kernel reads a part of the cache (minillama.h: enum Route)."""
 
@@ -33,7 +22,7 @@ class Route(IntEnum):
     TOKEN = 1  # per-token codes, exact float arithmetic
     CHANNEL = 2  # KIVI per-channel codes, exact float arithmetic
     INTEGER = 3  # 2-4-bit affine codes in the integer domain (int_attention.cpp)
-    ROWS = 4  # one decoded row at a time: pre-RoPE keys, calibrated codes
+    ROWS = 4  # one decoded row at a time: pre-RoPE keys, vector codes, frequency blocks
 
 
 STATUS_OK = 0  # minillama.h: MINILLAMA_OK
@@ -64,8 +53,6 @@ class RowSource(ctypes.Structure):
         ("sslots", ctypes.c_int),
         ("sstart", ctypes.c_int),
         ("codebook", ctypes.c_void_p),
-        ("lo", ctypes.c_void_p),
-        ("span", ctypes.c_void_p),
         ("levels", ctypes.c_void_p),
         ("nlevels", ctypes.c_int),
         ("vdim", ctypes.c_int),
@@ -74,10 +61,6 @@ class RowSource(ctypes.Structure):
         ("sin", ctypes.c_void_p),
         ("pos0", ctypes.c_int),
         ("scale8", ctypes.c_void_p),
-        ("oidx", ctypes.c_void_p),
-        ("oval", ctypes.c_void_p),
-        ("nout", ctypes.c_int),
-        ("orot", ctypes.c_int),
     ]
 
 

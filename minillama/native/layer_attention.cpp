@@ -24,7 +24,6 @@
 
 #include "exp2.h"
 #include "hadamard.h"
-#include "outliers.h"
 #include "rows.h"
 
 #include <cmath>
@@ -48,9 +47,6 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
     const RowSource& s = *src;
     if (D < 2 || D > 512 || D % 2) return MINILLAMA_E_HEAD_DIM;
     if (R < 1 || R > 16) return MINILLAMA_E_GQA;
-    // outliers (outliers.h): one-byte channel indices; not beside rows rotated for their positions
-    if (s.nout < 0 || s.orot < 0 || s.orot > 1 || (s.nout && (!s.oidx || !s.oval || D > 256 || 2 * s.nout >= D || s.cos)))
-        return MINILLAMA_E_CODES;
     const bool float_bits = s.bits >= 0 && s.bits <= 2;
     const bool code_bits = s.bits == 2 || s.bits == 3 || s.bits == 4 || s.bits == 8 || (s.bits == 5 && s.kind == ROW_TOKEN);
     switch (route) {
@@ -71,7 +67,6 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
             return s.group == D || (values && s.group == 32) ? MINILLAMA_OK : MINILLAMA_E_CODES;
         case ROUTE_ROWS:
             if (s.kind == ROW_FLOAT) return float_bits ? MINILLAMA_OK : MINILLAMA_E_CODES;
-            if (s.kind == ROW_CALIBRATED && (s.nlevels < 1 || s.nlevels > 256)) return MINILLAMA_E_CODES;
             if (s.kind == ROW_TOKEN && (s.group <= 0 || D % s.group)) return MINILLAMA_E_CODES;
             if (s.kind == ROW_BLOCKS)  // nb blocks of a power-of-two size, widths 0-8, a byte scale a block
                 return s.codebook && s.levels && s.scale8 && s.nlevels > 0 && D % (2 * s.nlevels) == 0 &&
@@ -82,7 +77,7 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
                 return s.bits == 8 && s.codebook && s.vdim > 0 && s.group > 0 && D % s.group == 0 && s.group % s.vdim == 0
                            ? MINILLAMA_OK
                            : MINILLAMA_E_CODES;
-            return s.kind >= ROW_TOKEN && s.kind <= ROW_CALIBRATED && code_bits ? MINILLAMA_OK : MINILLAMA_E_CODES;
+            return (s.kind == ROW_TOKEN || s.kind == ROW_CHANNEL) && code_bits ? MINILLAMA_OK : MINILLAMA_E_CODES;
         default:
             return MINILLAMA_E_CODES;
     }
@@ -166,10 +161,8 @@ extern "C" int attend_part(int values, int route, const float* x, const RowSourc
             const int len = std::min(block_size(R), n - i0);
             if (values) {
                 value_block(route, s, bh, R, D, x + (int64_t)bh * R * ld + i0, ld, i0, len, out + (int64_t)bh * R * D);
-                if (s.nout) outlier_values(s, bh, R, D, x + (int64_t)bh * R * ld + i0, ld, i0, len, out + (int64_t)bh * R * D);
             } else {
                 score_block(route, s, bh, R, D, x + (int64_t)bh * R * D, i0, len, out + (int64_t)bh * R * ld + i0, ld, prep);
-                if (s.nout) outlier_scores(s, bh, R, D, x + (int64_t)bh * R * D, i0, len, out + (int64_t)bh * R * ld + i0, ld);
             }
         }
     }
@@ -278,10 +271,8 @@ static inline void run_block(const Segments& seg, int values, int64_t bh, int R,
         const int i0 = lo_tok - seg.first[i], len = hi_tok - lo_tok;
         if (values) {
             value_block(part.route, part.src, bh, R, D, x + (lo_tok - a), lx, i0, len, out);
-            if (part.src.nout) outlier_values(part.src, bh, R, D, x + (lo_tok - a), lx, i0, len, out);
         } else {
             score_block(part.route, part.src, bh, R, D, x, i0, len, out + (lo_tok - a), lo, preps[i]);
-            if (part.src.nout) outlier_scores(part.src, bh, R, D, x, i0, len, out + (lo_tok - a), lo);
         }
     }
 }
@@ -308,7 +299,6 @@ extern "C" int attend_layer(const LayerPlan* plan) {
     int held = 0, held_v = 0;
     for (int i = 0; i < P.nk; i++) {
         if (const int status = route_supported(P.kparts[i].route, 0, &P.kparts[i].src, R, D)) return status;
-        if (P.kparts[i].src.nout && P.rotate_k > 1) return MINILLAMA_E_CODES;  // outliers.h rotates by H alone
         ks.first[i] = held, held += P.kparts[i].n;
     }
     for (int i = 0; i < P.nv; i++) {

@@ -34,9 +34,8 @@ enum RowKind {
     ROW_FLOAT = 0,       // unquantized rows (f32 / f16 / bf16)
     ROW_TOKEN = 1,       // per-token codes: affine (scale, zero), ternary or codebook (scale only)
     ROW_CHANNEL = 2,     // KIVI per-channel codes: scale and zero per channel and group of tokens
-    ROW_CALIBRATED = 3,  // per-sequence lo/span per channel and a grid of levels per head
-    ROW_VECTOR = 4,      // one byte per vdim channels: the index of a codebook vector, x a scale per group
-    ROW_BLOCKS = 5,      // nb frequency blocks (nlevels), per head each at its own width (levels), a byte scale each
+    ROW_VECTOR = 3,      // one byte per vdim channels: the index of a codebook vector, x a scale per group
+    ROW_BLOCKS = 4,      // nb frequency blocks (nlevels), per head each at its own width (levels), a byte scale each
 };
 
 // The parts a layer's K (or V) can hold, in age order: sinks, quantized body, tier, exact residual.
@@ -56,23 +55,14 @@ struct RowSource {
     const uint16_t* zero;   // same shape as scale, or null (ternary, codebook)
     int sslots, sstart;     // ROW_CHANNEL: the ring of scale rows
     const float* codebook;  // ROW_TOKEN: Gaussian Lloyd-Max levels, or null; ROW_BLOCKS: the books of widths 1-8 at 2^w - 2
-    const uint16_t* lo;     // ROW_CALIBRATED: (B*H, D) fp16
-    const uint16_t* span;   // ROW_CALIBRATED: (B*H, D) fp16
-    const uint16_t* levels; // ROW_CALIBRATED: (B*H, nlevels) fp16; ROW_BLOCKS: (B*H, nlevels) each block's width
-    int nlevels;            // ROW_CALIBRATED: levels per head; ROW_VECTOR: 16 for a sign x pattern book, else 0;
-                            // ROW_BLOCKS: blocks per row
+    const uint16_t* levels; // ROW_BLOCKS: (B*H, nlevels) each block's width
+    int nlevels;            // ROW_VECTOR: 16 (a sign x pattern book); ROW_BLOCKS: blocks per row
     int vdim;               // ROW_VECTOR: channels per code (codebook: 256 vectors of vdim floats)
     const float* center;    // (B*H, D) float32 key center to add back, or null
     const float* cos;       // (positions, D/2) float32, or null: rotate each row for its position
     const float* sin;
     int pos0;               // position of the part's first token (consecutive after it)
     const uint8_t* scale8;  // ROW_TOKEN codebooks with one-byte log scales (rows.h: log_scale), instead of scale
-    // Dense-and-sparse outliers (kv/outliers.py; outliers.h adds them to the dense part's scores
-    // and values): each row's nout channel indices and fp16 values in the model's channels, in
-    // rings of the data's slots and start; orot: the rows are stored Hadamard-rotated.
-    const uint8_t* oidx;    // (B*H, slots, nout), or null: no outliers
-    const uint16_t* oval;   // (B*H, slots, nout)
-    int nout, orot;
 };
 
 struct Part {
@@ -262,10 +252,10 @@ int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 Layer
 
 // The layouts ctypes mirrors (x86-64 and aarch64 LP64: 8-byte pointers, 4-byte ints).
 static_assert(sizeof(void*) == 8, "minillama's native kernels assume a 64-bit target");
-static_assert(sizeof(RowSource) == 160, "RowSource layout changed: update native/abi.py");
-static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56 && offsetof(RowSource, vdim) == 92,
+static_assert(sizeof(RowSource) == 120, "RowSource layout changed: update native/abi.py");
+static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) == 56 && offsetof(RowSource, vdim) == 76,
               "RowSource layout");
-static_assert(sizeof(Part) == 168, "Part layout changed: update native/abi.py");
+static_assert(sizeof(Part) == 128, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8 + 8 + 8, "StepEnds layout changed: update native/abi.py");

@@ -1,13 +1,11 @@
 // Decode attention one stored row at a time, for every codec: the general kernels.
 //
 // decode_attention.cpp has kernels specialised per codec family that fold scales into the
-// query and never materialise a row. Two cases need each key row in plain float form first:
+// query and never materialise a row. These cases need each row in plain float form first:
 //   * keys stored before RoPE (rope=pre): the row is decoded, its key center added back,
 //     and rotated for its own position (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin in
 //     HF's rotate-half layout) before the dot product with the (rotated) query;
-//   * calibrated codecs (int4cs, nuq3, ...): x = lo + span * level[code], with per-sequence
-//     lo/span per channel and a grid of levels per head;
-//   * vector codes (vq2h): each byte names one of 256 codebook vectors of vdim channels, times
+//   * vector codes (vq2hs): each byte names one of 256 codebook vectors of vdim channels, times
 //     the group's scale;
 //   * frequency blocks (lm3f2:...): block b of head h holds n = D / nb channels at its own width
 //     w (a little-endian bit stream, kv/packing.py), x = book_w[code] * its byte scale.
@@ -46,16 +44,10 @@ static inline void decode(const RowSource& s, int64_t bh, int i, int slot, int D
             decode_row(row, s.bits, D, s.codebook, out);
             const int G = D / s.group;
             scale_row(s, (bh * s.slots + slot) * G, D, out);
-        } else if (s.kind == 2) {
+        } else {  // ROW_CHANNEL
             unpack_row(row, s.bits, D, out);
             const int64_t r = (bh * s.sslots + (s.sstart + i / s.group) % s.sslots) * D;
             for (int d = 0; d < D; d++) out[d] = out[d] * half_to_float(s.scale[r + d]) + half_to_float(s.zero[r + d]);
-        } else {
-            unpack_row(row, s.bits, D, out);
-            const uint16_t *lo = s.lo + bh * D, *span = s.span + bh * D, *lv = s.levels + bh * s.nlevels;
-            float level[256];
-            for (int l = 0; l < s.nlevels; l++) level[l] = half_to_float(lv[l]);
-            for (int d = 0; d < D; d++) out[d] = half_to_float(lo[d]) + half_to_float(span[d]) * level[(int)out[d]];
         }
     }
     if (s.center)

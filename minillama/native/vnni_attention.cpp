@@ -596,25 +596,9 @@ inline void pair_all(const Pairs& pairs, int npairs, const int32_t (*wq)[8 * 16 
     }
 }
 
-// Vector codes (ROW_VECTOR, 4 channels a code): two tokens' rows -> NV pair registers as
-// pair_fields<8> makes them from bytes (register m, lane j: channel 16 m + j). book16 holds each
-// of the 256 vectors as 4 int16 levels in one qword: a gather of 8 of them makes 32 channels of
-// one token, and the two tokens' int16 are interleaved, then put back in channel order.
-template <int NV>
-inline void pair_vectors(const uint8_t* x, const uint8_t* y, const int64_t* book16, __m512i* f) {
-    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-    for (int h = 0; h < NV / 2; h++) {  // channels 32 h .. 32 h + 31: codes 8 h .. 8 h + 7
-        const __m512i a = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(x + 8 * h))), book16, 8);
-        const __m512i b = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(y + 8 * h))), book16, 8);
-        const __m512i lo = _mm512_unpacklo_epi16(a, b);  // 128-bit lane l: channels 8 l .. 8 l + 3, as pairs
-        const __m512i hi = _mm512_unpackhi_epi16(a, b);  // channels 8 l + 4 .. 8 l + 7
-        f[2 * h] = _mm512_permutex2var_epi64(lo, first, hi);
-        f[2 * h + 1] = _mm512_permutex2var_epi64(lo, second, hi);
-    }
-}
-
-// Sign-structured vector codes (nlevels 16: code k = 16 s + p, vector = pattern p with coordinate
-// c negated where bit c of s is set): two tokens' rows -> the same pair registers, in registers.
+// Sign-structured vector codes (ROW_VECTOR, nlevels 16: code k = 16 s + p, vector = pattern p with
+// coordinate c negated where bit c of s is set): two tokens' rows -> NV pair registers as
+// pair_fields<8> makes them from bytes (register m, lane j: channel 16 m + j), in registers.
 // The 16 patterns' 64 int16 levels are two tables of one vpermi2w; each code is spread to the 8
 // int16 lanes of its 4 channels x 2 tokens by one vpermw (lane l of register m: channel
 // 16 m + l / 2 of token l % 2), carrying 4 p in bits 2-5 and s in bits 8-11, so the lookup
@@ -663,21 +647,18 @@ inline void make_pair(const uint8_t* x, const uint8_t* y, bool book, __m512i lut
 
 // BITS: the stored code width; 3-bit rows are paired by pair_codes3, or without VBMI unpacked to
 // bytes first and paired as 8-bit ones (PB: the width pair_fields sees). VEC: vector codes, one
-// byte per 4 channels, their book as int16 levels (levels16): 1, any book (pair_vectors, its
-// 1024 numbers); 2, a sign x 16-pattern book (pair_signed, its 64 pattern numbers).
-template <int BITS, int NV, int VEC = 0>
+// byte per 4 channels of a sign x 16-pattern book (pair_signed, its 64 pattern numbers as int16).
+template <int BITS, int NV, bool VEC = false>
 bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, int i0, int n, float* acc_out) {
     constexpr int D = 16 * NV, SB = 32, PB = VEC || BITS == 3 ? 8 : BITS, F = 8 / PB, NP = NV / F;
     const int G = s.group, NG = D / G;
     __m512i gidx[NP];  // lane j of piece m: the group of its channels
     // A codebook's 16-bit levels (levels16), looked up per 16-bit lane (vpermw).
-    const bool book = VEC == 0 && s.codebook != nullptr;
+    const bool book = !VEC && s.codebook != nullptr;
     __m512i lut = _mm512_setzero_si512();
     float level_step = 1.f;
-    alignas(64) int64_t book16[VEC == 1 ? 256 : 1];  // any vector book: each vector's 4 int16 levels
-    if (VEC == 1) level_step = levels16(s.codebook, 1024, (int16_t*)book16);
     __m512i patterns[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  // sign x pattern book: 64 int16
-    if (VEC == 2) {
+    if (VEC) {
         alignas(64) int16_t t[64];
         level_step = levels16(s.codebook, 64, t);  // vectors 0..15: the patterns, every sign positive
         patterns[0] = _mm512_load_si512(t), patterns[1] = _mm512_load_si512(t + 32);
@@ -784,9 +765,7 @@ bool value_vnni(const RowSource& s, int64_t bh, int R, const float* p, int lp, i
         }
         const int npairs = (len + 1) / 2;
         auto make = [&](int q, __m512i* f) __attribute__((always_inline)) {  // pair q's NV registers
-            if (VEC == 1)
-                pair_vectors<NV>(row[2 * q], row[2 * q + 1], book16, f);
-            else if (VEC == 2)
+            if (VEC)
                 pair_signed<NV>(row[2 * q], row[2 * q + 1], patterns[0], patterns[1], f);
             else
                 make_pair<BITS, PB, NV>(row[2 * q], row[2 * q + 1], book, lut, f);
@@ -1040,8 +1019,8 @@ bool vnni_keys(const RowSource& s, int D) {
 
 bool vnni_values(const RowSource& s, int D) {
     if ((D != 64 && D != 128) || s.cos || s.center) return false;
-    if (s.kind == ROW_VECTOR)  // 256 vectors of 4 channels, whole vectors per group of 16 or more
-        return s.vdim == 4 && s.bits == 8 && s.codebook && s.group >= 16 && D % s.group == 0;
+    if (s.kind == ROW_VECTOR)  // a sign x 16-pattern book of 4 channels, whole vectors per group of 16 or more
+        return s.vdim == 4 && s.nlevels == 16 && s.bits == 8 && s.codebook && s.group >= 16 && D % s.group == 0;
     if (s.kind != ROW_TOKEN) return false;
     if (!(s.bits == 2 || s.bits == 3 || s.bits == 4 || s.bits == 8) || s.group < 16 || D % s.group) return false;
     return s.codebook ? s.bits <= 4 : s.zero != nullptr;  // affine codes, or up to 16 levels (int16, see value_vnni)
@@ -1049,10 +1028,8 @@ bool vnni_values(const RowSource& s, int D) {
 
 bool value_vnni(VALUE_ARGS) {
     if (R > 16 || !vnni_values(s, D)) return false;
-    if (s.kind == ROW_VECTOR && s.nlevels == 16)
-        return D == 64 ? value_vnni<8, 4, 2>(s, bh, R, p, lp, i0, n, acc) : value_vnni<8, 8, 2>(s, bh, R, p, lp, i0, n, acc);
     if (s.kind == ROW_VECTOR)
-        return D == 64 ? value_vnni<8, 4, 1>(s, bh, R, p, lp, i0, n, acc) : value_vnni<8, 8, 1>(s, bh, R, p, lp, i0, n, acc);
+        return D == 64 ? value_vnni<8, 4, true>(s, bh, R, p, lp, i0, n, acc) : value_vnni<8, 8, true>(s, bh, R, p, lp, i0, n, acc);
 #define V(BITS) return D == 64 ? value_vnni<BITS, 4>(s, bh, R, p, lp, i0, n, acc) : value_vnni<BITS, 8>(s, bh, R, p, lp, i0, n, acc)
     switch (s.bits) {
         case 2: V(2);

@@ -8,37 +8,40 @@ from minillama.app.options import Finite, model_options
 
 
 def describe_codecs() -> str:
-    """Every preset and codec with its bits/element formula, as ``minillama kv --list`` prints them."""
-    from minillama.kv.codecs import CODECS
-    from minillama.kv.spec import GRAMMAR, MIXES, PRESET_NOTES, PRESETS, parse_kv
+    """Every preset, map and codec family with its bits/element formula, as ``minillama kv --list``
+    prints them."""
+    from minillama.kv.codecs import CODECS, FloatCodec
+    from minillama.kv.spec import GRAMMAR, PRESET_NOTES, PRESETS, maps, read_map
 
-    lines = ["Presets (--kv NAME):"]
+    lines = ["Presets (--kv NAME; fp32, bf16 and fp16 store keys and values unquantized):"]
     for name, text in PRESETS.items():
-        lines.append(f"  {name:<9} {text:<56} {PRESET_NOTES.get(name, '')}")
-    lines += ["", "Per-layer mixes for the default model's 30 layers (kv allocate; layers= lists each layer's K/V):"]
-    for name, text in MIXES.items():
-        lines.append(f"  {name:<9} {parse_kv(text).layer_mix():<56} {PRESET_NOTES.get(name, '')}")
-    lines += ["", f"Codecs (--kv {GRAMMAR}); bits/element (G = group, T = tokens held):"]
+        if name in PRESET_NOTES:
+            lines.append(f"  {name:<9} {PRESET_NOTES[name]}")
+            lines.append(f"  {'':<9}   {text}")
+    lines += ["", "Maps of the default model's 30 layers (--kv NAME; kv/maps/NAME.kv, or --kv FILE.kv of your own):"]
+    for name, path in maps().items():
+        lines.append(f"  {name:<9} {read_map(path)[1]}")
+    families: dict[str, list[str]] = {}  # codecs of one formula, b standing for the bits
     for c in CODECS.values():
-        lines.append(f"  {c.name:<7} {c.bits_formula():<58} {c.about}")
+        formula = (
+            "32, 16, 16 (unquantized)"
+            if isinstance(c, FloatCodec)
+            else c.bits_formula().replace(f"{c.bits} +", "b +", 1)
+        )
+        families.setdefault(formula + (", Hadamard-rotated" if c.rotate else ""), []).append(c.name)
+    lines += ["", "Codecs: bits an element (b the codec's bits, G the group, D the head size):"]
+    for formula, names in families.items():
+        lines.append(f"  {' '.join(names):<20} {formula}")
     lines += [
-        f"  {'lm{b}f{nb}:{widths}':<7} b + 8 nb/D  (per KV head and RoPE frequency block: Lloyd-Max bits, a byte scale)",
-        "    keys in nb frequency blocks, per KV head one digit a block (its bits, highest frequencies first;",
-        "    each head's digits add up to nb x b): lm3f2:24.33.15 for 3 KV heads (rows kernel; no SIMD kernel yet)",
-        f"  {'{codec}o{N}':<7} + 24 N/D  (dense-and-sparse: a per-token codec plus each row's N largest entries exact)",
-        "    fp16 value and byte index, taken in the model's channels before the rotation: lm3hbo1; outliers=N",
-        "    (koutliers=N, voutliers=N) gives every quantized codec of both tensors (or one) N a row",
-    ]
-    lines += [
+        f"  {'lm{b}f{nb}:{widths}':<20} b + 8 nb/D  (keys in nb RoPE frequency blocks, each KV head's widths in digits)",
         "",
+        f"Spec: --kv {GRAMMAR}",
         "Defaults: group 32; residual 32 when anything is quantized, else 0; sinks 0; center 0; rope post;",
-        "positions absolute; start 0.",
-        "center=1 stores keys minus a per-sequence channel mean (softmax ignores the shift; codes get finer).",
-        "rope=pre stores keys before RoPE and rotates them when read; positions=cache numbers held tokens by slot.",
-        "start=N keeps every token exact until N are held.",
-        "bits=auto:B chooses each layer's K and V among lm2hb, lm3hb, lm4hb from every sequence's prefill (the",
-        "    newest queries' attention error, kv/auto.py), at most B body bits an element on average.",
-        "Residual and sink tokens are stored in fp16 (unquantized codecs: in their own dtype).",
+        "positions absolute; start 0. Residual and sink tokens are kept in fp16 (unquantized codecs: their dtype).",
+        "center=1: keys minus a per-sequence channel mean. rope=pre: keys stored before RoPE; positions=cache",
+        "numbers held tokens by slot. start=N: exact until N tokens are held. tier=N:CODEC: the N tokens before",
+        "the residual in a finer codec. bits=auto:B: each layer's K and V among lm2hb/lm3hb/lm4hb from the prompt.",
+        "docs/cache.md explains each one.",
     ]
     return "\n".join(lines)
 
@@ -55,11 +58,14 @@ def describe_codecs() -> str:
 )
 @click.option("--bits", type=Finite(min=0, min_open=True), help="With allocate: average bits per element.")
 @click.option(
+    "--out", type=click.Path(dir_okay=False), help="With allocate: write the spec as a map FILE.kv (--kv FILE.kv)."
+)
+@click.option(
     "--byte-scales",
     is_flag=True,
     help="With allocate: Lloyd-Max codecs with one-byte log scales (lm3h -> lm3hb), priced by their fp16 maps.",
 )
-def kv(spec, path, list_, model_name, tokens, as_json, maps, bits, byte_scales):
+def kv(spec, path, list_, model_name, tokens, as_json, maps, bits, out, byte_scales):
     """Explain KV cache specs: `--list`, the exact byte budget of SPEC, `inspect FILE`: what a
     saved cache file (generate/chat --prompt-cache, chat /save) holds, or `allocate`: a spec
     with each layer's codecs chosen from sensitivity maps under a budget of bits.
@@ -71,20 +77,21 @@ def kv(spec, path, list_, model_name, tokens, as_json, maps, bits, byte_scales):
       minillama kv k=int4h,v=int2h,group=64,sinks=4 --tokens 896
       minillama kv inspect doc.kv --json
       minillama kv allocate --map k3v2lm.json --map k4v3lmc.json --bits 3.0
-      minillama kv allocate --map k3v2lm.json --map k4v3lmc.json --bits 3.0 --byte-scales
+      minillama kv allocate --map k3v2lm.json --map k4v3lmc.json --bits 3.0 --byte-scales --out mix.kv
+      minillama generate "Hello" --kv mix.kv
     """
     from minillama.errors import UserError
 
-    if (maps or bits is not None or byte_scales) and spec != "allocate":
+    if (maps or bits is not None or byte_scales or out) and spec != "allocate":
         raise UserError(
-            "--map, --bits and --byte-scales go with allocate: minillama kv allocate --map MAP.json ... --bits B"
+            "--map, --bits, --byte-scales and --out go with allocate: minillama kv allocate --map MAP.json ... --bits B"
         )
     if spec == "allocate":
         if path:
             raise UserError(f"unexpected argument {path!r}: give the maps with --map FILE")
         if not maps or bits is None:
             raise UserError("kv allocate needs at least one --map FILE (ppl --sensitivity --json) and --bits B")
-        allocate_command(maps, bits, model_name, tokens, as_json, byte_scales)
+        allocate_command(maps, bits, model_name, tokens, as_json, byte_scales, out)
         return
     if spec == "inspect":
         import json
@@ -112,9 +119,20 @@ def kv(spec, path, list_, model_name, tokens, as_json, maps, bits, byte_scales):
     click.echo(byte_budget(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, parsed, tokens))
 
 
-def allocate_command(maps, bits, model_name, tokens, as_json, byte_scales=False) -> None:
-    """``kv allocate``: read the maps, choose, print the summary and the spec (last line)."""
+def allocate_command(maps, bits, model_name, tokens, as_json, byte_scales=False, out=None) -> None:
+    """``kv allocate``: read the maps, choose, print the summary and the spec (last line); with
+    `out`, also write the spec as a map file that ``--kv FILE.kv`` reads."""
     import json
+    from pathlib import Path
+
+    from minillama.errors import UserError, shown
+    from minillama.kv.spec import read_map
+
+    if out is not None:  # checked before any work: a map file, new or replaced, never anything else
+        if not out.endswith(".kv"):
+            raise UserError(f"--out {shown(out)}: a map file's name ends in .kv (--kv reads it by that)")
+        if Path(out).exists():
+            read_map(Path(out))  # refuses a file that is not a map, which is left as it was
 
     from minillama.app.default_model import resolve_model
     from minillama.app.options import read_json
@@ -128,6 +146,11 @@ def allocate_command(maps, bits, model_name, tokens, as_json, byte_scales=False)
     a = allocate_from_maps(loaded, bits, cfg.num_hidden_layers, cfg.head_dim, byte_scales)
     live = formula_live_bytes(cfg.num_hidden_layers, cfg.n_kv_heads, cfg.head_dim, a.spec, tokens)
     effective = 8 * sum(live.values()) / (cfg.num_hidden_layers * 2 * cfg.n_kv_heads * cfg.head_dim * tokens)
+    if out is not None:
+        about = f"# {bits:g} bits from {', '.join(Path(m).name for m in maps)}: {a.spec.layer_mix()}\n"
+        temp = Path(out).with_name(f".{Path(out).name}.tmp")
+        temp.write_text(about + a.spec.canonical() + "\n", encoding="utf-8")
+        temp.replace(out)
     if as_json:
         info = {
             "kv": a.spec.canonical(),

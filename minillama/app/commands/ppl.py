@@ -102,7 +102,7 @@ def ppl(
     import sys
 
     from minillama.eval.perplexity import check_window, evaluate, format_table
-    from minillama.kv.spec import MIXES, PRESETS, parse_kv
+    from minillama.kv.spec import PRESETS, maps, parse_kv
 
     if plot_path and not (frontier or bucket or sensitivity):
         raise UserError(
@@ -124,9 +124,9 @@ def ppl(
         raise UserError("nothing to evaluate: pass --text FILE or --dataset hamlet|wikitext2")
     text = read_text(text_file, dataset)
     lm = load(model_name, dtype, device, backend)
-    if frontier:  # the per-layer mixes made for a model with this many layers
-        mixes = (parse_kv(m) for m in MIXES)
-        specs += [m for m in mixes if len(m.layer_codecs) == lm.config.num_hidden_layers]
+    if frontier:  # the per-layer maps made for a model with this many layers
+        shipped = (parse_kv(m) for m in maps())
+        specs += [m for m in shipped if len(m.layer_codecs) == lm.config.num_hidden_layers]
     ids = lm.tokenizer.encode(text)
     bars = []
 
