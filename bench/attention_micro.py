@@ -28,9 +28,9 @@ import torch
 
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import attend_one_part, decode_plan
 from minillama.kv.spec import parse_kv
 from minillama.native import backend, ops
+from minillama.native.plans import attend_one_part, decode_plan
 
 LAYERS, H, R, D = 30, 3, 3, 64
 

@@ -27,9 +27,9 @@ import torch
 
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import decode_plan
 from minillama.kv.spec import parse_kv
 from minillama.native import backend, ops
+from minillama.native.plans import decode_plan
 
 SHAPES = {  # (layers, KV heads, query heads per KV head, head_dim)
     "smollm2": (30, 3, 3, 64),  # the default model

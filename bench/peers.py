@@ -211,7 +211,7 @@ def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, ro
     from minillama.kv.cache import KVCache
     from minillama.kv.spec import parse_kv
     from minillama.model.generate import decode_step, prefill
-    from minillama.model.loader import load_model
+    from minillama.native.fast import load_model
 
     lm = load_model(str(folder), "bfloat16")
     cache = KVCache.for_model(lm.config, parse_kv(kv), context + room)
@@ -269,7 +269,7 @@ def minillama_prefiller(folder: Path, ids: list[int], context: int, kv: str = "f
     from minillama.kv.cache import KVCache
     from minillama.kv.spec import parse_kv
     from minillama.model.generate import prefill
-    from minillama.model.loader import load_model
+    from minillama.native.fast import load_model
 
     lm = load_model(str(folder), "bfloat16")
     # untimed: the kernels loaded (built, on a first run) and the first calls made

@@ -23,10 +23,10 @@ from attention_rounds import spec_list  # bench/ is the script's folder, so on s
 
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import attend_one_part
 from minillama.kv.spec import parse_kv
 from minillama.native import backend
 from minillama.native.abi import NotSupported, Route
+from minillama.native.plans import attend_one_part
 
 H, R, D = 3, 3, 64
 

@@ -32,10 +32,9 @@ from minillama.app.default_model import resolve_model
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
-from minillama.model import step
 from minillama.model.generate import decode_step
-from minillama.model.loader import load_model
-from minillama.native import backend, build
+from minillama.native import backend, build, step
+from minillama.native.fast import load_model
 
 STEPS = 16  # decode steps per build and round
 PHASES = ("projections", "attention", "rest", "head", "write")

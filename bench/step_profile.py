@@ -5,7 +5,7 @@
     python bench/step_profile.py --context 512 --kv fp16 --rounds 9   # the roofline as a median
 
 One step on the kernels backend is: Python takes the token and position (model/llama.py: _run)
-and refreshes the cache's description of its layers (kv/fused_attention.py: CachePlans); one
+and refreshes the cache's description of its layers (native/plans.py: CachePlans); one
 native call runs the embedding row, every layer (native/step.cpp: norm, q/k/v, RoPE, attention,
 o, norm, gate/up, SiLU, down), the final norm and the LM head; every layer's new keys and values
 are appended to the cache (kv/layered.py, encoding them: kv/write.py). The script times each of
@@ -38,10 +38,11 @@ from minillama.eval.datasets import load as load_text
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
-from minillama.model import step
 from minillama.model.generate import decode_step, prefill
-from minillama.model.loader import load_model
-from minillama.native import backend, ops
+from minillama.native import backend, ops, step
+from minillama.native.fast import load_model
+from minillama.native.plans import CachePlans
+from minillama.native.token_write import CacheWrites
 
 
 def main() -> None:
@@ -94,10 +95,10 @@ def main() -> None:
         return wrapper
 
     ops.decode_step = timed("native step call", ops.decode_step)
-    KVCache.kernel_plans = timed("layer plans (Python)", KVCache.kernel_plans)
+    CachePlans.refresh = timed("layer plans (Python)", CachePlans.refresh)
     KVCache.append_stacked = timed("cache append outside the step (PyTorch write)", KVCache.append_stacked)
-    KVCache.token_writes = timed("cache write described (Python)", KVCache.token_writes)
-    KVCache.commit_token = timed("cache write counted (Python)", KVCache.commit_token)
+    CacheWrites.describe = timed("cache write described (Python)", CacheWrites.describe)
+    CacheWrites.commit = timed("cache write counted (Python)", CacheWrites.commit)
     steps(3)
     # The phases inside the native call are timed in the same steps as the call itself, so what the
     # call spends outside them (ctypes, the embedding rows) is a difference of nested intervals of

@@ -28,10 +28,9 @@ from minillama.app.default_model import resolve_model
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
-from minillama.model import step
 from minillama.model.generate import decode_step
-from minillama.model.loader import load_model
-from minillama.native import backend
+from minillama.native import backend, step
+from minillama.native.fast import load_model
 
 STEPS = 8  # decode steps per scheme and round
 

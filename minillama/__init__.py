@@ -21,18 +21,46 @@ A prompt's cache as a file, reused by another process (model/prompt_cache.py):
 ``set_backend("reference")`` runs everything as plain PyTorch (native/backend.py).
 """
 
-from minillama.app.chat import ChatSession
-from minillama.app.default_model import fetch_default
-from minillama.eval.perplexity import evaluate as perplexity
-from minillama.kv.cache import KVCache
-from minillama.kv.codecs import CODECS, Codec, register
-from minillama.kv.interface import Cache
-from minillama.kv.spec import PRESETS, KVSpec, parse_kv
-from minillama.model.generate import GenerateOptions, decode_step, generate, prefill
-from minillama.model.loader import load_model
-from minillama.model.prompt_cache import Completion, load_prompt_cache, reuse_prefix, save_prompt_cache
-from minillama.model.sampling import SamplingParams
-from minillama.native.backend import set_backend, using
+# Each public name and the module it lives in, imported on first use (PEP 562): importing one
+# part of the package (say minillama.model.generate) loads only what that part needs.
+_PUBLIC = {
+    "ChatSession": "minillama.app.chat",
+    "fetch_default": "minillama.app.default_model",
+    "perplexity": ("minillama.eval.perplexity", "evaluate"),
+    "KVCache": "minillama.kv.cache",
+    "CODECS": "minillama.kv.codecs",
+    "Codec": "minillama.kv.codecs",
+    "register": "minillama.kv.codecs",
+    "Cache": "minillama.kv.interface",
+    "PRESETS": "minillama.kv.spec",
+    "KVSpec": "minillama.kv.spec",
+    "parse_kv": "minillama.kv.spec",
+    "GenerateOptions": "minillama.model.generate",
+    "decode_step": "minillama.model.generate",
+    "generate": "minillama.model.generate",
+    "prefill": "minillama.model.generate",
+    "load_model": "minillama.native.fast",  # the core loader's, its model on the compiled path
+    "Completion": "minillama.model.prompt_cache",
+    "load_prompt_cache": "minillama.model.prompt_cache",
+    "reuse_prefix": "minillama.model.prompt_cache",
+    "save_prompt_cache": "minillama.model.prompt_cache",
+    "SamplingParams": "minillama.model.sampling",
+    "set_backend": "minillama.native.backend",
+    "using": "minillama.native.backend",
+}
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'minillama' has no attribute {name!r}")
+    import importlib
+
+    where = _PUBLIC[name]
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CODECS",

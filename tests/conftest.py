@@ -97,7 +97,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    from minillama.model.loader import load_model
+    from minillama.native.fast import load_model
 
     return load_model(str(tiny_dir), "float32")
 
@@ -111,7 +111,7 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm(default_model_dir):
-    from minillama.model.loader import load_model
+    from minillama.native.fast import load_model
 
     return load_model(str(default_model_dir), "float32")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from minillama.kv.codecs import CODECS
-from minillama.kv.interface import PartView, RingView
 
 EXACT = CODECS["fp32"]
 
@@ -34,26 +33,6 @@ class ListLayer:
         k = torch.cat([self.empty, *self.keys], dim=2)  # (B, H, held, D)
         v = torch.cat([self.empty, *self.values], dim=2)  # (B, H, held, D)
         return k.to(dtype), v.to(dtype)
-
-    def parts(self) -> tuple[list[PartView], list[PartView]]:
-        """Exact parts in fresh buffers, one per run of consecutive positions (sinks, then the rest)."""
-        k, v = self.read(torch.float32)
-        runs, start = [], 0  # (first index, length) of each run of consecutive positions
-        for i in range(1, len(self._positions) + 1):
-            if i == len(self._positions) or self._positions[i] != self._positions[i - 1] + 1:
-                runs.append((start, i - start))
-                start = i
-        if not self._positions:
-            runs = []
-
-        def part(x: torch.Tensor, a: int, n: int) -> PartView:
-            rows = x[:, :, a : a + n].contiguous()  # (B, H, n, D)
-            return PartView("run", n, self._positions[a], EXACT, 1, {"values": RingView(rows, 0)})
-
-        return [part(k, a, n) for a, n in runs], [part(v, a, n) for a, n in runs]
-
-    def count_kernel_read(self) -> None:
-        pass
 
 
 class ListCache:
@@ -88,9 +67,7 @@ class ListCache:
         positions = list(range(self.held)) if self.slot_positions else self.kept
         return ListLayer(*self.layers[i], positions, self.empty)
 
-    wants_queries = 0  # it stores every token exact: nothing to choose
-
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], probes=None) -> None:
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         n = new_kv[0][0].shape[2]
         for (keys, values), (k, v) in zip(self.layers, new_kv):
             keys.extend(k.float().split(1, dim=2))

@@ -18,12 +18,12 @@ import torch
 
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import parse_kv
 from minillama.model.attention import attend_cache
 from minillama.model.rope import RotaryTable
 from minillama.native import backend
 from minillama.native.build import TARGETS, build
+from minillama.native.plans import fused_decode_attention
 
 # One spec per kind of part: float rows, KIVI keys with per-token values, Hadamard 2-bit values
 # with sinks, centered Hadamard keys with 3-bit values, codebooks, keys before RoPE (rows decoded

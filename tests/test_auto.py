@@ -3,7 +3,7 @@ append -- the prompt's prefill -- among lm2hb, lm3hb and lm4hb, at most B body b
 
 The cost of a candidate is the attention-output error of the prompt's newest queries with that
 one tensor coded (sinks and each query's newest residual + tier tokens exact), times the weight of
-an error in that layer's output, which the model hands with the queries. These tests hold that
+an error in that layer's output, which model/auto.py measures with the queries. These tests hold that
 cost to a plain per-query computation in model space, the weight to its formula, the choice to
 its budget and to the same answer for the same input, the cache to the mix it chose (bytes,
 logits, the saved file) and the refusals to one line each.
@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from minillama.errors import UserError
-from minillama.kv.auto import CANDIDATES, QUERIES, choose, layer_costs
+from minillama.kv.auto import CANDIDATES, QUERIES, Probe, choose, layer_costs
 from minillama.kv.budget import formula_live_bytes
 from minillama.kv.cache import KVCache
 from minillama.kv.codecs import CODECS
 from minillama.kv.file import encode, read, restore, write_atomic
 from minillama.kv.group import CacheGroup
-from minillama.kv.interface import Probe
 from minillama.kv.spec import parse_kv
+from minillama.model.auto import error_weight, probes
+from minillama.model.generate import prefill
 from minillama.native import backend
 from tests.conftest import decode_on_both_backends
 
@@ -139,14 +140,11 @@ def test_a_layers_error_weight_is_o_proj_over_the_typical_residual_norm(tiny):
     layer = tiny.model.model.layers[0]
     x = tiny.model.model.embed_tokens(tokens)  # (1, 20, hidden): the stream entering layer 0
     expected = layer.self_attn.o_proj.weight.pow(2).sum() / x.pow(2).sum(-1).median()
-    assert layer.error_weight(x) == pytest.approx(float(expected), rel=1e-5)
-    cache = KVCache.for_model(tiny.config, parse_kv(AUTO), 64)
-    handed = []
-    cache.append = lambda new_kv, probes: handed.extend(probes)  # what the model hands its cache
-    with torch.inference_mode():
-        tiny.model(tokens, cache)
+    assert error_weight(layer, x) == pytest.approx(float(expected), rel=1e-5)
+    k, v, handed = probes(tiny.model, tokens)  # what the cache is handed with the first chunk
     assert len(handed) == 2 and handed[0].weight == pytest.approx(float(expected), rel=1e-5)
     assert handed[0].queries.shape == (1, 4, 20, 64)  # every query of a prompt shorter than QUERIES
+    assert k.shape == v.shape == (2, 1, 2, 20, 64)  # (L, B, H_kv, T, D)
 
 
 def test_without_probes_each_tensor_is_priced_by_its_own_error():
@@ -159,21 +157,23 @@ def test_without_probes_each_tensor_is_priced_by_its_own_error():
 def test_a_cache_chooses_at_its_first_append_and_again_after_a_reset():
     k, v, q = rows(2, 50)
     cache = KVCache(parse_kv(AUTO), n_layers=2, n_kv_heads=2, head_dim=64, capacity=128)
-    assert cache.wants_queries == QUERIES and cache.spec.layer_codecs == ()
-    cache.append([(k[i], v[i]) for i in range(2)], q)
-    assert cache.wants_queries == 0
+    assert cache.choosing and cache.spec.layer_codecs == ()
+    cache.choose(k, v, q)
+    cache.append([(k[i], v[i]) for i in range(2)])
+    assert not cache.choosing
     assert cache.spec.layer_codecs == choose(parse_kv(AUTO), k, v, q).layer_codecs
     assert cache.layers[1][1].codec is cache.spec.layer_codecs[1][1]  # the stores hold the chosen codecs
     cache.append([(k[i][:, :, :1], v[i][:, :, :1]) for i in range(2)])  # a decode token: no new choice
     assert cache.held == 51
     cache.reset()
-    assert cache.wants_queries == QUERIES and cache.spec.layer_codecs == () and cache.held == 0
+    assert cache.choosing and cache.spec.layer_codecs == () and cache.held == 0
 
 
 def test_the_bytes_held_are_the_closed_form_of_the_chosen_mix():
     k, v, q = rows(2, 90)
     cache = KVCache(parse_kv(AUTO), n_layers=2, n_kv_heads=2, head_dim=64, capacity=128)
-    cache.append([(k[i], v[i]) for i in range(2)], q)
+    cache.choose(k, v, q)
+    cache.append([(k[i], v[i]) for i in range(2)])
     assert cache.live_bytes() == formula_live_bytes(2, 2, 64, cache.spec, 90)
 
 
@@ -181,13 +181,14 @@ def test_a_group_hands_each_auto_cache_its_own_rows():
     k, v, q = rows(2, 60)
     k2, v2, q2 = rows(2, 60, seed=1)
     alone = [KVCache(parse_kv(AUTO), 2, 2, 64, 128) for _ in range(2)]
-    alone[0].append([(k[i], v[i]) for i in range(2)], q)
-    alone[1].append([(k2[i], v2[i]) for i in range(2)], q2)
+    alone[0].choose(k, v, q)
+    alone[1].choose(k2, v2, q2)
     grouped = [KVCache(parse_kv("fp16"), 2, 2, 64, 128), *(KVCache(parse_kv(AUTO), 2, 2, 64, 128) for _ in range(2))]
     group = CacheGroup(grouped)
-    assert group.wants_queries == QUERIES
-    both = [(torch.cat([k[i], k[i], k2[i]]), torch.cat([v[i], v[i], v2[i]])) for i in range(2)]
-    group.append(both, [Probe(torch.cat([q[i].queries, q[i].queries, q2[i].queries]), 1.0) for i in range(2)])
+    assert group.choosing
+    both_k, both_v = torch.cat([k, k, k2], dim=1), torch.cat([v, v, v2], dim=1)  # (L, 3, H, T, D)
+    group.choose(both_k, both_v, [Probe(torch.cat([q[i].queries, q[i].queries, q2[i].queries]), 1.0) for i in range(2)])
+    assert not group.choosing
     assert [c.spec.layer_codecs for c in grouped[1:]] == [c.spec.layer_codecs for c in alone]
 
 
@@ -197,7 +198,7 @@ def test_the_model_hands_its_queries_and_decodes_as_the_chosen_mix(tiny, each_ba
     tokens = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         cache = KVCache.for_model(tiny.config, parse_kv(AUTO), 128)
-        tiny.model(tokens[:, :50], cache)
+        prefill(tiny.model, tokens[:, :50], cache)  # chooses from the queries (model/auto.py), then writes
         chosen = cache.spec
         fixed = KVCache.for_model(
             tiny.config, parse_kv(chosen.canonical().replace("bits=auto:2.6", "k=lm4hb,v=lm4hb")), 128
@@ -217,11 +218,12 @@ def test_the_model_decodes_an_auto_cache_alike_on_both_backends(tiny):
 def test_a_saved_auto_cache_keeps_its_choice(tmp_path):
     k, v, q = rows(2, 60)
     cache = KVCache(parse_kv(AUTO), 2, 2, 64, 128)
-    cache.append([(k[i], v[i]) for i in range(2)], q)
+    cache.choose(k, v, q)
+    cache.append([(k[i], v[i]) for i in range(2)])
     path = tmp_path / "auto.mlkv"
     write_atomic(path, encode(cache, list(range(60)), {}))
     back = restore(read(path), None, AUTO)
-    assert back.spec.layer_codecs == cache.spec.layer_codecs and back.wants_queries == 0
+    assert back.spec.layer_codecs == cache.spec.layer_codecs and not back.choosing
     assert back.layer(1).read(torch.float32)[1].equal(cache.layer(1).read(torch.float32)[1])
     with pytest.raises(UserError, match="holds a --kv"):
         restore(read(path), None, "k=lm3h,v=lm2h,group=64,residual=8,sinks=4")

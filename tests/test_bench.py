@@ -87,7 +87,7 @@ def test_weight_bytes_count_what_a_decode_step_reads(tmp_path, tied):
     per layer q 256x256, k and v 128x256, o 256x256, gate/up/down 256x256, two norms of 256 = 393,728
     floats; with the final norm 787,712. A step also reads the lm_head (300x256 = 76,800) and one
     embedding row (256); with tied embeddings the table is the lm_head, read once."""
-    from minillama.model.loader import load_model
+    from minillama.native.fast import load_model
     from tests.conftest import make_tiny
 
     model = load_model(str(make_tiny(tmp_path / "m", tie_word_embeddings=tied))).model

@@ -17,15 +17,18 @@ from minillama.kv.memory import HUGE_PAGE
 from minillama.kv.quantize import dequantize_affine, quantize_affine
 from minillama.kv.ring import ring_buffer
 from minillama.kv.spec import PRESETS, parse_kv
-from minillama.model.loader import load_model
 from minillama.native import backend
 from minillama.native.build import TARGETS, build
+from minillama.native.fast import load_model
+from minillama.native.token_write import CacheWrites
+from minillama.native.write import writer
 from tests.conftest import make_tiny
 from tests.fakes import ListCache
 
 needs_kernels = pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
 
 
+@torch.inference_mode()  # as generation runs: the native decode step runs only without autograd
 def run(model, cache, tokens, prefill=8):
     outs = [model(tokens[:, :prefill], cache)]
     outs += [model(tokens[:, i : i + 1], cache) for i in range(prefill, tokens.shape[1])]
@@ -437,6 +440,8 @@ def kernels_and_reference(spec: str, dtype, capacity: int, seed: int, target: st
     big = torch.zeros(64)
     big[::9] = 6.0
 
+    token_writes = CacheWrites(caches[0])
+
     def feed(n: int) -> None:
         kv = [
             (
@@ -445,9 +450,12 @@ def kernels_and_reference(spec: str, dtype, capacity: int, seed: int, target: st
             )
             for _ in range(3)
         ]
-        for name, cache in zip(names, caches):
-            with backend.using(name, target):
-                cache.append(kv)
+        with backend.using("kernels", target):
+            lib = backend.library()
+            k, v = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])  # (L, B, H, n, D)
+            if lib is None or n > 1 or not token_writes.append(lib, k, v):  # a decode token: one native call
+                caches[0].append(kv, writer())
+        caches[1].append(kv)  # the PyTorch reference
 
     return caches, feed
 
@@ -486,13 +494,13 @@ def test_the_one_token_write_is_byte_identical_to_pytorch(spec, dtype, monkeypat
 @pytest.mark.parametrize("spec", WRITE_SPECS)
 def test_a_kernel_read_counts_what_every_store_holds(spec):
     """The native step reads every held part of every layer in place; the cache counts that from
-    its rings' cursors (``count_kernel_read``), which must be each store's ``live_read_bytes``
+    its rings' cursors (``count_full_read``), which must be each store's ``live_read_bytes``
     summed -- sinks, body, tier, residual and the key center -- at every fill."""
     cache = KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=120)
     for n in (1, 5, 40, 90):  # sinks filling, the residual, units leaving it, past the capacity
         cache.append_stacked(*torch.randn(2, 3, 1, 2, n, 64))  # keys, values (L, B, H, n, D)
         before = cache.bytes.total_read
-        cache.count_kernel_read()
+        cache.count_full_read()
         expected = sum(store.live_read_bytes() for pair in cache.layers for store in pair)
         assert cache.bytes.total_read - before == expected > 0, (spec, n)
 
@@ -531,7 +539,8 @@ def test_a_decode_tokens_write_is_all_or_nothing():
     v[1, 0, 1, 0, 7] = float("nan")
     before = [r.buf.clone() for s in cache.stores for r in (s.residual, *s.body.values())]
     with pytest.raises(NotSupported, match="not finite"):
-        ops.write_tokens(backend.library(), cache.token_writes(k, v).array)
+        writes = CacheWrites(cache)  # alive while the kernel reads what its structs point at
+        ops.write_tokens(backend.library(), writes.describe(k, v).array)
     after = [r.buf for s in cache.stores for r in (s.residual, *s.body.values())]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -573,17 +582,20 @@ def test_the_cpp_cache_write_is_the_one_that_runs(monkeypatch):
 
     monkeypatch.setattr(Affine, "encode", no_pytorch_encode)  # hadv2's key and value codecs are affine
     monkeypatch.setattr(Codec, "to_space", no_pytorch_encode)
+    before = backend.tally()
     cache = KVCache(parse_kv("hadv2"), n_layers=2, n_kv_heads=2, head_dim=64, capacity=200)
-    fill_synthetic(cache, 130)  # flushes KIVI key groups and per-token rotated values
+    fill_synthetic(cache, 130, writer=writer())  # flushes KIVI key groups and per-token rotated values
     assert cache.layers[0][0].n_body == 96 and cache.layers[0][1].n_body == 98
     monkeypatch.setattr(Codebook, "encode", no_pytorch_encode)  # Lloyd-Max codebooks
     cache = KVCache(
         parse_kv("k=lm3h,v=lm2h,group=64,residual=8,sinks=4"), n_layers=2, n_kv_heads=2, head_dim=64, capacity=200
     )
-    fill_synthetic(cache, 130)  # a prefill-sized block, then token by token
+    fill_synthetic(cache, 130, writer=writer())  # a prefill-sized block, then token by token
     for _ in range(5):
-        cache.append([(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)) for _ in range(2)])
+        cache.append([(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)) for _ in range(2)], writer())
     assert cache.layers[0][0].n_body == 135 - 4 - 8
+    ran = backend.tally() - before
+    assert ran["cache encode"] >= 7 and ran["storage form"] >= 8 and not [k for k in ran if k.startswith("fallback")]
 
 
 def test_a_codec_that_encodes_its_own_way_is_not_written_by_the_kernels():
@@ -592,7 +604,7 @@ def test_a_codec_that_encodes_its_own_way_is_not_written_by_the_kernels():
     from dataclasses import dataclass
 
     from minillama.kv.codecs import CODECS, Codebook
-    from minillama.kv.write import native_encoding
+    from minillama.native.write import native_encoding
 
     @dataclass(frozen=True)
     class Clipped(Codebook):

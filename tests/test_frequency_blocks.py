@@ -142,10 +142,10 @@ def test_the_cache_stores_what_the_blocks_decode_to():
 @pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
 @pytest.mark.parametrize("name", ["lm4f4:0178.2356", "lm3f2:24.15"])
 def test_the_native_block_write_is_the_reference_bytes(name):
-    """The cache write with the kernels (kv/write.py: each block through native/encode.cpp's
+    """The cache write with the kernels (native/write.py: each block through native/encode.cpp's
     Lloyd-Max encoder, widths 1-8) stores exactly the bytes the codec's own encode does, on rows
     of every scale from float16's smallest normals to wide-ranging ones and all-zero blocks."""
-    from minillama.kv import write
+    from minillama.native.write import KernelWriter
 
     codec = codec_named(name)
     g = torch.Generator().manual_seed(len(name))
@@ -153,8 +153,9 @@ def test_the_native_block_write_is_the_reference_bytes(name):
     x[0] *= 1e-4
     x[1, 0, :3] = 0.0
     x = codec.to_space(x).to(torch.float16)
-    with backend.using("kernels"):
-        native = write.encode(codec, x, 64)
+    before = backend.tally()
+    native = KernelWriter(backend.library()).encode(codec, x, 64)
+    assert (backend.tally() - before)["cache encode"] == 1  # the kernels wrote it
     reference = codec.encode(x, 64)
     assert native.keys() == reference.keys() == {"codes", "scale"}
     for part in native:

@@ -13,10 +13,10 @@ import torch
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.codecs import CODECS
-from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import PRESETS, parse_kv
 from minillama.model.attention import attend
 from minillama.native import backend, ops
+from minillama.native.plans import fused_decode_attention
 
 
 def reference_attention(q, k, v, cache, layer=0):
@@ -65,15 +65,20 @@ def test_fused_equals_reference_after_the_ring_wraps(lib, spec):
     assert torch.allclose(fused, reference, atol=2e-5, rtol=1e-4)
 
 
-def test_fused_counts_the_same_bytes_as_the_reference(lib):
-    cache = KVCache(parse_kv("hadv2"), 1, 2, 64, 256)
-    fill_synthetic(cache, 100)
-    q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
-    before = cache.bytes.total_read
-    cache.layer(0).read(torch.float32)
-    by_reference = cache.bytes.total_read - before
-    fused_decode_attention(lib, q, k, v, cache.layer(0))
-    assert by_reference > 0 and cache.bytes.total_read - before == 2 * by_reference
+def test_the_native_step_counts_the_bytes_a_reference_step_reads(lib, tiny):
+    """The native step reads the packed cache in place; the cache counts those bytes as the
+    reference's read of the dequantized copy counts them."""
+    t = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    read = {}
+    for name in ("reference", "kernels"):
+        with backend.using(name), torch.inference_mode():
+            cache = KVCache.for_model(tiny.config, parse_kv("hadv2"), 64)
+            tiny.model(t[:, :30], cache)
+            before = backend.tally()
+            tiny.model(t[:, 30:31], cache)
+            ran = backend.tally() - before
+            read[name] = cache.bytes.last_read
+    assert ran["decode step"] == 1 and read["kernels"] == read["reference"] > 0
 
 
 def test_model_decode_with_the_kernels_matches_the_reference_backend(lib, tiny):
@@ -81,12 +86,16 @@ def test_model_decode_with_the_kernels_matches_the_reference_backend(lib, tiny):
 
     def run():
         cache = KVCache.for_model(tiny.config, parse_kv("k=int4c,v=int2h,residual=8,sinks=2"), 64, batch=2)
-        tiny.model(t[:, :20], cache)
-        return torch.cat([tiny.model(t[:, i : i + 1], cache) for i in range(20, 60)], dim=1)
+        with torch.inference_mode():
+            tiny.model(t[:, :20], cache)
+            return torch.cat([tiny.model(t[:, i : i + 1], cache) for i in range(20, 60)], dim=1)
 
     with backend.using("reference"):
         reference = run()
-    assert torch.allclose(run(), reference, atol=1e-4)  # the fixture's kernels-exact backend
+    before = backend.tally()
+    kernels = run()  # the fixture's kernels-exact backend
+    assert (backend.tally() - before)["decode step"] == 40
+    assert torch.allclose(kernels, reference, atol=1e-4)
 
 
 def test_the_reference_backend_runs_without_any_kernel(tiny, monkeypatch):

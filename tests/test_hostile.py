@@ -27,8 +27,8 @@ from minillama.app.cli import cli
 from minillama.errors import UserError
 from minillama.kv.file import read
 from minillama.kv.spec import parse_kv
-from minillama.model.loader import load_model
 from minillama.model.sampling import SamplingParams
+from minillama.native.fast import load_model
 
 
 def invoke(args, stdin=None):
@@ -254,7 +254,7 @@ def test_ctrl_c_during_chat_save_keeps_the_session_and_leaves_no_temp_file(tiny_
     body = f"""
 from minillama.app.chat import ChatSession, handle_command
 from minillama.kv.spec import parse_kv
-from minillama.model.loader import load_model
+from minillama.native.fast import load_model
 from minillama.model.sampling import SamplingParams
 s = ChatSession(load_model({str(tiny_dir)!r}), parse_kv("kivi4"), ctx=256, params=SamplingParams(temperature=0), max_tokens=3)
 "".join(s.send("hello"))

@@ -26,12 +26,12 @@ from minillama.eval.synthetic import fill_synthetic
 from minillama.kv import packing
 from minillama.kv.cache import KVCache
 from minillama.kv.codecs import ChannelAffine
-from minillama.kv.fused_attention import attend_one_part, fused_decode_attention, route, row_source
 from minillama.kv.quantize import gaussian_codebook, gaussian_vector_codebook
 from minillama.kv.spec import parse_kv
 from minillama.native import abi, backend
 from minillama.native.abi import NotSupported, Route
 from minillama.native.build import build
+from minillama.native.plans import attend_one_part, fused_decode_attention, route, row_source
 
 
 @pytest.fixture(params=["native", "avx2"])

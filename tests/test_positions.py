@@ -7,17 +7,18 @@ import torch
 
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import parse_kv
 from minillama.model.attention import PLAIN, attend, plain_keys
 from minillama.model.rope import RotaryTable, apply_rope, rope_tables
 from minillama.native import backend
+from minillama.native.plans import fused_decode_attention
 from tests.fakes import ListCache
 
 needs_kernels = pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
 BACKENDS = ["reference", "kernels-exact"]  # exactness tests: the integer-domain kernels have their own bound tests
 
 
+@torch.inference_mode()  # as generation runs: the native decode step runs only without autograd
 def run(model, cache, tokens, chunks=(5, 3)):
     """Prefill in chunks, then decode token by token; all logits (B, T, V)."""
     outs, i = [], 0

@@ -4,7 +4,7 @@ masked softmax of model/attention.py, on every build this CPU can run (conftest.
 A chunk of T new queries attends its past of P keys and itself causally: query t sees keys
 0 .. P + t. The kernel takes grouped-query attention (R query heads per KV head), head_dim 64
 or 128, and any strides with contiguous channels; other inputs are refused with the reason,
-and the layers then take PyTorch's SDPA (model/step.py: chunk_attention).
+and the layers then take PyTorch's SDPA (native/step.py: chunk_attention).
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minillama.model import step
 from minillama.model.attention import PLAIN, attend, sdpa
-from minillama.native import backend, ops
+from minillama.native import backend, ops, step
 from minillama.native.abi import NotSupported
 
 
@@ -83,12 +82,15 @@ def test_inputs_the_kernel_does_not_take_are_refused_with_the_reason(lib, change
 
 def test_the_layers_take_sdpa_where_the_kernel_refuses_and_say_why(lib):
     """chunk_attention on a kernels backend: the native kernel where it applies, PyTorch's SDPA
-    (recorded as a fallback) where it does not; None on the reference backend."""
-    fused = step.chunk_attention()
+    (recorded as a fallback) where it does not."""
+    fused = step.chunk_attention(lib)
     q, k, v = tensors(1, 4, 2, 9, 3, 64)
+    before = backend.tally()
     assert torch.allclose(fused(q, k, v), sdpa(q, k, v), atol=2e-5, rtol=1e-4)
+    assert (backend.tally() - before)["prefill attention"] == 1
     q, k, v = tensors(1, 4, 2, 9, 3, 80)  # head_dim 80: no kernel
+    before = backend.tally()
     assert torch.allclose(fused(q, k, v), sdpa(q, k, v), atol=1e-6)
-    assert any("prefill attention" in reason and "head_dim" in reason for reason in backend.fallbacks())
-    with backend.using("reference"):
-        assert step.chunk_attention() is None
+    ran = backend.tally() - before
+    assert ran["prefill attention"] == 0
+    assert [r for r in ran if r.startswith("fallback: prefill attention") and "head_dim" in r]

@@ -17,9 +17,9 @@ from minillama.kv.cache import ContextFullError, KVCache
 from minillama.kv.file import CacheFileError, read
 from minillama.kv.spec import parse_kv
 from minillama.model.generate import GenerateOptions, generate, prefill
-from minillama.model.loader import load_model
 from minillama.model.prompt_cache import Completion, load_prompt_cache, reuse_prefix, save_prompt_cache
 from minillama.model.sampling import SamplingParams
+from minillama.native.fast import load_model
 from tests.conftest import make_tiny
 
 FAMILIES = [

@@ -1,18 +1,25 @@
-"""The repository's shape: five wings that import only downward (app -> eval -> model -> kv -> native)."""
+"""The repository's shape: a core that reads on its own, and wings that import only downward.
+
+The core is ``kv`` (the cache) and ``model`` (the Llama over it). The compiled wing, ``native``,
+sits beside it: it reads the core's objects, the core never imports it. ``eval`` and ``app`` sit
+on top and may use all three.
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minillama"
-WINGS = ["native", "kv", "model", "eval", "app"]  # each may import only from itself and the wings before it
+WINGS = ["kv", "model", "native", "eval", "app"]  # each may import only from itself and the wings before it
 
 
 def minillama_imports(path: Path) -> set[str]:
-    """Every minillama module a file imports (module-level or inside functions)."""
+    """Every minillama module a file imports: module-level, inside functions, under TYPE_CHECKING."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minillama"):
@@ -23,9 +30,84 @@ def minillama_imports(path: Path) -> set[str]:
     return found
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
 def wing_of(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in WINGS else None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (a name imported from a module counts as that
+    module, or as the submodule of that name); a package's ``__init__`` is not followed."""
+    graph = {}
+    for name, path in MODULES.items():
+        targets = set()
+        for m in minillama_imports(path):
+            while m and m not in MODULES:
+                m = m.rpartition(".")[0]
+            if m and m != name and not MODULES[m].name == "__init__.py":
+                targets.add(m)
+        graph[name] = targets
+    return graph
+
+
+def test_no_module_imports_itself_back_through_a_circle():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, "import circle: " + " -> ".join([*path[path.index(n) :], n])
+            if n not in state:
+                visit(n, [*path, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """``x._name`` only where ``_name`` is this file's own (its functions, classes and attributes):
+    another module's private names, and a module's private functions, stay private (torch's own
+    are torch's business)."""
+    reached = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        own = set()  # what this file defines: functions, classes, and every name or attribute it assigns
+        for n in ast.walk(tree):
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                own.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                own.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if node.attr not in own and not (isinstance(root, ast.Name) and root.id == "torch"):
+                    reached.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.attr}")
+    assert not reached, reached
+
+
+def test_importing_generation_loads_the_core_alone():
+    """``import minillama.model.generate`` -- the model, the cache protocol, sampling, generation --
+    loads at most 20 package modules and 3,000 lines, none from the compiled wing, eval or app."""
+    code = "import sys, minillama.model.generate; print(*sorted(m for m in sys.modules if m.startswith('minillama')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    lines = sum(len(MODULES[m].read_text().splitlines()) for m in loaded)
+    assert not [m for m in loaded if wing_of(m) in ("native", "eval", "app")], loaded
+    assert len(loaded) <= 20 and lines <= 3000, (len(loaded), lines)
 
 
 @pytest.mark.parametrize("wing", WINGS)

@@ -16,13 +16,13 @@ import torch
 
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import PRESETS, parse_kv
 from minillama.model.attention import attend
 from minillama.model.generate import GenerateOptions, generate
-from minillama.model.loader import load_model
 from minillama.model.sampling import SamplingParams
 from minillama.native import backend
+from minillama.native.fast import load_model
+from minillama.native.plans import fused_decode_attention
 from tests.conftest import make_tiny
 
 RATIOS = [1, 2, 3, 4, 7, 8, 12, 16]  # query heads per KV head

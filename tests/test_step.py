@@ -1,4 +1,4 @@
-"""The native decode step (model/step.py over native/step.cpp) computes what the layers compute.
+"""The native decode step (native/step.py over native/step.cpp) computes what the layers compute.
 
 On the kernels backend a decode step runs every layer in one C++ call: norm, fused q/k/v product,
 RoPE, attention over the cache, o_proj, norm, gate/up, SiLU, down. The PyTorch layers in
@@ -15,10 +15,11 @@ import torch
 
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import PRESETS, parse_kv
-from minillama.model import step
-from minillama.model.loader import load_model
-from minillama.native import backend, ops
+from minillama.native import backend, ops, step
 from minillama.native.abi import NotSupported
+from minillama.native.fast import load_model
+from minillama.native.plans import CachePlans
+from minillama.native.token_write import CacheWrites
 from tests.conftest import make_tiny
 
 needs_kernels = pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
@@ -48,10 +49,15 @@ def decode_logits(lm, preset: str, batch: int, steps: int = 10) -> torch.Tensor:
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(3, lm.config.vocab_size, (batch, 70 + steps), generator=g)  # (B, T)
     cache = KVCache.for_model(lm.config, parse_kv(preset), 128, batch=batch)
-    with torch.no_grad():
+    with torch.inference_mode():
         lm.model(ids[:, :70], cache)
         out = [lm.model(ids[:, t : t + 1], cache)[:, -1].float() for t in range(70, 70 + steps)]
     return torch.stack(out)  # (steps, B, vocab)
+
+
+def fell_back(ran) -> list[str]:
+    """The fallbacks counted in a tally's difference (native/backend.py: tally)."""
+    return [k for k in ran if k.startswith("fallback")]
 
 
 def layer_by_layer(monkeypatch):
@@ -113,18 +119,18 @@ def test_the_native_step_gives_the_logits_of_the_layers(model_dir, preset, dtype
     """Exact attention kernels on one side (kernels-exact), the PyTorch layers on the other, in the
     model's dtype; the native step runs once per decode step, for every layer."""
     lm = load_model(str(model_dir), dtype)
-    calls = []
-    real = ops.decode_step
-    monkeypatch.setattr(ops, "decode_step", lambda lib, steps, ends: calls.append(1) or real(lib, steps, ends))
-    seen = len(backend.fallbacks())
+    before = backend.tally()
     with backend.using("kernels-exact"):
         native = decode_logits(lm, preset, batch)
-    assert backend.fallbacks()[seen:] == []
-    assert len(calls) == 10  # one native call per step: embedding, every layer, norm and LM head
+    ran = backend.tally() - before
+    assert fell_back(ran) == []
+    assert ran["decode step"] == 10  # one native call per step: embedding, every layer, norm and LM head
     layer_by_layer(monkeypatch)
+    before = backend.tally()
     with backend.using("kernels-exact"):
         layers = decode_logits(lm, preset, batch)
-    assert "decode step: disabled by the test" in backend.fallbacks()  # recorded (once: reasons are kept as a set)
+    ran = backend.tally() - before
+    assert ran["decode step"] == 0 and ran["fallback: decode step: disabled by the test"] == 10
     # float32: float rounding, and on k4v3lmc a value on a boundary of the fitted grid
     # that the other encoder sends to the neighbouring level (2.3e-4, see the next test).
     # bfloat16: a sum that lands on the other side of a bf16 rounding step moves a value by one
@@ -147,8 +153,10 @@ def test_the_native_step_matches_the_reference_backend(model_dir, preset):
     lm = load_model(str(model_dir), "float32")
     with backend.using("reference"):
         reference = decode_logits(lm, preset, 2)
+    before = backend.tally()
     with backend.using("kernels-exact"):
         native = decode_logits(lm, preset, 2)
+    assert (backend.tally() - before)["decode step"] == 10
     assert torch.allclose(native, reference, atol=1e-3, rtol=1e-4)
     assert torch.equal(native.argmax(-1), reference.argmax(-1))
 
@@ -163,7 +171,7 @@ def test_an_lm_head_the_step_does_not_read_is_a_recorded_fallback(model_dir):
         native = decode_logits(lm, "fp16", 1, steps=2)
     head = lm.model.lm_head
     head.weight = torch.nn.Parameter(head.weight.detach().t().contiguous().t())  # same values, not contiguous
-    lm.model._native_steps.clear()
+    lm.model.steps.clear()
     with backend.using("kernels-exact"):
         layers = decode_logits(lm, "fp16", 1, steps=2)
     assert any(r.startswith("decode step: LM head") and "contiguous" in r for r in backend.fallbacks())
@@ -245,7 +253,7 @@ def decode_through_changes(lm, spec: str) -> torch.Tensor:
     ids = torch.randint(3, lm.config.vocab_size, (1, 200), generator=g)  # (1, T)
     cache = KVCache.for_model(lm.config, parse_kv(spec), 64)
     out = []
-    with torch.no_grad():
+    with torch.inference_mode():
         for t in range(110):  # one token at a time from an empty cache: wraps at 64
             if t == 90:
                 cache.reset()
@@ -269,19 +277,20 @@ def decode_through_changes(lm, spec: str) -> torch.Tensor:
 )
 def test_plans_kept_between_steps_follow_the_cache(model_dir, spec, monkeypatch):
     """A KVCache describes its layers to the native step once and refreshes the counts and ring
-    slots at each step (kv/fused_attention.py: CachePlans). Every change of the cache's parts
+    slots at each step (native/plans.py: CachePlans). Every change of the cache's parts
     must reach the kernels: the step's logits equal those of the same step with the cache
     described anew at every call (its kept plans dropped first), and the PyTorch layers'."""
     lm = load_model(str(model_dir), "float32")
     with backend.using("kernels-exact"):
         kept = decode_through_changes(lm, spec)
-    real = KVCache.kernel_plans
+    real = CachePlans.refresh
+    made = []  # every plan described, kept alive while the step points at it
 
-    def anew(cache, lib, r, rope=None):
-        cache._plans = None
-        return real(cache, lib, r, rope)
+    def anew(plans, cache, rope):
+        made.append(CachePlans(plans.lib, cache, plans.r))
+        return real(made[-1], cache, rope)
 
-    monkeypatch.setattr(KVCache, "kernel_plans", anew)
+    monkeypatch.setattr(CachePlans, "refresh", anew)
     with backend.using("kernels-exact"):
         described_anew = decode_through_changes(lm, spec)
     assert torch.allclose(kept, described_anew, atol=2e-5, rtol=1e-4)
@@ -304,7 +313,7 @@ def decode_rings(lm, spec: str, steps: int = 12) -> tuple[torch.Tensor, list[tor
     (steps, vocab), every ring's buffer, and the cache's position."""
     ids = torch.randint(3, lm.config.vocab_size, (1, 40 + steps), generator=torch.Generator().manual_seed(3))
     cache = KVCache.for_model(lm.config, parse_kv(spec), 96)
-    with torch.no_grad(), backend.using("kernels"):
+    with torch.inference_mode(), backend.using("kernels"):
         lm.model(ids[:, :40], cache)
         out = torch.stack([lm.model(ids[:, t : t + 1], cache)[0, -1] for t in range(40, 40 + steps)])
     rings = [r.buf for s in cache.stores for r in (s.sinks, s.residual, *s.body.values(), *s.tier.values())]
@@ -324,7 +333,7 @@ def test_the_step_writes_its_token_in_its_own_native_call(model_dir, spec, monke
 
     monkeypatch.setattr(ops, "write_tokens", second_call)
     in_step = decode_rings(lm, spec)
-    monkeypatch.setattr(KVCache, "token_writes", lambda self, k, v: None)  # every token by the PyTorch write
+    monkeypatch.setattr(CacheWrites, "describe", lambda self, k, v: None)  # every token by the PyTorch write
     after = decode_rings(lm, spec)
     assert torch.equal(in_step[0], after[0]) and in_step[2] == after[2]
     assert all(torch.equal(a, b) for a, b in zip(in_step[1], after[1]))
@@ -337,7 +346,7 @@ def test_a_cache_write_the_step_refuses_is_made_after_it_and_recorded(model_dir,
     lm = load_model(str(model_dir), "float32")
     spec = WRITTEN_IN_STEP[2]
     expected = decode_rings(lm, spec)
-    real = KVCache.token_writes
+    real = CacheWrites.describe
 
     def refused(self, k, v):  # a write whose flush count the kernel refuses (a copy: the groups' own stay)
         writes = real(self, k, v)
@@ -347,7 +356,7 @@ def test_a_cache_write_the_step_refuses_is_made_after_it_and_recorded(model_dir,
 
     reasons = []
     monkeypatch.setattr(backend, "fallback", reasons.append)
-    monkeypatch.setattr(KVCache, "token_writes", refused)
+    monkeypatch.setattr(CacheWrites, "describe", refused)
     got = decode_rings(lm, spec)
     assert torch.equal(expected[0], got[0]) and expected[2] == got[2]
     assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
@@ -381,17 +390,15 @@ def test_a_group_of_schemes_and_a_batch_past_16_rows_decode_in_the_one_native_ca
     ids = torch.randint(3, lm.config.vocab_size, (b, 70 + steps), generator=torch.Generator().manual_seed(0))
 
     def decode(cache, rows, backend_name):
-        with torch.no_grad(), backend.using(backend_name):
+        with torch.inference_mode(), backend.using(backend_name):
             lm.model(rows[:, :70], cache)
             return torch.stack([lm.model(rows[:, t : t + 1], cache)[:, -1] for t in range(70, 70 + steps)])
 
-    calls = []
-    real = ops.decode_step
-    monkeypatch.setattr(ops, "decode_step", lambda lib, s, e: calls.append(1) or real(lib, s, e))
-    seen = len(backend.fallbacks())
+    before = backend.tally()
     group = CacheGroup([KVCache.for_model(lm.config, parse_kv(s), 128, batch=b) for s in specs])
     together = decode(group, ids.repeat(len(specs), 1), "kernels-exact")  # (steps, 21, vocab)
-    assert backend.fallbacks()[seen:] == [] and len(calls) == steps
+    ran = backend.tally() - before
+    assert fell_back(ran) == [] and ran["decode step"] == steps
     for j, spec in enumerate(specs):
         alone = decode(KVCache.for_model(lm.config, parse_kv(spec), 128, batch=b), ids, "reference")
         assert torch.allclose(together[:, j * b : (j + 1) * b], alone, atol=1e-3, rtol=1e-4), spec

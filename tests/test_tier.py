@@ -19,10 +19,10 @@ from minillama.errors import UserError
 from minillama.kv.budget import formula_live_bytes
 from minillama.kv.cache import KVCache
 from minillama.kv.codecs import CODECS
-from minillama.kv.fused_attention import fused_decode_attention
 from minillama.kv.spec import parse_kv
 from minillama.model.attention import attend
 from minillama.native import backend
+from minillama.native.plans import fused_decode_attention
 from tests.conftest import decode_steps
 
 TIERED = "k=lm3hb,v=lm2hb,group=32,residual=4,sinks=2,center=1,tier=12:lm4hb"

@@ -42,8 +42,8 @@ def load(model_name: str | None, dtype: str, device: str, backend: str | None = 
     """The model named on the command line (the offline default when None), loaded; `backend`
     (from --backend) is set for the whole run."""
     from minillama.app.default_model import resolve_model
-    from minillama.model.loader import load_model
     from minillama.native.backend import set_backend
+    from minillama.native.fast import load_model
 
     if backend:
         set_backend(backend)

@@ -22,14 +22,15 @@ import torch
 from minillama.eval.pyplot import pyplot
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import decode_plan
 from minillama.kv.spec import KVSpec
-from minillama.model import step
 from minillama.model.attention import attend_cache
 from minillama.model.generate import decode_step, prefill
 from minillama.model.loader import LoadedModel
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
+from minillama.native.plans import decode_plan
+from minillama.native.weights import fused_rows
+from minillama.native.write import writer
 
 WARMUP = 3
 
@@ -132,7 +133,7 @@ def bench_row(
         logits = prefill(lm.model, ids[:context], cache)[0]
         prefill_tps = context / (time.perf_counter() - t0)
     else:
-        fill_synthetic(cache, context)
+        fill_synthetic(cache, context, writer=writer())
         logits = decode_step(lm.model, ids[0], cache)
     token = int(logits.argmax())
     times = []
@@ -178,7 +179,7 @@ def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 10) -> float:
     q = torch.randn(1, cfg.num_attention_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype)
     k, v = (torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, generator=g).to(lm.model.dtype) for _ in range(2))
     rotary = lm.model.rotary if cache.pre_rope else None
-    lib = step.kernels()
+    lib = backend.library()
     if lib is None:
         return median_ms(lambda: attend_cache(q, k, v, cache.layer(0), rotary), repeats)
     keep: list = []
@@ -191,18 +192,26 @@ def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 10) -> float:
     return median_ms(lambda: [ops.attend_layer(lib, plan) for plan in plans], repeats) / len(plans)
 
 
+def _fused(*layers) -> torch.Tensor:
+    """The weights of projections of one input as the native step multiplies them: one matrix."""
+    try:
+        return fused_rows(list(layers))[0]  # (sum out, in): side by side in memory (native/weights.py)
+    except NotSupported:
+        return torch.cat([m.weight for m in layers])  # (sum out, in)
+
+
 @torch.inference_mode()
 def projection_ms(model, repeats: int = 10) -> float:
     """Median ms of one step's projections alone: every layer's fused q/k/v, o, fused gate/up and
     down, then the LM head, in that order, on one row (the kernel a decode step calls when the
     backend has one, else F.linear). With ``attention_ms`` this splits a step into its parts."""
-    lib = step.kernels()
+    lib = backend.library()
     mats = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        mats += [a.qkv[0]] if a.qkv is not None else [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+        mats += [_fused(a.q_proj, a.k_proj, a.v_proj)]
         mats.append(a.o_proj.weight)
-        mats += [m.gate_up[0]] if m.gate_up is not None else [m.gate_proj.weight, m.up_proj.weight]
+        mats += [_fused(m.gate_proj, m.up_proj)]
         mats.append(m.down_proj.weight)
     mats.append(model.lm_head.weight)
     xs = {n: torch.randn(1, n).to(model.dtype) for n in {w.shape[1] for w in mats}}  # (1, in) per input size

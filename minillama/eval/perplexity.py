@@ -41,6 +41,7 @@ from minillama.kv.cache import KVCache
 from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache
 from minillama.kv.spec import KVSpec
+from minillama.model.auto import choose_codecs
 from minillama.model.generate import prefill
 from minillama.model.loader import LoadedModel
 
@@ -130,6 +131,8 @@ def nll_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, block: i
 @torch.inference_mode()
 def blind_nll(model, seq: torch.Tensor, first: int, cache: Cache | None = None) -> torch.Tensor:
     """One forward over each window (no past to read): NLL of targets seq[:, first:], (W, L-first)."""
+    if cache is not None and cache.choosing:  # bits=auto chooses from the window's queries, as a prefill does
+        choose_codecs(model, seq[:, :-1], cache, model.cache_writer())
     hidden = model.hidden(seq[:, :-1], cache)  # (W, L-1, hidden); a cache here is written, never read
     return nll_from_hidden(model, hidden[:, first - 1 :], seq[:, first:])
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from minillama.kv.cache import KVCache
+from minillama.kv.write import REFERENCE, Writer
 
 
-def fill_synthetic(cache: KVCache, tokens: int, chunk: int = 512, seed: int = 0) -> None:
+def fill_synthetic(cache: KVCache, tokens: int, chunk: int = 512, seed: int = 0, writer: Writer = REFERENCE) -> None:
     """Append `tokens` random K/V (unit-Gaussian, a few outlier channels in K) to the cache, `chunk` at a time."""
     g = torch.Generator().manual_seed(seed)
     shape = (cache.batch, cache.n_kv_heads)
@@ -26,5 +27,5 @@ def fill_synthetic(cache: KVCache, tokens: int, chunk: int = 512, seed: int = 0)
             k = torch.randn(*shape, n, cache.head_dim, generator=g) + outliers  # (B, H, n, D)
             v = torch.randn(*shape, n, cache.head_dim, generator=g)  # (B, H, n, D)
             kv.append((k, v))
-        cache.append(kv)
+        cache.append(kv, writer)
         done += n

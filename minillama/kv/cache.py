@@ -20,18 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from minillama.errors import UserError
-from minillama.kv.auto import QUERIES, choose
-from minillama.kv.fused_attention import CachePlans
-from minillama.kv.interface import PartView, Probe
 from minillama.kv.layered import LayeredStore
 from minillama.kv.memory import check_fits
 from minillama.kv.quantize import check_finite
 from minillama.kv.spec import KVSpec
-from minillama.kv.store import TensorStore, allocation_bytes
-from minillama.kv.token_write import TokenWrites
-from minillama.kv.write import kernels
-from minillama.native import ops
-from minillama.native.abi import NotSupported
+from minillama.kv.store import PartView, TensorStore, allocation_bytes
+from minillama.kv.write import REFERENCE, Writer
 
 
 class ContextFullError(UserError):
@@ -123,14 +117,22 @@ class KVCache:
             for ring in (shared.sinks, *shared.body.values(), *shared.tier.values(), shared.residual)
         ]
         self._with_params = [s for s in self.stores if s.stores[0].centered]
-        self._plans: CachePlans | None = None  # the native step's description of the layers, made on first use
-        self._writes: TokenWrites | None = None  # a decode token's write, every group's structs in one array
 
     @property
-    def wants_queries(self) -> int:
-        """How many of the newest queries of each layer the next append needs (kv/interface.py): an
-        auto spec's (kv/auto.py) until its cache has chosen, else 0."""
-        return QUERIES if self.spec.auto and not self.spec.layer_codecs else 0
+    def choosing(self) -> bool:
+        """An auto spec (``bits=auto``, kv/auto.py) whose codecs are not chosen yet: the first append
+        chooses them, or ``choose`` before it, from the queries of the prompt (model/auto.py)."""
+        return self.spec.auto and not self.spec.layer_codecs
+
+    def choose(self, k: torch.Tensor, v: torch.Tensor, probes=None, writer: Writer = REFERENCE) -> None:
+        """An auto spec's codecs for every layer, chosen from the first tokens' keys and values, each
+        (L, B, H_kv, n, D), and the layers' newest queries and error weights (kv/auto.py: Probe;
+        without them each tensor is priced by its own reconstruction error)."""
+        from minillama.kv.auto import choose  # the auto machinery loads only for an auto spec
+
+        check_finite(k)
+        check_finite(v)
+        self._build(choose(self.spec, k, v, probes, writer))
 
     @classmethod
     def for_model(
@@ -174,17 +176,9 @@ class KVCache:
         """What attention reads of layer i (kv/interface.py: LayerView)."""
         return CacheLayer(self, i)
 
-    def kernel_plans(self, lib, r: int, rope=None) -> list:
-        """Each layer's attention plan for the native decode step, for r query heads per KV head:
-        described once and refreshed at every call (kv/fused_attention.py: CachePlans); `rope` as
-        layer_plan takes it. NotSupported when a part has no kernel that reads it."""
-        if self._plans is None or (self._plans.lib, self._plans.r) != (lib, r):
-            self._plans = CachePlans(lib, self, r)
-        return self._plans.refresh(self, rope)
-
-    def count_kernel_read(self) -> None:
-        """The kernels read every held part of every layer in place (the native step): count it,
-        as every store's ``live_read_bytes`` would (tests/test_cache.py holds them equal)."""
+    def count_full_read(self) -> None:
+        """Every held part of every layer was read in place (the compiled decode step reads them so):
+        count it, as every store's ``live_read_bytes`` would (tests/test_cache.py holds them equal)."""
         rows = sum(cursor.count * row_bytes for cursor, row_bytes in self._rows_read)
         self.count_read(rows + sum(s.stores[0].center_bytes * len(s.stores) for s in self._with_params))
 
@@ -193,20 +187,17 @@ class KVCache:
         self.bytes.total_read += nbytes
         self._step_read += nbytes
 
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], probes: list[Probe] | None = None) -> None:
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], writer: Writer = REFERENCE) -> None:
         """Write one step's keys and values, each (B, H_kv, n, D) per layer; evict if full. An auto
-        spec's cache first chooses every layer's codecs from them and from ``probes`` (each layer's
-        newest queries and error weight, kv/interface.py), which it asks for by ``wants_queries``."""
+        spec's cache first chooses every layer's codecs from them (``choose``)."""
         k, v = torch.stack([k for k, _ in new_kv]), torch.stack([v for _, v in new_kv])  # (L, B, H_kv, n, D)
-        if self.wants_queries:
-            check_finite(k)
-            check_finite(v)
-            self._build(choose(self.spec, k, v, probes))
-        self.append_stacked(k, v)
+        if self.choosing:
+            self.choose(k, v, None, writer)
+        self.append_stacked(k, v, writer)
 
-    def append_stacked(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``append`` with every layer's keys and values stacked, each (L, B, H_kv, n, D) (the native
-        step writes them so). Nothing keeps k or v: the caller may reuse them."""
+    def append_stacked(self, k: torch.Tensor, v: torch.Tensor, writer: Writer = REFERENCE) -> None:
+        """``append`` with every layer's keys and values stacked, each (L, B, H_kv, n, D), converted
+        and coded by `writer` (kv/write.py). Nothing keeps k or v: the caller may reuse them."""
         n = k.shape[3]
         overflow = self.held + n - self.capacity
         if overflow > 0 and self.on_full == "stop":
@@ -215,19 +206,18 @@ class KVCache:
             )
         unit = self.unit
         evict = -(-overflow // unit) * unit if overflow > 0 else 0
-        if n == 1 and not evict and self._append_token(k, v):
-            return
         if self.spec.quantized:  # refused before any group is written, not after the keys are
             check_finite(k)
             check_finite(v)
         done = (0, 0)
         for shared, t in zip(self.stores, self.tensor_of):  # every layer that shares a codec at once
-            w, r = shared.append(self._members(shared, v if t else k), evict)
+            w, r = shared.append(self._members(shared, v if t else k), evict, writer)
             done = (done[0] + w, done[1] + r)
-        self._grown(n, evict, *done)
+        self.count_append(n, evict, *done)
 
-    def _grown(self, n: int, evict: int, written: int, read: int) -> None:
-        """n tokens were appended (evict evicted first): move the position, count the bytes."""
+    def count_append(self, n: int, evict: int, written: int, read: int) -> None:
+        """n tokens were appended (evict evicted first), by ``append_stacked`` or by a writer that
+        moved the stores itself (native/token_write.py): move the position, count the bytes."""
         self.position += n
         self.evicted += evict
         self.count_read(read)
@@ -238,46 +228,6 @@ class KVCache:
     def _members(self, shared: LayeredStore, x: torch.Tensor) -> torch.Tensor:
         """The rows of x (L, B, H, n, D) that a group's layers store."""
         return x if len(shared.layers) == self.n_layers else x.index_select(0, shared.layer_index)
-
-    def token_writes(self, k: torch.Tensor, v: torch.Tensor) -> TokenWrites | None:
-        """A decode token's write into every group, as native/encode.cpp's write_tokens makes it,
-        described from the counters alone: k, v (L, B, H_kv, 1, D) may be filled after (the native
-        step describes its own output buffers before it runs, and makes the write last). Nothing
-        changes until ``commit_token``. None where this token cannot take it (the cache is full, a
-        group's codec is one the kernel does not write, the first append of centered keys):
-        ``append_stacked`` then writes it."""
-        if self.held + 1 > self.capacity:
-            return None
-        k, v = k.contiguous(), v.contiguous()  # (L, B, H_kv, 1, D)
-        groups = []
-        for shared, t in zip(self.stores, self.tensor_of):
-            g = shared.token_write(v if t else k)  # every layer's rows: the write picks its group's
-            if g is None:
-                return None
-            groups.append(g)
-        if self._writes is None or self._writes.groups != groups:  # the groups' structs, placed in one array once
-            self._writes = TokenWrites(groups)
-        return self._writes
-
-    def commit_token(self, writes: TokenWrites) -> None:
-        """The native write of ``token_writes`` was made: move every group's counters, count it."""
-        self._grown(1, 0, *writes.finish())
-
-    def _append_token(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """A decode token into every group with one native call (native/encode.cpp: write_tokens,
-        which stores all of it or nothing); False, with nothing changed, where the kernels are off,
-        ``token_writes`` declines or the values are not finite: the caller then appends group by
-        group (and the PyTorch path refuses non-finite values clearly)."""
-        lib = kernels(k.device)
-        writes = self.token_writes(k, v) if lib is not None else None
-        if writes is None:
-            return False
-        try:
-            ops.write_tokens(lib, writes.array)
-        except NotSupported:
-            return False
-        self.commit_token(writes)
-        return True
 
     def seek(self, position: int) -> None:
         """Leave a gap: the next token gets this absolute position (used to rebuild a ring)."""
@@ -357,10 +307,6 @@ class CacheLayer:
         return k, v
 
     def parts(self) -> tuple[list[PartView], list[PartView]]:
-        """The held parts of keys and values, for kernels that read them in place."""
+        """The held parts of keys and values as their rings hold them, for a reader in place."""
         first = self._cache.first_rest_position()
         return self._k.parts(first), self._v.parts(first)
-
-    def count_kernel_read(self) -> None:
-        """A kernel read every held part of this layer in place."""
-        self._cache.count_read(self._k.live_read_bytes() + self._v.live_read_bytes())

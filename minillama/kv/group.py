@@ -3,9 +3,10 @@
 An evaluation that compares KV schemes runs the same tokens through one cache per scheme.
 Decoding them one after another reads every weight of the model once per scheme and step;
 decoding them as rows of one batch reads each weight once per step for all of them (the
-weights dominate a small model's step). Each cache keeps its own codecs, and attention reads
-each cache alone (``model/attention.py: attend_cache`` splits a ``GroupView`` by rows), so a
-row's result is what its cache alone would give, up to the float rounding of a larger batch.
+weights dominate a small model's step). Each cache keeps its own codecs; a layer of the group
+reads every cache's keys and values back into plain space (``GroupView``), so attention needs no
+codec of its own for it, and a row's result is what its cache alone would give, up to the float
+rounding of a larger batch.
 
 The caches must be alike in everything the model sees of them as a whole: positions (same
 held count, same position rules) and whether keys are stored before RoPE.
@@ -17,36 +18,36 @@ import torch
 
 from minillama.errors import UserError
 from minillama.kv.cache import KVCache
-from minillama.kv.interface import LayerView, PartView, Probe
-from minillama.native.abi import NotSupported
+from minillama.kv.codecs import CODECS
+from minillama.kv.interface import LayerView
+from minillama.kv.write import REFERENCE, Writer
 
-ONE_AT_A_TIME = "a group of caches is attended one cache at a time (kv/group.py)"
+PLAIN = CODECS["fp32"]  # the identity storage space
 
 
 class GroupView:
-    """One layer of every cache of a group (kv/interface.py: LayerView, split by rows)."""
+    """One layer of every cache of a group (kv/interface.py: LayerView), read in plain space."""
 
-    def __init__(self, views: list[LayerView], rows: list[int]):
-        self.views, self.rows = views, rows  # rows[i]: the batch rows of views[i]
+    k_codec = v_codec = PLAIN
+    key_center = None
 
-    def splits(self) -> list[tuple[slice, LayerView]]:
-        """(the batch rows, the view) of each cache, in order."""
-        out, start = [], 0
-        for view, n in zip(self.views, self.rows):
-            out.append((slice(start, start + n), view))
-            start += n
-        return out
+    def __init__(self, views: list[LayerView]):
+        self.views = views
 
-    # A group has no one codec or layout: whoever asks for them (the native step's plans) is told
-    # to attend cache by cache, which attend_cache does.
-    @property
-    def k_codec(self):
-        raise NotSupported(ONE_AT_A_TIME)
+    def positions(self, device=None) -> torch.Tensor:
+        return self.views[0].positions(device)  # (held,): alike in every cache of a group
 
-    v_codec = key_center = k_codec
-
-    def parts(self) -> tuple[list[PartView], list[PartView]]:
-        raise NotSupported(ONE_AT_A_TIME)
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cache's held keys and values, each (sum of batches, H, held, D), in plain space:
+        un-rotated, the key center added back."""
+        keys, values = [], []
+        for view in self.views:
+            k, v = view.read(torch.float32)  # (B_i, H, held, D) each, in the cache's storage space
+            if view.key_center is not None:  # taken in storage space: added back before un-rotating
+                k = k + view.key_center.float()
+            keys.append(view.k_codec.from_space(k))
+            values.append(view.v_codec.from_space(v))
+        return torch.cat(keys).to(dtype), torch.cat(values).to(dtype)
 
 
 class CacheGroup:
@@ -90,18 +91,31 @@ class CacheGroup:
         return self.caches[0].next_position
 
     @property
-    def wants_queries(self) -> int:
-        return max(c.wants_queries for c in self.caches)
+    def choosing(self) -> bool:
+        return any(c.choosing for c in self.caches)
 
     def layer(self, i: int) -> GroupView:
-        return GroupView([c.layer(i) for c in self.caches], self.rows)
+        return GroupView([c.layer(i) for c in self.caches])
 
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], probes: list[Probe] | None = None) -> None:
-        """new_kv: per layer (k, v), each (sum of batches, H, T, D), and a Probe per layer when asked
-        for: each cache gets its rows (a probe's weight is the whole batch's)."""
-        start = 0
+    def splits(self) -> list[tuple[slice, KVCache]]:
+        """(the batch rows, the cache) of each cache, in order."""
+        out, start = [], 0
         for cache, n in zip(self.caches, self.rows):
-            rows = slice(start, start + n)
-            mine = [Probe(p.queries[rows], p.weight) for p in probes] if probes and cache.wants_queries else None
-            cache.append([(k[rows], v[rows]) for k, v in new_kv], mine)
+            out.append((slice(start, start + n), cache))
             start += n
+        return out
+
+    def choose(self, k: torch.Tensor, v: torch.Tensor, probes=None, writer: Writer = REFERENCE) -> None:
+        """Each choosing cache chooses from its rows of k, v (L, sum of batches, H, n, D) and of the
+        probes' queries (a probe's weight is the whole batch's)."""
+        from minillama.kv.auto import Probe
+
+        for rows, cache in self.splits():
+            if cache.choosing:
+                mine = [Probe(p.queries[rows], p.weight) for p in probes] if probes else None
+                cache.choose(k[:, rows], v[:, rows], mine, writer)
+
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]], writer: Writer = REFERENCE) -> None:
+        """new_kv: per layer (k, v), each (sum of batches, H, T, D): each cache gets its rows."""
+        for rows, cache in self.splits():
+            cache.append([(k[rows], v[rows]) for k, v in new_kv], writer)

@@ -6,13 +6,10 @@ rings in one buffer with a layer axis, (L, B, H, slots, width), each layer's rin
 its slice; an append moves the new vectors of every layer of the group with one tensor
 operation per ring and encodes one block for all of them (one rotation, one ``encode`` call),
 then moves the rings' shared cursors once: a handful of PyTorch calls per group, whatever
-the layer count, where a layer-by-layer write paid ~30 per layer. A decode token goes faster
-still: ``token_write`` (kv/token_write.py) describes the group's share of it from the counters
-alone, and every group's share is written in one native call, all or nothing -- last inside
-the native decode step (cache.py: ``token_writes``, ``commit_token``), or on its own
-(``_append_token``).
-The bytes are the ones a layer-by-layer write leaves (tests/test_cache.py holds them equal):
-codecs work per row and per group of tokens, never across layers.
+the layer count, where a layer-by-layer write paid ~30 per layer. The arithmetic of a write
+(rotation, centering, codes) is its ``Writer``'s (kv/write.py). The bytes are the ones a
+layer-by-layer write leaves (tests/test_cache.py holds them equal): codecs work per row and per
+group of tokens, never across layers.
 
 The members' rings share one cursor each (kv/ring.py: Cursor), so they hold alike by
 construction: an append, an eviction, ``truncate_nonsink`` and ``clear`` move it once, here,
@@ -25,9 +22,7 @@ import torch
 
 from minillama.kv.ring import Cursor, Ring, ring_buffer
 from minillama.kv.store import TIER, TensorStore, layout
-from minillama.kv.token_write import GroupWrites, token_write
-from minillama.kv.write import encode, storage_form
-from minillama.native.abi import RingRef
+from minillama.kv.write import REFERENCE, Writer
 
 
 class SharedRing:
@@ -38,8 +33,6 @@ class SharedRing:
         self.members = members
         self.lead = members[0]  # a member, whose cursor every member shares
         assert all(m.cursor is self.lead.cursor for m in members)
-        # As write_tokens addresses it: (L * B * H) rows of slots x width bytes (the buffer never moves).
-        self.ref = RingRef(buf.data_ptr(), buf.shape[3], buf.shape[4] * buf.element_size())
 
     def push(self, x: torch.Tensor) -> int:
         """Append rows x (L, B, H, n, width) after the newest of every layer; returns bytes written."""
@@ -47,14 +40,14 @@ class SharedRing:
         if self.lead.count + n > self.lead.slots:
             raise RuntimeError(f"ring overflow: {self.lead.count} + {n} rows > {self.lead.slots} slots")
         done = 0
-        for a, b in self.lead._spans(self.lead.count, n):
+        for a, b in self.lead.spans(self.lead.count, n):
             self.buf[:, :, :, a:b] = x[:, :, :, done : done + b - a]
             done += b - a
         return self.advance(n)
 
     def read(self, first: int, n: int) -> torch.Tensor:
         """Rows [first, first + n) of every layer in age order, (L, B, H, n, width)."""
-        spans = self.lead._spans(first, n)
+        spans = self.lead.spans(first, n)
         if len(spans) == 1:
             a, b = spans[0]
             return self.buf[:, :, :, a:b]
@@ -126,12 +119,10 @@ class LayeredStore:
             if name.startswith(TIER)
         }
         self.body = {name: SharedRing(buf, [s.body[name] for s in self.stores]) for name, buf in bufs.items()}
-        self._centers: tuple[list, torch.Tensor] | None = None  # centered keys: the members' centers, stacked
-        self.writes: GroupWrites | None = None  # a decode token's native write, described on the first
 
-    def append(self, x: torch.Tensor, evict: int) -> tuple[int, int]:
+    def append(self, x: torch.Tensor, evict: int, writer: Writer = REFERENCE) -> tuple[int, int]:
         """Store new vectors x (L, B, H, n, D) in the model's dtype, after evicting `evict` oldest non-sink
-        tokens of every layer; returns (bytes written, bytes read).
+        tokens of every layer, converted and coded by `writer`; returns (bytes written, bytes read).
 
         In order: the first tokens fill the sinks; the oldest are evicted from the body, then the
         residual, then the new ones; once ``residual + unit`` tokens wait (and ``start`` tokens are
@@ -146,7 +137,7 @@ class LayeredStore:
         center = torch.stack([s.center for s in stores]) if lead.centered else None  # (L, B, H, 1, D)
         # Everything enters in the exact dtype (fp16 for quantized codecs), so a token is
         # quantized from the same values whether or not it waited in the residual.
-        x = storage_form(codec, x, center, exact)  # (L, B, H, n, D)
+        x = writer.storage_form(codec, x, center, exact)  # (L, B, H, n, D)
         written = read = 0
         take = min(lead.sinks.slots - lead.sinks.count, x.shape[3])
         if take:
@@ -161,16 +152,16 @@ class LayeredStore:
             self.residual.drop_oldest(from_res)
             x = x[:, :, :, evict - from_body - from_tier - from_res :]
         if self.tier:
-            w, r = self._through_tier(x)
+            w, r = self._through_tier(x, writer)
             return written + w, read + r
-        n_flush = self._flush_count(lead.residual.count + x.shape[3])
+        n_flush = self.flush_count(lead.residual.count + x.shape[3])
         if n_flush:
             r = min(n_flush, lead.residual.count)
             old = self.residual.read(0, r)  # (L, B, H, r, D)
             read += r * lead.residual.row_bytes * len(stores)
             n_new = n_flush - r
             block = torch.cat([old, x[:, :, :, :n_new]], dim=3) if r else x[:, :, :, :n_new]  # (L, B, H, n_flush, D)
-            written += self._encode(block, n_flush)
+            written += self._encode(block, n_flush, writer)
             if r:
                 self.residual.drop_oldest(r)
             x = x[:, :, :, n_new:]
@@ -178,7 +169,7 @@ class LayeredStore:
             written += self.residual.push(x)
         return written, read
 
-    def _through_tier(self, x: torch.Tensor) -> tuple[int, int]:
+    def _through_tier(self, x: torch.Tensor, writer: Writer) -> tuple[int, int]:
         """``append``'s flush with a tier (kv/store.py): new non-sink vectors x (L, B, H, n, D) in
         storage form. The tokens leaving the exact residual (its oldest, then the oldest new ones)
         go to the tier; once ``tier + unit`` wait there, whole units of its oldest go to the body,
@@ -187,7 +178,7 @@ class LayeredStore:
         lead = self.stores[0]
         res, n_layers = lead.residual, len(self.stores)
         leave = max(0, res.count + x.shape[3] - lead.residual_len)  # tokens leaving the residual
-        n_flush = self._tier_flush_count(leave)  # tokens into the body
+        n_flush = self.tier_flush_count(leave)  # tokens into the body
         from_tier = min(n_flush, lead.n_tier)
         from_res = min(leave, res.count)
         old, new = self.residual.read(0, from_res), x[:, :, :, : leave - from_res]
@@ -198,11 +189,11 @@ class LayeredStore:
             if from_tier:
                 block = torch.cat([self._decode_tier(from_tier).to(block.dtype), block], dim=3)
                 read += self._drop_tier(from_tier)
-            written += self._encode(block, n_flush)
+            written += self._encode(block, n_flush, writer)
         to_tier = leaving[:, :, :, n_flush - from_tier :]  # (L, B, H, m, D)
         if to_tier.shape[3]:
             l_, b, h, m, d = to_tier.shape
-            parts = encode(lead.tier_codec, to_tier.reshape(l_ * b, h, m, d), d)  # (L*B, H, m, width) each
+            parts = writer.encode(lead.tier_codec, to_tier.reshape(l_ * b, h, m, d), d)  # (L*B, H, m, width) each
             for name, part in parts.items():
                 written += self.tier[name].push(part.reshape(l_, b, *part.shape[1:]))
         self.residual.drop_oldest(from_res)
@@ -211,7 +202,7 @@ class LayeredStore:
             written += self.residual.push(stay)
         return written, read
 
-    def _tier_flush_count(self, leave: int) -> int:
+    def tier_flush_count(self, leave: int) -> int:
         """With a tier: tokens to move from the tier into the body now, as `leave` tokens leave the
         exact residual -- whole units once ``tier + unit`` would wait there."""
         lead = self.stores[0]
@@ -257,7 +248,7 @@ class LayeredStore:
         flat = {name: p.reshape(l_ * b, h, *p.shape[3:]) for name, p in parts.items()}
         return lead.tier_codec.decode(flat, lead.head_dim, lead.head_dim).reshape(l_, b, h, n, lead.head_dim)
 
-    def _flush_count(self, waiting: int) -> int:
+    def flush_count(self, waiting: int) -> int:
         """Tokens to encode into the body now, with `waiting` non-sink tokens past the body (the
         residual and the new ones): whole units once ``residual + unit`` wait, and only once
         ``start`` tokens are held."""
@@ -266,25 +257,14 @@ class LayeredStore:
             return 0
         return max(0, (waiting - lead.residual_len) // lead.unit * lead.unit)
 
-    def _encode(self, block: torch.Tensor, n_flush: int) -> int:
+    def _encode(self, block: torch.Tensor, n_flush: int, writer: Writer) -> int:
         """Encode block (L, B, H, n_flush, D) into the body. Returns bytes written."""
         lead = self.stores[0]
         n_layers, b, h, _, d = block.shape
-        parts = encode(lead.codec, block.reshape(n_layers * b, h, n_flush, d), lead.group)  # (L*B, H, rows, width)
+        parts = writer.encode(
+            lead.codec, block.reshape(n_layers * b, h, n_flush, d), lead.group
+        )  # (L*B, H, rows, width)
         written = 0
         for name, part in parts.items():
             written += self.body[name].push(part.reshape(n_layers, b, *part.shape[1:]))  # (L, B, H, rows, width)
         return written
-
-    def token_write(self, x: torch.Tensor) -> GroupWrites | None:
-        """This group's share of one decode token as native/encode.cpp's write_tokens takes it, or
-        None where ``append`` must write it (kv/token_write.py). x (L, B, H, 1, D): every layer's
-        new vectors, the cache's layers (the write picks the group's)."""
-        return token_write(self, x)
-
-    def _center16(self) -> torch.Tensor:
-        """Every member's key center stacked, (L, B, H, 1, D) float16; made again only when a center changes."""
-        centers = [s.center for s in self.stores]  # held below, so an old center's id is never reused
-        if self._centers is None or any(a is not b for a, b in zip(centers, self._centers[0])):
-            self._centers = (centers, torch.stack(centers).to(torch.float16).contiguous())
-        return self._centers[1]

@@ -6,10 +6,19 @@ around; nothing is ever reallocated or concatenated into the buffer itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from minillama.kv.interface import RingView
 from minillama.kv.memory import huge_page_zeros
+
+
+@dataclass(frozen=True)
+class RingView:
+    """A ring of rows as a reader in place sees it: logical row i is buf[:, :, (start + i) % slots]."""
+
+    buf: torch.Tensor  # (B, H, slots, width)
+    start: int  # slot of the oldest row
 
 
 def ring_buffer(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -64,7 +73,7 @@ class Ring:
     def count(self, n: int) -> None:
         self.cursor.count = n
 
-    def _spans(self, first: int, n: int) -> list[tuple[int, int]]:
+    def spans(self, first: int, n: int) -> list[tuple[int, int]]:
         """Slot ranges [a, b) holding n rows starting at logical row `first` (at most two spans)."""
         a = (self.start + first) % max(self.slots, 1)
         if a + n <= self.slots:
@@ -77,7 +86,7 @@ class Ring:
         if self.count + n > self.slots:
             raise RuntimeError(f"ring overflow: {self.count} + {n} rows > {self.slots} slots")
         done = 0
-        for a, b in self._spans(self.count, n):
+        for a, b in self.spans(self.count, n):
             self.buf[:, :, a:b] = x[:, :, done : done + b - a]
             done += b - a
         self.count += n
@@ -86,7 +95,7 @@ class Ring:
     def read(self, first: int = 0, n: int | None = None) -> torch.Tensor:
         """Rows [first, first + n) in age order, (B, H, n, width); a view when not wrapped."""
         n = self.count - first if n is None else n
-        spans = self._spans(first, n)
+        spans = self.spans(first, n)
         if len(spans) == 1:
             a, b = spans[0]
             return self.buf[:, :, a:b]

@@ -38,9 +38,20 @@ from dataclasses import dataclass
 import torch
 
 from minillama.kv.codecs import CODE_PARTS, Codec, exact_codec
-from minillama.kv.interface import PartView
-from minillama.kv.ring import Cursor, Ring, ring_buffer
+from minillama.kv.ring import Cursor, Ring, RingView, ring_buffer
 from minillama.kv.spec import KVSpec
+
+
+@dataclass(frozen=True)
+class PartView:
+    """One held part of one tensor of one layer: n consecutive tokens at positions first_position..."""
+
+    name: str  # "sinks" | "body" | "tier" | "residual"
+    n: int  # tokens held in this part
+    first_position: int  # position of its first token (positions are consecutive inside a part)
+    codec: Codec  # how its rows are stored: the tensor's codec for the body, an exact float codec otherwise
+    group: int
+    rings: dict[str, RingView]  # the codec's parts by name ("values" for exact rows; "codes", "scale", ...)
 
 
 @dataclass(frozen=True)

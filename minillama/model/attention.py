@@ -11,13 +11,10 @@ query length, so K and V are never copied per query head. Long prompts are atten
 blocks of QUERY_BLOCK queries, so a no-cache forward over 8k tokens never holds an
 8k x 8k score matrix per head.
 
-Plain PyTorch throughout. A chunk may instead go to a ``fused`` function of (q, k, v) that
-attends causally with no score matrix in memory: ``sdpa`` here (PyTorch's fused
-``scaled_dot_product_attention``), or the native kernel the kernels backend chooses
-(model/step.py: chunk_attention; native/prefill_attention.cpp); tests hold both to the explicit
-path. On the kernels backend a decode token never comes here: the native step (model/step.py)
-attends over the packed cache in C++ (native/layer_attention.cpp), and this file is the
-specification those kernels are tested against.
+Plain PyTorch throughout: this file is the specification the compiled attention kernels are
+tested against (minillama/native/). A caller may hand ``attend`` a ``fused`` function of
+(q, k, v) that attends causally with no score matrix in memory -- ``sdpa`` here (PyTorch's
+``scaled_dot_product_attention``) or a compiled kernel; tests hold each to the explicit path.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from minillama.kv.codecs import CODECS, Codec
-from minillama.kv.group import GroupView
 from minillama.kv.interface import LayerView
 from minillama.model.rope import RotaryTable, apply_rope
 
@@ -40,9 +36,10 @@ PLAIN = CODECS["fp32"]  # the identity storage space: keys that are already plai
 
 
 def plain_keys(stored: torch.Tensor, codec: Codec, center: torch.Tensor | None) -> torch.Tensor:
-    """Stored keys (B, Hkv, P, D) back in plain space, float32: un-rotated, the center added back."""
-    k = codec.from_space(stored.float())
-    return k + center.float() if center is not None else k
+    """Stored keys (B, Hkv, P, D) back in plain space, float32: the center added back (it was taken
+    in storage space), then un-rotated."""
+    k = stored.float() + center.float() if center is not None else stored.float()
+    return codec.from_space(k)
 
 
 def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
@@ -132,8 +129,6 @@ def attend_cache(
     Reads the past (dequantized, in storage space) and attends by ``attend``. Keys stored before
     RoPE are first turned back into plain keys and rotated for their positions (``rotary``:
     model/rope.py: RotaryTable)."""
-    if isinstance(view, GroupView):  # several caches as one batch: each attended alone (kv/group.py)
-        return torch.cat([attend_cache(q[rows], k[rows], v[rows], sub, rotary, fused) for rows, sub in view.splits()])
     past_k, past_v = view.read(q.dtype)  # read the past before this step writes anything
     k_codec, v_codec, center = view.k_codec, view.v_codec, view.key_center
     if rotary is not None:  # stored before RoPE: back to plain keys, then rotated for their positions

@@ -63,6 +63,10 @@ def prefill(
     if ids.numel() == 0:
         raise ValueError("prefill needs at least one token")
     ids = ids.to(model.device)
+    if getattr(cache, "choosing", False):  # bits=auto: the cache chooses its codecs from the first chunk
+        from minillama.model.auto import choose_codecs
+
+        choose_codecs(model, ids[:, :chunk], cache, model.cache_writer())
     for s in range(0, ids.shape[1], chunk):
         piece = ids[:, s : s + chunk]  # (B, <= chunk)
         logits = model(piece, cache, last_only=True)  # (B, 1, V)

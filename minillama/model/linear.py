@@ -1,9 +1,8 @@
-"""Linear layers, and the fused projections (q/k/v, gate/up) as one matrix product each.
+"""Linear layers: an ``nn.Linear`` that widens bfloat16 products where the CPU is slow at them.
 
 ``Linear`` is an ``nn.Linear`` (same parameters, same names, same results up to float
 rounding) whose product is ``project``: it widens bfloat16 weights for long inputs on CPUs
-without bf16 support (below). Decode steps on the kernels backend do not come here: the native
-step (model/step.py) streams the weights with its own matrix-vector kernel (native/linear.cpp).
+without bf16 support (below).
 """
 
 from __future__ import annotations
@@ -32,24 +31,6 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         # matrix product 5-10x slower than float32, so widen the weights for it and round once.
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
-
-
-def concat_rows(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One (sum of outs, in) weight (and bias) for several projections of the same input.
-
-    The layers' parameters are replaced by views into it, so nothing is stored twice and
-    the layers still work (and load, and save) on their own.
-    """
-    weight = torch.cat([m.weight.detach() for m in layers])  # (sum out, in)
-    bias = torch.cat([m.bias.detach() for m in layers]) if layers[0].bias is not None else None
-    row = 0
-    for m in layers:
-        n = m.weight.shape[0]
-        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
-        if bias is not None:
-            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
-        row += n
-    return weight, bias
 
 
 class Linear(nn.Linear):

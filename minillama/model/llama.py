@@ -12,13 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minillama.kv.interface import Cache, Probe
-from minillama.model import step
-from minillama.model.attention import attend, attend_cache
+from minillama.kv.interface import Cache
+from minillama.kv.write import REFERENCE, Writer
+from minillama.model.attention import Fused, attend, attend_cache
 from minillama.model.config import LlamaConfig
-from minillama.model.linear import Linear, concat_rows, project
+from minillama.model.linear import Linear
 from minillama.model.rope import RotaryTable, apply_rope, inverse_frequencies, rope_tables
-from minillama.model.weights import pack_weights
 
 
 class RMSNorm(nn.Module):
@@ -44,19 +43,21 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.hidden_size, hkv * d, bias=cfg.attention_bias)
         self.o_proj = Linear(hq * d, cfg.hidden_size, bias=cfg.attention_bias)
 
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
-
-    def forward(self, x, cos, sin, cache: Cache | None, layer: int, rotary: RotaryTable | None = None, fused=None):
-        """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output, the
-        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys, and the queries
-        q (B, Hq, T, D) after RoPE (a cache may ask for the newest: ``wants_queries``). ``fused``:
-        the fused attention for the new tokens, or None for the explicit math (model/attention.py)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: Cache | None,
+        layer: int,
+        rotary: RotaryTable | None = None,
+        fused: Fused | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x (B, T, hidden); cos, sin (T, D) for the new tokens' positions. Returns the output and the
+        (k, v) to store: k after RoPE, or before it when the cache keeps pre-RoPE keys. ``fused``:
+        how a chunk attends (model/attention.py: attend), None for the explicit math."""
         b, t, _ = x.shape
-        if self.qkv is not None:  # one matrix product for q, k and v (their weights are views of it)
-            qkv = project(x, *self.qkv)  # (B, T, (Hq + 2 Hkv) D)
-            q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(b, t, self.hq, self.d).transpose(1, 2)  # (B, Hq, T, D)
         k = k.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.reshape(b, t, self.hkv, self.d).transpose(1, 2)  # (B, Hkv, T, D)
@@ -68,7 +69,7 @@ class Attention(nn.Module):
         else:
             out = attend_cache(q, k_rope, v, cache.layer(layer), rotary if pre else None, fused)
         out = out.transpose(1, 2).reshape(b, t, self.hq * self.d)  # (B, T, Hq*D)
-        return self.o_proj(out), (stored, v), q
+        return self.o_proj(out), (stored, v)
 
 
 class MLP(nn.Module):
@@ -77,14 +78,9 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by Llama.fuse_projections()
 
-    def forward(self, x):
-        if self.gate_up is not None:  # gate and up in one matrix product
-            gate, up = project(x, *self.gate_up).chunk(2, dim=-1)  # (..., I) each
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)  # SwiGLU
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
 
 
 class DecoderLayer(nn.Module):
@@ -95,19 +91,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def error_weight(self, x: torch.Tensor) -> float:
-        """How much an error e in this layer's attention output weighs downstream, for x (B, T, hidden)
-        the residual stream entering it: e reaches the stream as o_proj(e), about ||W_o||_F^2 ||e||^2
-        in squared norm for an error with no preferred direction, and the next RMSNorm divides the
-        stream by its norm, so relative to the median token's ||x||^2 (the median leaves out the few
-        tokens of massive activations: the BOS). kv/auto.py prices a layer's codecs by it."""
-        typical = x.float().pow(2).sum(-1).flatten().median()  # ()
-        return float(self.self_attn.o_proj.weight.float().pow(2).sum() / typical.clamp_min(1e-30))
-
     def forward(self, x, cos, sin, cache, layer, rotary=None, fused=None):
-        h, kv, q = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fused)
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, rotary, fused)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), kv, q
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 class Backbone(nn.Module):
@@ -128,52 +115,20 @@ class Llama(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)  # (D/2,)
         self.rotary: RotaryTable | None = None  # angles of every position, for keys stored before RoPE
-        self._native_steps: dict = {}  # (library, batch, dtype) -> the native step's description (model/step.py)
-
-    def fuse_projections(self) -> Llama:
-        """Concatenate q/k/v and gate/up weights so each group is one matrix product.
-
-        The separate projections become views into the fused weights (no extra memory),
-        so loading, the reference path and ``state_dict`` are unchanged. Then every weight moves
-        into one buffer of huge pages (model/weights.py: decode streams them all each token)."""
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv = concat_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.gate_up = concat_rows([mlp.gate_proj, mlp.up_proj])
-        fused = [(layer.self_attn, "qkv") for layer in self.model.layers]
-        pack_weights(self, fused + [(layer.mlp, "gate_up") for layer in self.model.layers])
-        return self
 
     def _apply(self, fn, recurse: bool = True):
-        """``.to()``, ``.float()``, ``.bfloat16()`` ... give the parameters new storage. The fused
-        projections and the native step's weight pointers are derived from it, so they are made
-        again from the converted parameters rather than left behind (stale weights, or pointers
-        into freed memory); RoPE's speeds are not weights and stay float32."""
-        fused = self._fused()
+        """``.to()``, ``.float()``, ``.bfloat16()`` ... convert the parameters; RoPE's speeds are not
+        weights and stay float32 in any dtype, as loaded (HF keeps them so too)."""
         inv_freq = self.inv_freq  # (D/2,) float32
         super()._apply(fn, recurse)
-        self.inv_freq = inv_freq.to(self.inv_freq.device)  # RoPE speeds stay float32 in any dtype, as loaded
-        self._derived_changed(fused)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        self.rotary = None
         return self
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """As ``nn.Module``'s. A plain load copies into the existing parameters, which the fused
-        weights share and the native step points at; ``assign=True`` replaces them, so what is
-        derived from them is made again."""
-        fused = self._fused()
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if assign:
-            self._derived_changed(fused)
-        return result
-
-    def _fused(self) -> bool:
-        return any(layer.self_attn.qkv is not None for layer in self.model.layers)
-
-    def _derived_changed(self, fused: bool) -> None:
-        self._native_steps.clear()  # rebuilt on the next step from the parameters as they are now
-        self.rotary = None
-        if fused:
-            self.fuse_projections()
+    def cache_writer(self) -> Writer:
+        """How this model's cache writes are computed (kv/write.py): the PyTorch reference; a model
+        on the compiled path hands its kernels' writer instead (native/fast.py)."""
+        return REFERENCE
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -201,33 +156,35 @@ class Llama(nn.Module):
         Evaluations keep these instead of logits: 576 floats per token rather than 49k."""
         return self._run(tokens, cache, last_only, logits=False)
 
-    def _run(self, tokens: torch.Tensor, cache: Cache | None, last_only: bool, logits: bool) -> torch.Tensor:
+    def rotary_table(self, n: int) -> RotaryTable:
+        """The angles of positions 0..n-1, for keys stored before RoPE (made once, grown as asked)."""
+        if self.rotary is None or self.rotary.inv_freq.device != self.inv_freq.device:
+            self.rotary = RotaryTable(self.inv_freq)
+        self.rotary.get(n)
+        return self.rotary
+
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        cache: Cache | None,
+        last_only: bool,
+        logits: bool,
+        fused: Fused | None = None,
+    ) -> torch.Tensor:
+        """The forward pass; ``fused``: how a chunk attends (model/attention.py: attend)."""
         b, t = tokens.shape
         first = cache.next_position if cache is not None else 0  # the position of tokens[:, 0]
-        rotary = None
-        if cache is not None and cache.pre_rope:
-            if self.rotary is None or self.rotary.inv_freq.device != self.inv_freq.device:
-                self.rotary = RotaryTable(self.inv_freq)
-            rotary = self.rotary
-            rotary.get(first + t)  # every position a key of this step can have
-        out = step.decode(self, tokens, first, cache, rotary, logits)  # the kernels backend's whole step
-        if out is not None:
-            return out  # (B, 1, vocab or hidden)
+        pre = cache is not None and cache.pre_rope
+        rotary = self.rotary_table(first + t) if pre else None  # every position a key of this step can have
         x = self.model.embed_tokens(tokens)  # (B, T, hidden)
         positions = torch.arange(first, first + t, device=tokens.device)  # (T,)
         cos, sin = rope_tables(self.inv_freq, positions, self.dtype)  # (T, D) each
-        fused = step.chunk_attention()
         new_kv = []
-        asked = cache.wants_queries if cache is not None else 0  # an auto cache chooses its codecs from these
-        probes = [] if asked else None  # per layer: the newest queries, the weight of an output error
         for i, layer in enumerate(self.model.layers):
-            weight = layer.error_weight(x) if asked else 0.0
-            x, kv, q = layer(x, cos, sin, cache, i, rotary, fused)
+            x, kv = layer(x, cos, sin, cache, i, rotary, fused)
             new_kv.append(kv)
-            if probes is not None:
-                probes.append(Probe(q[:, :, -asked:], weight))  # (B, Hq, m, D)
         if cache is not None:
-            cache.append(new_kv, probes)  # the one place the cache grows
+            cache.append(new_kv)  # the one place the cache grows
         if last_only:
             x = x[:, -1:]
         x = self.model.norm(x)  # (B, T, hidden)

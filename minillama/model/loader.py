@@ -164,6 +164,5 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     model.tie_weights()
     model.inv_freq = inverse_frequencies(cfg)
     model = model.to(device).eval().requires_grad_(False)
-    model.fuse_projections()  # after the move: the fused weights live where the model does
     gen = read_json(folder / "generation_config.json", {})
     return LoadedModel(model, load_tokenizer(folder), cfg, folder, gen)

@@ -1,18 +1,21 @@
-"""The native wing: C++ kernels for CPU decoding, and the one switch that decides whether they run.
+"""The compiled wing: C++ kernels for CPU decoding and their Python glue, beside the core.
 
-The bottom of the package: it imports nothing from the wings above (app -> eval -> model ->
-kv -> native). Read in this order:
+It reads the core's objects (minillama.model, minillama.kv); the core never imports it. Read in
+this order:
 
-* ``backend.py`` -- the one backend switch (reference | kernels | kernels-exact);
-* ``minillama.h`` -- the C ABI: every function and struct Python passes, declared once;
-* ``abi.py`` -- the same ABI as ctypes sees it, checked against the library when it loads;
-* ``build.py`` -- compiles the sources for this CPU on first use (cached by CPU features);
-* ``ops.py`` -- the kernels as functions of tensors;
+* ``backend.py`` -- the one backend switch (reference | kernels | kernels-exact), and the counts
+  of what ran and what fell back;
+* ``fast.py`` -- ``FastLlama``: the core Llama whose forward takes the compiled path where the
+  switch says so, and the loader that returns it;
+* ``step.py`` -- a whole decode step in one native call; ``plans.py`` (a cache's layers described
+  to the attention kernels), ``token_write.py`` (a decode token's cache write), ``write.py`` (the
+  kernels' cache writer), ``weights.py`` (the weights laid out as the step reads them);
+* ``minillama.h`` -- the C ABI; ``abi.py``, the same ABI as ctypes sees it, checked at load;
+  ``build.py`` compiles the sources for this CPU on first use; ``ops.py``, the kernels as
+  functions of tensors;
 * the sources: ``linear.cpp`` (projections), ``decode_ops.cpp`` (norms, RoPE, SiLU),
-  ``encode.cpp`` (cache writes), ``layer_attention.cpp`` (one layer's decode attention)
-  over ``decode_attention.cpp`` (exact float kernels per codec family), ``int_attention.cpp``
-  (integer-domain kernels) and ``row_attention.cpp`` (a decoded row at a time), with
-  ``rows.h``, ``dtypes.h`` and ``hadamard.h`` (the FWHT's butterflies) shared between them.
+  ``encode.cpp`` (cache writes), ``step.cpp``, ``layer_attention.cpp`` (one layer's decode
+  attention) over the per-instruction-set kernels, ``prefill_attention.cpp``.
 
-Every kernel has a PyTorch reference (model/, kv/) and a test holding the two equal.
+Every kernel has a PyTorch reference in the core and a test holding the two equal.
 """

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -43,6 +44,7 @@ def _checked(name: str) -> str:
 _state = {"name": os.environ.get("MINILLAMA_BACKEND", "kernels"), "target": "native"}
 _libraries: dict[str, tuple[ctypes.CDLL | None, str]] = {}
 _fallbacks: dict[str, None] = {}  # reasons, in the order first seen
+_tally: Counter[str] = Counter()  # how often each fast path ran, and each fallback was taken
 
 
 def set_backend(name: str, target: str = "native") -> None:
@@ -87,20 +89,26 @@ def library(device: torch.device | str | None = None) -> ctypes.CDLL | None:
     return lib
 
 
-def fast_paths() -> bool:
-    """Whether the fast paths run at all (kernels, kernels-exact): besides the compiled kernels,
-    fused attention for prefill chunks on any device (model/step.py: chunk_attention)."""
-    return name() != "reference"
-
-
 def exact_attention() -> bool:
     """Decode attention in exact float arithmetic (kernels-exact) instead of the integer domain."""
     return name() == "kernels-exact"
 
 
 def fallback(reason: str) -> None:
-    """Record why a fast path took the reference (shown by describe() and fallbacks())."""
+    """Record why a fast path took the reference (shown by describe() and fallbacks()), each time."""
     _fallbacks.setdefault(reason)
+    _tally["fallback: " + reason] += 1
+
+
+def ran(path: str) -> None:
+    """Count one run of a fast path ("decode step", "cache write", ...): proof that it ran."""
+    _tally[path] += 1
+
+
+def tally() -> Counter[str]:
+    """A copy of the counts of ``ran`` and ``fallback``: compare two to see what a block of code
+    ran (tests do, per test, whatever ran before them)."""
+    return Counter(_tally)
 
 
 def fallbacks() -> list[str]:

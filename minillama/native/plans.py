@@ -1,10 +1,10 @@
-"""Fused decode attention: one query token against the packed cache, no dequantized copy.
+"""Decode attention plans: one query token against the packed cache, no dequantized copy.
 
 The same math as ``model/attention.py: attend`` (the reference and test oracle) for T = 1,
 but every part of the cache is read in place by the C++ kernels, and the whole layer's
 attention is one call (``native/layer_attention.cpp``), because on a small CPU each
 PyTorch call costs tens of microseconds. This module only describes the layer to it: each
-held part of K and V (``LayerView.parts()``: sinks, quantized body, tier, residual) becomes a
+held part of K and V (``CacheLayer.parts()``, kv/cache.py: sinks, quantized body, tier, residual) becomes a
 ``RowSource`` (where its rows live, how to decode them, native/minillama.h) and a route, the
 kernel that reads it:
 
@@ -40,8 +40,9 @@ from collections.abc import Callable
 
 import torch
 
+from minillama.kv.cache import CacheLayer, KVCache
 from minillama.kv.codecs import RowKind
-from minillama.kv.interface import LayerView, PartView
+from minillama.kv.store import PartView
 from minillama.native import backend, ops
 from minillama.native.abi import DTYPE_CODE, MAX_PARTS, STATUS, LayerPlan, NotSupported, Route, RowSource
 
@@ -122,7 +123,7 @@ def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> 
 
 def layer_plan(
     lib,
-    view: LayerView,
+    view: CacheLayer,
     b: int,
     r: int,
     d: int,
@@ -158,7 +159,7 @@ def decode_plan(
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
-    view: LayerView,
+    view: CacheLayer,
     rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None,
     keep: list,
 ) -> LayerPlan:
@@ -178,7 +179,7 @@ def fused_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    view: LayerView,
+    view: CacheLayer,
     rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, 1, D) and the new k (after RoPE), v (B, Hkv, 1, D) -> (B, Hq, 1, D); the same result
@@ -189,7 +190,7 @@ def fused_decode_attention(
     out = torch.empty_like(q)  # (B, Hq, 1, D)
     keep: list = []
     ops.attend_layer(lib, decode_plan(lib, q, k, v, out, view, rope, keep))
-    view.count_kernel_read()
+    backend.ran("decode attention")
     return out
 
 
@@ -219,7 +220,7 @@ class CachePlans:
     the exact switch) names all of that. `keep` holds
     alive every tensor the plans point into."""
 
-    def __init__(self, lib, cache, r: int):
+    def __init__(self, lib, cache: KVCache, r: int):
         self.lib, self.r, self.d = lib, r, cache.head_dim
         self.plans: list[LayerPlan | None] = [None] * cache.n_layers
         self.keep: list[list] = [[] for _ in range(cache.n_layers)]
@@ -235,7 +236,9 @@ class CachePlans:
         can never reuse a freed one's identity)."""
         return a is not None and a[0] == b[0] and a[1] is b[1] and a[2:] == b[2:]
 
-    def refresh(self, cache, rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None) -> list[LayerPlan]:
+    def refresh(
+        self, cache: KVCache, rope: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> list[LayerPlan]:
         """The plans for `cache` (the one they were made for) as it is now; NotSupported when a part
         has no kernel."""
         first_rest = cache.first_rest_position()

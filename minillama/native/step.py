@@ -2,37 +2,40 @@
 
 ``model/llama.py`` is the specification, plain PyTorch: for one token per sequence its
 ``DecoderLayer`` makes about twenty PyTorch calls, each costing microseconds of dispatch on a
-small CPU. This module is the other path and the one place that chooses between them
-(``decode``): on the kernels backend a step of one token per sequence runs here, whole or not at
-all; anything else (prefill, the reference backend, a cache no kernel reads -- the reason is
-recorded, native/backend.py: fallback) runs the PyTorch layers.
+small CPU. ``decode`` is the other path (native/fast.py chooses it): a step of one token per
+sequence over a ``KVCache`` (or a group of them) runs here, whole or not at all; anything else
+-- prefill, another cache, a part no kernel reads, the reason recorded (native/backend.py:
+fallback) -- runs the PyTorch layers.
 
 ``NativeStep`` describes the step to C++ once (each layer's weights, norms and biases; the
 embedding table, final norm and LM head: pointers that never change) and per step adds what
 does: the tokens, the RoPE angles of the position, the output tensor and the attention plans of
-the layers' caches (kv/fused_attention.py), and the cache write of the step's token, described
-from the cache's counters before the step fills the new keys and values (kv/cache.py:
-token_writes). One native call then runs the embedding rows, every layer, the final norm and the
-LM head, and last the cache write (native/encode.cpp: write_tokens, all or nothing); a cache
-other than a ``KVCache``, or a write the kernel refuses, is appended after the call instead.
-Tests hold the logits of both paths equal, and the rings to the bytes of the PyTorch write
-(tests/test_step.py).
+the layers' caches (native/plans.py), and the cache write of the step's token, described from the
+cache's counters before the step fills the new keys and values (native/token_write.py). One native
+call then runs the embedding rows, every layer, the final norm and the LM head, and last the
+cache write (native/encode.cpp: write_tokens, all or nothing); a write the kernel refuses is
+appended after the call instead. Tests hold the logits of both paths equal, and the rings to the
+bytes of the PyTorch write (tests/test_step.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
 from minillama.kv.cache import KVCache
-from minillama.kv.fused_attention import layer_plan
 from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache
-from minillama.model.attention import Fused, sdpa
+from minillama.model.attention import sdpa
 from minillama.model.rope import rope_tables
 from minillama.native import backend, ops
 from minillama.native.abi import DTYPE_CODE, STATUS, STATUS_OK, LayerPlan, LayerStep, NotSupported, StepEnds
+from minillama.native.plans import CachePlans
+from minillama.native.token_write import CacheWrites
+from minillama.native.weights import fused_rows
+from minillama.native.write import KernelWriter
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -46,8 +49,8 @@ class NativeStep:
     def __init__(self, model, lib, batch: int):
         cfg = model.config
         self.lib, self.batch, self.dtype = lib, batch, model.dtype
-        if self.dtype not in (torch.float32, torch.bfloat16) or model.model.layers[0].self_attn.qkv is None:
-            raise NotSupported(f"{self.dtype} weights or unfused projections (the step takes fused float32/bfloat16)")
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise NotSupported(f"{self.dtype} weights (the step takes float32 and bfloat16)")
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         for name, t in (("embedding", embed), ("LM head", head)):
             if t.dtype != self.dtype or not t.is_contiguous():
@@ -80,9 +83,16 @@ class NativeStep:
         self.plan_ids: list[int] = []
         self.pointers: list = [None] * n  # each layer's array of plan pointers
         self.no_cache = [[LayerPlan(B=batch) for _ in range(n)]]  # the plans of a step without a cache: no parts
+        # Per cache: its layers' plans and its token writes, described on its first step (and again
+        # when it rebuilds its stores: an auto spec's choice, a reset).
+        self.caches: weakref.WeakKeyDictionary[KVCache, tuple[list, CachePlans, CacheWrites]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.writer = KernelWriter(lib)
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            (w_qkv, b_qkv), (w_gu, b_gu) = attn.qkv, mlp.gate_up
+            w_qkv, b_qkv = fused_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # (Hq D + 2 Hkv D, hidden)
+            w_gu, b_gu = fused_rows([mlp.gate_proj, mlp.up_proj])  # (2 I, hidden)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             self.weights += [t for t in (*norms, w_qkv, b_qkv, attn.o_proj.weight, attn.o_proj.bias) if t is not None]
             self.weights += [t for t in (w_gu, b_gu, mlp.down_proj.weight, mlp.down_proj.bias) if t is not None]
@@ -149,27 +159,24 @@ class NativeStep:
         e.head = self.head if logits else None
         # The cache write, described from the counters before the step fills new_k and new_v, is
         # made by the same native call, last; where it cannot be, the cache writes them after.
-        writes = cache.token_writes(self.new_k, self.new_v) if isinstance(cache, KVCache) else None
+        state = self.caches.get(cache) if isinstance(cache, KVCache) else None
+        writes = state[2].describe(self.new_k, self.new_v) if state is not None else None
         e.writes, e.nwrites = (writes.array, len(writes.array)) if writes is not None else (None, 0)
         ops.decode_step(self.lib, self.steps, e)
+        backend.ran("decode step")
         if isinstance(cache, KVCache):  # the one place the cache grows
-            cache.count_kernel_read()
+            cache.count_full_read()
             if writes is not None and e.write_status == STATUS_OK:
-                cache.commit_token(writes)
+                state[2].commit(writes)
+                backend.ran("token write")
             else:  # no native write, or one refused (non-finite values: the PyTorch write says so)
                 if writes is not None:
                     backend.fallback(f"decode step's cache write: {STATUS.get(e.write_status)} (the cache writes it)")
-                cache.append_stacked(self.new_k, self.new_v)
-        elif cache is not None:
-            for member in _members(cache):
-                if isinstance(member, KVCache):
-                    member.count_kernel_read()
-                else:
-                    for i in range(len(self.steps)):
-                        member.layer(i).count_kernel_read()
-            # fresh tensors: another cache may keep what it is given, and the step reuses its buffers
-            new_k, new_v = self.new_k.clone(), self.new_v.clone()  # (L, B, Hkv, 1, D) each
-            cache.append(list(zip(new_k, new_v)))
+                cache.append_stacked(self.new_k, self.new_v, self.writer)
+        elif cache is not None:  # a group: every member read in place, each appended its rows
+            for member in cache.caches:
+                member.count_full_read()
+            cache.append(list(zip(self.new_k, self.new_v)), self.writer)
         return out
 
     def _angles(self, position: int) -> tuple[int, int]:
@@ -185,76 +192,59 @@ class NativeStep:
         return cos.data_ptr() + row, sin.data_ptr() + row
 
     def _plans(self, cache: Cache | None, rope) -> list[list[LayerPlan]]:
-        """[cache][layer]: each layer's attention plan in each cache whose rows the batch holds in turn (a
-        ``CacheGroup`` holds several): a ``KVCache`` keeps its own between steps (refreshed in
-        place); another cache is described anew."""
+        """[cache][layer]: each layer's attention plan in each cache whose rows the batch holds in
+        turn (a ``CacheGroup`` holds several), kept per cache between steps and refreshed in place.
+        NotSupported for a cache other than these (its layers are attended by the reference)."""
         if cache is None:
             return self.no_cache
+        if isinstance(cache, KVCache):
+            members = [cache]
+        elif isinstance(cache, CacheGroup):
+            members = cache.caches
+        else:
+            raise NotSupported(f"a {type(cache).__name__}: the step reads a KVCache's rings in place")
         r = self.hq // self.hkv
         per_cache = []
-        self._keep: list = []  # alive while the layers run
-        for member in _members(cache):
-            if isinstance(member, KVCache):
-                per_cache.append(list(member.kernel_plans(self.lib, r, rope)))  # a copy: refreshed in place
-            else:
-                per_cache.append(
-                    [
-                        layer_plan(self.lib, member.layer(i), self.batch, r, self.d, rope, self._keep)
-                        for i in range(len(self.steps))
-                    ]
-                )
+        for member in members:
+            state = self.caches.get(member)
+            if state is None or state[0] is not member.stores:  # new, or its stores rebuilt
+                state = self.caches[member] = (member.stores, CachePlans(self.lib, member, r), CacheWrites(member))
+            per_cache.append(list(state[1].refresh(member, rope)))  # a copy: refreshed in place
         return per_cache
 
 
-def _members(cache: Cache) -> list:
-    """The caches whose rows the batch holds, in order: a ``CacheGroup``'s, or the cache itself."""
-    return cache.caches if isinstance(cache, CacheGroup) else [cache]
+def chunk_attention(lib):
+    """How the PyTorch layers attend a chunk of new tokens on the kernels backend (model/attention.py:
+    attend's ``fused``): native/prefill_attention.cpp where it takes the shape (float32, head_dim 64
+    or 128), else PyTorch's SDPA (the reason recorded)."""
 
-
-def kernels(device=None):
-    """The compiled library when the backend runs the kernels (native/backend.py), else None: what
-    ``decode`` steps with, and what ``bench`` times its parts with."""
-    return backend.library(device)
-
-
-def chunk_attention() -> Fused | None:
-    """How the PyTorch layers attend a chunk of new tokens (model/attention.py: attend's ``fused``):
-    None on the reference backend (the explicit masked softmax, the plain math throughout), else
-    ``_fused_chunk``: the native causal kernel where the kernels run, PyTorch's SDPA elsewhere."""
-    return _fused_chunk if backend.fast_paths() else None
-
-
-def _fused_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """attention.sdpa's contract, by native/prefill_attention.cpp when the kernels run on q's device
-    and take its shape (float32, head_dim 64 or 128), else by sdpa (the reason recorded)."""
-    lib = kernels(q.device)
-    if lib is not None:
+    def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         try:
-            return ops.causal_attention(lib, q, k, v)
+            out = ops.causal_attention(lib, q, k, v)  # (B, Hq, T, D)
+            backend.ran("prefill attention")
+            return out
         except NotSupported as e:
             backend.fallback(f"prefill attention: {e}")
-    return sdpa(q, k, v)
+        return sdpa(q, k, v)
+
+    return fused
 
 
-def decode(
-    model, tokens: torch.Tensor, position: int, cache: Cache | None, rotary=None, logits: bool = True
-) -> torch.Tensor | None:
-    """The kernel-or-PyTorch decision, made here only. tokens (B, 1), one per sequence at `position`:
-    on the kernels backend the whole step -- the embedding rows, every layer, the final norm and
-    with `logits` the LM head, in one native call -> (B, 1, vocab), else the final hidden state
-    (B, 1, hidden); the cache grown. None when the PyTorch layers run instead: not a decode step,
-    the reference backend, a dtype or layout the step does not take, or a cache part no kernel
-    reads (recorded as a fallback; nothing ran)."""
+def decode(model, lib, tokens: torch.Tensor, cache: Cache | None, logits: bool = True) -> torch.Tensor | None:
+    """tokens (B, 1), one per sequence: the whole step -- the embedding rows, every layer, the final
+    norm and with `logits` the LM head, in one native call -> (B, 1, vocab), else the final hidden
+    state (B, 1, hidden); the cache grown. None when the PyTorch layers run instead: not a decode
+    step, a cache that still chooses its codecs, a dtype or layout the step does not take, or a
+    cache no kernel reads (recorded as a fallback; nothing ran)."""
     if tokens.shape[1] != 1:  # a prefill chunk: the PyTorch layers, fused attention (chunk_attention)
         return None
-    if cache is not None and cache.wants_queries:  # it chooses its codecs from this step's queries (kv/auto.py)
-        return None
-    lib = kernels(tokens.device)
-    if lib is None:  # the reference backend, or no kernels on this machine (describe() says why)
+    if getattr(cache, "choosing", False):  # bits=auto before its choice: the first append chooses
         return None
     if torch.is_grad_enabled():
         backend.fallback("decode step: autograd is on (the kernels run under torch.no_grad() or inference_mode)")
         return None
+    position = cache.next_position if cache is not None else 0
+    rotary = model.rotary_table(position + 1) if cache is not None and cache.pre_rope else None
     try:
         return native_step(model, lib, tokens.shape[0]).run(tokens, position, cache, rotary, logits)
     except NotSupported as e:
@@ -264,10 +254,11 @@ def decode(
 
 def native_step(model, lib, batch: int) -> NativeStep:
     """The model described to the native step for this batch size, built on first use and
-    kept on the model (``model._native_steps``: derived data, dropped when ``.to()`` or an assigning
-    ``load_state_dict`` gives the weights new storage; the step keeps the tensors it points at
-    alive, so a pointer never outlives its memory)."""
+    kept on the model (``model.steps``, native/fast.py: derived data, dropped when ``.to()`` or an
+    assigning ``load_state_dict`` gives the weights new storage; the step keeps the tensors it
+    points at alive, so a pointer never outlives its memory)."""
     key = (id(lib), batch, model.dtype)
-    if key not in model._native_steps:
-        model._native_steps[key] = NativeStep(model, lib, batch)
-    return model._native_steps[key]
+    if key not in model.steps:
+        model.fuse()
+        model.steps[key] = NativeStep(model, lib, batch)
+    return model.steps[key]

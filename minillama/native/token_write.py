@@ -4,49 +4,99 @@
 single token this module takes the same decisions from the ring counters alone and describes
 them as ``TokenWrite`` structs (native/minillama.h), one or two per group of layers: where the
 new row goes (sinks or residual), which rows leave the residual (or, with a tier, the tier) and
-into which slots of the body their codes go. The cache makes every group's writes in one native
-call, all or nothing, then calls each ``GroupWrites.commit`` to move the counters as ``append``
-would have. tests/test_cache.py holds the bytes to ``append``'s, token by token.
+into which slots of the body their codes go. The native step makes every group's writes in one
+call, all or nothing (``CacheWrites``), then each ``GroupWrites.commit`` moves the counters as
+``append`` would have. tests/test_cache.py holds the bytes to ``append``'s, token by token.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from minillama.kv.cache import KVCache
 from minillama.kv.codecs import Affine, Codebook, FloatCodec, VectorCodebook
 from minillama.kv.freq_blocks import FrequencyBlocks, block_books, block_widths
+from minillama.kv.layered import LayeredStore, SharedRing
 from minillama.kv.quantize import REFINE, gaussian_codebook, vector_patterns
-from minillama.kv.write import native_encoding
-from minillama.native.abi import DTYPE_CODE, RingRef, TokenWrite
-
-if TYPE_CHECKING:
-    from minillama.kv.layered import LayeredStore, SharedRing
+from minillama.native import backend, ops
+from minillama.native.abi import DTYPE_CODE, NotSupported, RingRef, TokenWrite
+from minillama.native.write import native_encoding
 
 
-def token_write(shared: LayeredStore, x: torch.Tensor) -> GroupWrites | None:
+def ring_ref(ring: SharedRing) -> RingRef:
+    """A group's ring as write_tokens addresses it: (L * B * H) rows of slots x width bytes (the
+    buffer never moves)."""
+    buf = ring.buf  # (L, B, H, slots, width)
+    return RingRef(buf.data_ptr(), buf.shape[3], buf.shape[4] * buf.element_size())
+
+
+class CacheWrites:
+    """A ``KVCache``'s decode-token writes: each group's ``GroupWrites`` (described on its first
+    decode token) and every group's structs end to end in one array."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.groups = [GroupWrites(shared) for shared in cache.stores]
+        self.writes: TokenWrites | None = None
+
+    def describe(self, k: torch.Tensor, v: torch.Tensor) -> TokenWrites | None:
+        """A decode token's write into every group, described from the counters alone: k, v
+        (L, B, H_kv, 1, D) may be filled after (the native step describes its own output buffers
+        before it runs, and makes the write last). Nothing changes until ``commit``. None where
+        this token cannot take it (the cache is full, a group's codec is one the kernel does not
+        write, the first append of centered keys): ``append_stacked`` then writes it."""
+        cache = self.cache
+        if cache.held + 1 > cache.capacity:
+            return None
+        k, v = k.contiguous(), v.contiguous()  # (L, B, H_kv, 1, D)
+        groups = []
+        for g, t in zip(self.groups, cache.tensor_of):
+            if not token_write(g, v if t else k):  # every layer's rows: the write picks its group's
+                return None
+            groups.append(g)
+        if self.writes is None:  # the groups' structs, placed in one array once
+            self.writes = TokenWrites(groups)
+        return self.writes
+
+    def commit(self, writes: TokenWrites) -> None:
+        """The native write of ``describe`` was made: move every group's counters, count it."""
+        self.cache.count_append(1, 0, *writes.finish())
+
+    def append(self, lib, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """A decode token into every group with one native call (all or nothing); False, with
+        nothing changed, where ``describe`` declines or the kernel refuses the values."""
+        writes = self.describe(k, v)
+        if writes is None:
+            return False
+        try:
+            ops.write_tokens(lib, writes.array)
+        except NotSupported:
+            return False
+        self.commit(writes)
+        backend.ran("token write")
+        return True
+
+
+def token_write(g: GroupWrites, x: torch.Tensor) -> bool:
     """This group's share of one decode token (nothing to evict) as native/encode.cpp's
     write_tokens takes it: the same decisions as ``append``, taken here from the counters, and
     the same bytes (a test holds them equal). x (L, B, H, 1, D), contiguous, holds every layer's
     new vectors (the cache's layers, not only the group's: the kernel picks the group's rows).
-    Returns the group's ``GroupWrites`` with its structs set for this token; nothing changes
-    until the cache has made the write and called ``commit``. None where the kernel does not
-    write this codec (``GroupWrites.reason``), the dtype, or the first append of centered keys:
-    ``append`` then does it."""
-    if shared.writes is None:
-        shared.writes = GroupWrites(shared)
-    g, lead = shared.writes, shared.stores[0]
+    True with g's structs set for this token; nothing changes until the write was made and
+    ``commit`` called. False where the kernel does not write this codec (``GroupWrites.reason``),
+    the dtype, or the first append of centered keys: ``append`` then does it."""
+    shared = g.shared
+    lead = shared.stores[0]
     if g.reason is not None or x.dtype not in DTYPE_CODE or (lead.centered and lead.center is None):
-        return None
-    center = shared._center16() if lead.centered else None  # (L_group, B, H, 1, D) float16
+        return False
+    center = g.center16() if lead.centered else None  # (L_group, B, H, 1, D) float16
     g.keep = (x, center)  # what the structs point into, alive until the next token
     g.source(x, center)
     if shared.tier:
         _tier_token_write(shared, g)
     else:
         _token_write(shared, g)
-    return g
+    return True
 
 
 class GroupWrites:
@@ -67,6 +117,7 @@ class GroupWrites:
         self.kind, self.tier_kind = _token_kind(lead.codec), _token_kind(lead.tier_codec) if shared.tier else None
         self.reason = _unwritten(shared, self.kind, self.tier_kind)
         self.keep: tuple = ()
+        self.centers: tuple[list, torch.Tensor] | None = None  # centered keys: the members' centers, stacked
         self.move: tuple = ()  # what commit moves: (n_flush, leave, rows from the residual, the new row's ring)
         if self.reason is not None:
             return
@@ -78,7 +129,7 @@ class GroupWrites:
             self.flush = self._struct(shared)
             self._into_body(shared, self.flush)
             f, t = self.flush, lead.tier_codec
-            f.src_codes, f.src_scale = shared.tier["codes"].ref, shared.tier["scale"].ref
+            f.src_codes, f.src_scale = ring_ref(shared.tier["codes"]), ring_ref(shared.tier["scale"])
             f.src_levels, f.src_bits, f.src_log_scale = self.tier_kind[2].data_ptr(), t.bits, int(t.log_scale)
             self.structs = [self.flush, self.main]  # the tier's unit leaves a slot before the new row takes it
         else:
@@ -95,6 +146,13 @@ class GroupWrites:
         scale = shared.body["scale"].lead.cursor if "scale" in shared.body else None
         self.body_slots = (data, scale)  # where the body's next coded rows go
 
+    def center16(self) -> torch.Tensor:
+        """Every member's key center stacked, (L, B, H, 1, D) float16; made again only when a center changes."""
+        centers = [s.center for s in self.shared.stores]  # held below, so an old center's id is never reused
+        if self.centers is None or any(a is not b for a, b in zip(centers, self.centers[0])):
+            self.centers = (centers, torch.stack(centers).to(torch.float16).contiguous())
+        return self.centers[1]
+
     def place(self, array, at: int) -> int:
         """Copy the structs into array[at:] and work on them there from now on; how many."""
         for i, w in enumerate(self.structs):
@@ -109,7 +167,7 @@ class GroupWrites:
         lead = shared.stores[0]
         b, h, _, d = lead.residual.buf.shape  # (B, H, slots, D)
         w = TokenWrite(L=len(shared.stores), BH=b * h, D=d, layers=self.layers.data_ptr())
-        w.rotate, w.res = lead.codec.rotation, shared.residual.ref
+        w.rotate, w.res = lead.codec.rotation, ring_ref(shared.residual)
         return w
 
     def _into_body(self, shared: LayeredStore, w: TokenWrite) -> None:
@@ -117,11 +175,11 @@ class GroupWrites:
         bits, axis, levels, vdim = self.kind
         codec = shared.stores[0].codec
         w.bits, w.group, w.axis = bits, shared.stores[0].group, axis
-        w.codes = shared.body["values" if bits == 0 else "codes"].ref
+        w.codes = ring_ref(shared.body["values" if bits == 0 else "codes"])
         if bits:
-            w.scale = shared.body["scale"].ref
+            w.scale = ring_ref(shared.body["scale"])
             if levels is None:
-                w.zero = shared.body["zero"].ref
+                w.zero = ring_ref(shared.body["zero"])
             else:  # a codebook: codes and scales, no zeros
                 w.levels, w.refine = levels.data_ptr(), REFINE
                 w.log_scale = 0 if vdim else int(codec.log_scale)  # vector codes keep fp16 scales
@@ -135,7 +193,7 @@ class GroupWrites:
         """w's coded row goes to the tier's next row (a codebook: codes, one scale a row of D)."""
         tier = shared.stores[0].tier_codec
         w.bits, w.group, w.axis = tier.bits, w.D, 0
-        w.codes, w.scale = shared.tier["codes"].ref, shared.tier["scale"].ref
+        w.codes, w.scale = ring_ref(shared.tier["codes"]), ring_ref(shared.tier["scale"])
         w.levels, w.refine, w.log_scale = self.tier_kind[2].data_ptr(), REFINE, int(tier.log_scale)
 
     def source(self, x: torch.Tensor, center: torch.Tensor | None) -> None:
@@ -148,7 +206,7 @@ class GroupWrites:
         """main's new row goes to the next slot of `to` (sinks or residual), or nowhere."""
         w = self.main
         if to is not self.to:  # a struct field set only when it changes
-            w.to, self.to = to.ref if to is not None else self.nowhere, to
+            w.to, self.to = ring_ref(to) if to is not None else self.nowhere, to
         w.to_slot = (to.lead.start + to.lead.count) % to.lead.slots if to is not None else 0
 
     def next_body_rows(self, w: TokenWrite) -> None:
@@ -201,7 +259,7 @@ def _token_write(shared: LayeredStore, g: GroupWrites) -> None:
     lead, w = shared.stores[0], g.main
     sinks, res = lead.sinks, lead.residual
     to_sinks = sinks.count < sinks.slots
-    n_flush = shared._flush_count(res.count + (0 if to_sinks else 1))
+    n_flush = shared.flush_count(res.count + (0 if to_sinks else 1))
     r = min(n_flush, res.count)
     encoded = n_flush - r  # 1: the new token is the block's last row
     to = shared.sinks if to_sinks else None if encoded else shared.residual
@@ -220,7 +278,7 @@ def _tier_token_write(shared: LayeredStore, g: GroupWrites) -> None:
     sinks, res = lead.sinks, lead.residual
     to_sinks = sinks.count < sinks.slots
     leave = 0 if to_sinks else max(0, res.count + 1 - lead.residual_len)  # 0 or 1 row leaves the residual
-    n_flush = shared._tier_flush_count(leave) if leave else 0
+    n_flush = shared.tier_flush_count(leave) if leave else 0
     f = g.flush
     f.flush = f.from_res = n_flush  # rows of src_*
     if n_flush:  # the tier's oldest unit, decoded, into the body

@@ -1,0 +1,118 @@
+"""The Llama on the compiled path: the core model, with its steps taken by the kernels where they apply.
+
+``model/llama.py: Llama`` is the specification, plain PyTorch, and knows nothing of this wing.
+``FastLlama`` is the same module (a subclass: the same parameters, the same ``forward``) whose
+forward asks the one backend switch (native/backend.py) which path runs:
+
+* the reference backend, or no kernels on this machine: the core forward, unchanged;
+* a decode step (one token per sequence) over a ``KVCache``: the whole step in one native call
+  (native/step.py), or the core forward where it cannot run (the reason recorded);
+* anything else (a prefill chunk): the core layers, with the native causal attention for the
+  chunk and the kernels' cache write (native/write.py) handed to the cache through ``KernelCache``.
+
+``load_model`` is the core loader's, returning a ``FastLlama``: what the CLI and ``minillama.load_model``
+give. Tests hold every path to the core's numbers and count the native calls that ran.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillama.kv.cache import KVCache
+from minillama.kv.group import CacheGroup
+from minillama.kv.interface import Cache, LayerView
+from minillama.kv.write import Writer
+from minillama.model import loader
+from minillama.model.llama import Llama
+from minillama.native import backend
+from minillama.native.step import chunk_attention, decode
+from minillama.native.weights import fuse
+from minillama.native.write import KernelWriter, writer
+
+
+class KernelCache:
+    """A ``KVCache`` (or a group of them) seen through the Cache protocol, its appends written by
+    the kernels' writer: what the core forward is handed on the kernels backend."""
+
+    def __init__(self, cache: KVCache | CacheGroup, writer: Writer):
+        self.cache, self.writer = cache, writer
+
+    @property
+    def held(self) -> int:
+        return self.cache.held
+
+    @property
+    def pre_rope(self) -> bool:
+        return self.cache.pre_rope
+
+    @property
+    def next_position(self) -> int:
+        return self.cache.next_position
+
+    def layer(self, i: int) -> LayerView:
+        return self.cache.layer(i)
+
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.cache.append(new_kv, self.writer)
+
+
+class FastLlama(Llama):
+    """A ``Llama`` whose forward takes the compiled path where the backend runs the kernels."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.steps: dict = {}  # (library, batch, dtype) -> the native step's description (native/step.py)
+        self.laid_out = False  # q/k/v and gate/up side by side, every weight in one buffer (native/weights.py)
+
+    @classmethod
+    def from_llama(cls, model: Llama) -> FastLlama:
+        """`model` itself, now a FastLlama (nothing is copied)."""
+        model.__class__ = cls
+        model.steps, model.laid_out = {}, False
+        if model.device.type == "cpu":
+            model.fuse()  # now, as part of loading, rather than in the first decode step
+        return model
+
+    def fuse(self) -> None:
+        """Lay the weights out as the native step reads them (once; again after they move)."""
+        if not self.laid_out:
+            with torch.inference_mode(False):  # the weights stay normal tensors, whoever asks first
+                fuse(self)
+            self.laid_out = True
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()`` and the like give the parameters new storage: what was derived from the old
+        (the fused layout, the native steps' pointers) is made again on the next step."""
+        super()._apply(fn, recurse)
+        self.steps.clear()
+        self.laid_out = False
+        return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``nn.Module``'s; ``assign=True`` replaces the parameters, so the derived layout goes."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            self.steps.clear()
+            self.laid_out = False
+        return result
+
+    def cache_writer(self) -> Writer:
+        return writer(self.device)
+
+    def _run(self, tokens: torch.Tensor, cache: Cache | None, last_only: bool, logits: bool, fused=None):
+        lib = backend.library(tokens.device)
+        if lib is None:  # the reference backend, or no kernels here (backend.describe() says why)
+            return super()._run(tokens, cache, last_only, logits)
+        out = decode(self, lib, tokens, cache, logits)  # the whole step in one native call, or None
+        if out is not None:
+            return out  # (B, 1, vocab or hidden)
+        if isinstance(cache, (KVCache, CacheGroup)):
+            cache = KernelCache(cache, KernelWriter(lib))
+        return super()._run(tokens, cache, last_only, logits, chunk_attention(lib))
+
+
+def load_model(*args, **kwargs) -> loader.LoadedModel:
+    """``model/loader.py: load_model`` with its model on the compiled path (``FastLlama``)."""
+    lm = loader.load_model(*args, **kwargs)
+    FastLlama.from_llama(lm.model)
+    return lm
