@@ -25,8 +25,8 @@ generate: setup
 	$(BIN)/minillama generate "The capital of France is"
 
 lint: setup
-	$(BIN)/ruff check minillama tests bench
-	$(BIN)/ruff format --check minillama tests bench
+	$(BIN)/ruff check minillama tests bench tools
+	$(BIN)/ruff format --check minillama tests bench tools
 
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider

@@ -11,8 +11,8 @@ default model (or the model folder given last) in bfloat16, and each round times
 prints each scheme's median ms per step, the median of its per-round ratios to the first
 scheme, and the median of the native step's own phases (native/step.cpp: projections,
 attention, the rest, final norm and LM head, the cache write); "outside" is the step less those
-phases: Python (the write's description and counters among it) and ctypes. Specs are listed
-as bench/attention_rounds.py takes them.
+phases: Python (the write's description and counters among it) and ctypes. Specs are separated
+by ';'.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import sys
 import time
 
 import torch
-from attention_rounds import spec_list  # bench/ is the script's folder, so on sys.path
 
 from minillama.app.default_model import resolve_model
 from minillama.eval.synthetic import fill_synthetic
@@ -31,8 +30,14 @@ from minillama.kv.spec import parse_kv
 from minillama.model.generate import decode_step
 from minillama.native import backend, step
 from minillama.native.fast import load_model
+from minillama.native.write import writer
 
 STEPS = 8  # decode steps per scheme and round
+
+
+def spec_list(listed: str) -> list[str]:
+    """Specs separated by ';', or by '|' when one holds the ';' of ``layers=`` itself."""
+    return listed.split("|" if "|" in listed else ";")
 
 
 def main() -> None:
@@ -48,8 +53,9 @@ def main() -> None:
     caches = {}
     for spec in specs:
         caches[spec] = KVCache.for_model(lm.config, parse_kv(spec), context + STEPS * (rounds + 1) + 64)
-        fill_synthetic(caches[spec], context)
+        fill_synthetic(caches[spec], context, writer=writer())
     native = step.native_step(lm.model, lib, 1)
+    token = min(1000, lm.config.vocab_size - 1)  # any token: the step reads the whole cache alike
     ms: dict[str, list[float]] = {s: [] for s in specs}
     phases: dict[str, list[list[float]]] = {s: [] for s in specs}
     for r in range(rounds + 1):  # round 0 warms up
@@ -58,7 +64,7 @@ def main() -> None:
             native.time_phases(timing)
             t0 = time.perf_counter()
             for _ in range(STEPS):
-                decode_step(lm.model, 1000, caches[spec])
+                decode_step(lm.model, token, caches[spec])
             elapsed = (time.perf_counter() - t0) / STEPS * 1000
             native.time_phases(None)
             if r:

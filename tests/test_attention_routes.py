@@ -2,7 +2,7 @@
 
 The driver (native/layer_attention.cpp) splits the held tokens across threads in blocks and
 merges their online-softmax partials; the block kernels read one part each, through the generic
-code, the AVX-512 kernels (fast_attention.cpp) or the integer ones (vnni_attention.cpp and
+code, the AVX-512 kernels (avx512_attention.cpp) or the integer ones (avx512_vnni_attention.cpp and
 others). These tests hold all of them to model/attention.py for query heads per KV head
 1 ... 16, head_dim 64 and 128, contexts that divide no block or group size (0 held tokens, 1,
 31, 33, and 1000 through a ring of 600 that has wrapped, with sinks), batch 1 and 3, on each

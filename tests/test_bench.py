@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import importlib.util
 import json
 import subprocess
@@ -158,9 +157,26 @@ def test_bench_plot_is_written(tiny_dir, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_step_rounds_prints_each_schemes_step_and_its_ratio_to_the_first(tiny_dir):
+    """bench/step_rounds.py: whole decode steps of each scheme in turn, a row per scheme with its
+    median ms and the median ratio to the first scheme (1.000 for the first itself)."""
+    if backend.library() is None:
+        pytest.skip(f"the kernels are not in use: {backend.describe()}")
+    script = Path(__file__).parent.parent / "bench" / "step_rounds.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "40", "fp16;hadv2", "1", str(tiny_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.strip().splitlines()[2:]
+    assert [r.split()[0] for r in rows] == ["fp16", "hadv2"] and rows[0].split()[2] == "1.000"
+
+
 def test_attention_rounds_prints_one_line_per_spec_with_its_ratio():
-    """bench/attention_rounds.py (specs timed in turn, medians): a row per spec, the first at 1.00x."""
-    script = Path(__file__).parent.parent / "bench" / "attention_rounds.py"
+    """tools/attention_rounds.py (specs timed in turn, medians): a row per spec, the first at 1.00x."""
+    script = Path(__file__).parent.parent / "tools" / "attention_rounds.py"
     done = subprocess.run(
         [sys.executable, str(script), "40", "fp16;k=int4c,v=int2h,group=32,residual=8", "2"],
         capture_output=True,
@@ -174,9 +190,9 @@ def test_attention_rounds_prints_one_line_per_spec_with_its_ratio():
 
 
 def test_route_ab_times_both_routes_or_says_why_one_refused():
-    """bench/route_ab.py: per spec, the integer route and the exact one side by side; rows the
+    """tools/route_ab.py: per spec, the integer route and the exact one side by side; rows the
     integer kernels do not read (3-bit Lloyd-Max values without VNNI) say so instead of a time."""
-    script = Path(__file__).parent.parent / "bench" / "route_ab.py"
+    script = Path(__file__).parent.parent / "tools" / "route_ab.py"
     specs = "k=int4c,v=int2h,group=32,residual=8;k=int4c,v=lm3h,group=64,residual=8"
     done = subprocess.run(
         [sys.executable, str(script), "values", "64", specs, "2"], capture_output=True, text=True, timeout=300
@@ -189,14 +205,14 @@ def test_route_ab_times_both_routes_or_says_why_one_refused():
 
 
 def test_kernel_ab_times_the_tree_against_a_revision_in_turn():
-    """bench/kernel_ab.py: the native sources rebuilt with files from a git revision, both libraries'
+    """tools/kernel_ab.py: the native sources rebuilt with files from a git revision, both libraries'
     plans timed in turn; against HEAD's own copy of a file a row per spec with its ratio."""
     if backend.library() is None:
         pytest.skip(f"the kernels are not in use: {backend.describe()}")
     repo = Path(__file__).parent.parent
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True).returncode:
         pytest.skip("not a git checkout: kernel_ab.py reads the revision's sources from git")
-    script = repo / "bench" / "kernel_ab.py"
+    script = repo / "tools" / "kernel_ab.py"
     done = subprocess.run(
         [sys.executable, str(script), "HEAD", "40", "hadv2", "2", "smollm2", "layer_attention.cpp"],
         capture_output=True,
@@ -206,46 +222,6 @@ def test_kernel_ab_times_the_tree_against_a_revision_in_turn():
     assert done.returncode == 0, done.stderr
     rows = done.stdout.strip().splitlines()[1:]
     assert len(rows) == 1 and rows[0].startswith("hadv2") and "tree/HEAD" in rows[0]
-
-
-def attention_bounds():
-    """bench/attention_bounds.py as a module."""
-    return load_bench("attention_bounds")
-
-
-def test_attention_bounds_variants_still_apply_to_the_kernel_source():
-    """bench/attention_bounds.py edits native/vnni_attention.cpp (and, for AVX2 builds,
-    avx2_attention.cpp and avx2_int_values.cpp) by exact lines: each variant's lines are there
-    once, so a change to a kernel cannot leave the script measuring nothing."""
-    bounds = attention_bounds()
-    native = Path(__file__).parent.parent / "minillama" / "native"
-    every = [(name, {bounds.FILE: edits}) for name, edits in bounds.VARIANTS.items()]
-    every += list(bounds.AVX2_VARIANTS.items())
-    for name, files in every:
-        assert files, name
-        for file, edits in files.items():
-            source = (native / file).read_text()
-            assert edits, (name, file)
-            for old, _ in edits:
-                assert source.count(old) == 1, (name, file, old)
-            made = bounds.edited(source, edits, file)
-            assert all(new in made for _, new in edits), (name, file)
-
-
-def test_attention_bounds_times_a_variant_against_the_tree():
-    """One variant built and timed beside the tree: a row per spec with the variant's ratio."""
-    if backend.library() is None:
-        pytest.skip(f"the kernels are not in use: {backend.describe()}")
-    script = Path(__file__).parent.parent / "bench" / "attention_bounds.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "40", "hadv2", "2", "no-values"], capture_output=True, text=True, timeout=600
-    )
-    if attention_bounds().variant_sources(backend.library()) is None:
-        assert done.returncode != 0 and "does not hold" in done.stderr  # it refuses rather than print 1.00s
-        pytest.skip("the variants edit the AVX-512 VNNI or AVX2 kernels, which this build does not run")
-    assert done.returncode == 0, done.stderr
-    rows = done.stdout.strip().splitlines()[2:]
-    assert len(rows) == 1 and rows[0].startswith("hadv2") and rows[0].endswith(")")
 
 
 def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread():
@@ -278,25 +254,6 @@ def test_peers_interleave_says_what_the_memory_allowed_each_round():
     assert row["roofline_pct_median"] == 75.0  # 10/20, 30/40, 18/24
 
 
-def test_kernel_lines_charges_an_inlined_helper_to_the_kernel_line_that_called_it():
-    """bench/kernel_lines.py: addr2line -i lists an address's frames innermost first; a sample in
-    an intrinsic (a compiler header) or a helper of another file counts on the innermost line of
-    the kernel's own file (its outermost frame's), so a line's share is what that line costs."""
-    spec = importlib.util.spec_from_file_location("lines", Path(__file__).parent.parent / "bench" / "kernel_lines.py")
-    lines = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lines)
-    frames = [
-        "/usr/lib/gcc/avx2intrin.h:114",  # _mm256_maddubs_epi16, inlined
-        "/src/native/avx2_int_values.cpp:330 (discriminator 3)",  # the kernel's line
-        "/src/native/avx2_int_values.cpp:212",  # the kernel itself
-    ]
-    assert lines.charge(frames, None) == "/src/native/avx2_int_values.cpp:330"
-    helper = ["/src/native/rows.h:40", "/src/native/layer_attention.cpp:99", "/src/native/layer_attention.cpp:20"]
-    assert lines.charge(helper, None) == "/src/native/layer_attention.cpp:99"
-    assert lines.charge(helper, "/src/native/rows.h") == "/src/native/rows.h:40"
-    assert lines.charge(["??:0"], "/src/native/rows.h") is None
-
-
 def load_bench(name: str):
     """A bench/ script as a module (its neighbours in bench/ importable while it loads, and
     itself in sys.modules, where a dataclass looks its module up)."""
@@ -312,67 +269,3 @@ def load_bench(name: str):
         sys.path.pop(0)
         del sys.modules[spec.name]
     return module
-
-
-def test_kernel_instructions_mix_tells_the_kinds_the_core_prices_apart():
-    """bench/kernel_instructions.py --mix: an instruction's kind is its mnemonic with its widest
-    register and whether it reads memory (a full load or a broadcast) or writes it, from
-    objdump's AT&T operands; scalar ones are branches or the rest."""
-    kind_of = load_bench("kernel_instructions").kind_of
-    assert kind_of("vpdpbusd", "%zmm1,%zmm2,%zmm3") == "vpdpbusd zmm"
-    assert kind_of("vpbroadcastd", "0x40(%rsp),%zmm5") == "vpbroadcastd zmm load stack"
-    assert kind_of("vmovdqu64", "0x40(%rax),%zmm5") == "vmovdqu64 zmm load"
-    assert kind_of("vfmadd132ps", "0x4(%rax){1to16},%zmm2,%zmm1") == "vfmadd132ps zmm 1toN"
-    assert kind_of("vmovdqu", "%xmm0,0x10(%rdx)") == "vmovdqu xmm store"
-    assert kind_of("vmovups", "%zmm0,(%rax,%rcx,4){%k1}") == "vmovups zmm store"
-    assert kind_of("vpermd", "(%r8),%zmm7,%zmm1") == "vpermd zmm load"
-    assert kind_of("jne", "1234") == "scalar branch"
-    assert kind_of("lea", "(%rsi,%rsi,1),%rax") == "scalar other"
-
-
-def test_attention_bounds_plus_variants_add_their_instructions_to_every_chunk():
-    """bench/attention_bounds.py's plus-* variants: PLUS instructions of the named kind in one
-    asm block before the score kernel's heads loop, read-modify-write kinds writing their
-    accumulators in turn (one accumulator: a single dependent chain)."""
-    bounds = attention_bounds()
-    for kind, (form, accumulators) in bounds.INJECTED.items():
-        old, new = bounds.injected(kind)
-        body = new.replace(old, "").split('asm volatile("')[1].split('"')[0]
-        instructions = body.split("\\n\\t")
-        assert len(instructions) == bounds.PLUS, kind
-        assert all(i.split()[0] == form.split()[0] for i in instructions), kind
-        if accumulators:
-            written = [i.rsplit(",", 1)[1].strip() for i in instructions]
-            assert written == [f"%[a{j % accumulators}]" for j in range(bounds.PLUS)], kind
-
-
-def test_instruction_rates_prints_a_rate_for_every_kind():
-    """bench/instruction_rates.py on a CPU with AVX-512 VNNI: the clock and one row per kind, each
-    a positive rate alone; elsewhere it refuses in one line."""
-    script = Path(__file__).parent.parent / "bench" / "instruction_rates.py"
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    rates = load_bench("instruction_rates")
-    if done.returncode:
-        assert "lacks" in done.stderr or "not this machine" in done.stderr, done.stderr
-        pytest.skip(done.stderr.strip().splitlines()[-1])
-    lines = done.stdout.strip().splitlines()
-    ghz = float(lines[0].split()[1])
-    assert 0.5 < ghz < 8
-    rows = {line[:18].strip(): line[18:].split() for line in lines[2:]}
-    assert set(rows) == set(rates.KINDS)
-    assert all(float(cells[0]) > 0 for cells in rows.values())
-
-
-def test_kernel_instructions_pipe_model_charges_each_class_to_its_pipes():
-    """bench/kernel_instructions.py's pipe model: two multiply kinds a cycle, four vector adds,
-    two loads but one through the stack pointer; a multiply-add with a broadcast memory operand
-    also takes half a load port's cycle; register moves and scalar instructions cost the vector
-    side nothing."""
-    ki = load_bench("kernel_instructions")
-    assert ki.pipe_cycles(collections.Counter({"vpdpbusd zmm": 8}))[0] == 4
-    assert ki.pipe_cycles(collections.Counter({"vpaddd zmm": 8}))[0] == 2
-    assert ki.pipe_cycles(collections.Counter({"vmovdqu64 zmm load": 3}))[0] == 1.5
-    assert ki.pipe_cycles(collections.Counter({"vmovdqa64 zmm load stack": 3}))[0] == 3
-    bound, per = ki.pipe_cycles(collections.Counter({"vfmadd132ps zmm 1toN": 2, "vmovdqa64 zmm": 5, "scalar other": 9}))
-    assert bound == 1 and per["mul"] == 2 and per["broadcast"] == 2 and per["move"] == 5
-    assert ki.pipe_class("vpermd zmm load") == "shuffle" and ki.pipe_class("vcvtdq2ps zmm") == "shift/convert"

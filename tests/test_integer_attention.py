@@ -227,7 +227,7 @@ def test_codebook_keys_hold_their_level_bound_where_a_target_reads_them(lib, r, 
 )
 def test_block_keys_hold_their_level_bound_where_a_target_reads_them(lib, r, codec):
     """Keys in RoPE frequency blocks (kv/freq_blocks.py) on the integer route at head_dim 64
-    (vnni_attention.cpp: score_vnni_blocks): score_vnni's bound block by block. The query becomes
+    (avx512_vnni_attention.cpp: score_vnni_blocks): score_vnni's bound block by block. The query becomes
     int8 per chunk of 8 channels (a_c = max |q| / 127 over the chunk); each block's levels come
     from the book of its width -- int8 where every block of the head keeps its levels within
     0.5% (widths 1-3), else 16-bit (key_level_error) -- times the token's scale of the block, so a

@@ -15,7 +15,7 @@ differ, since a price measured under other options is then an estimate.
 
 With ``byte_scales`` every Lloyd-Max choice is replaced by its one-byte-scale twin (lm3h ->
 lm3hb): the twin's bits, the map's price. That price is an estimate -- the byte's coarser scale
-adds a few percent of KLD (docs/quality.md, Frontier V) -- taken so that the freed bits can be
+adds a few percent of KLD (docs/archive/frontiers.md, Frontier V) -- taken so that the freed bits can be
 spent without new maps; the mix is then measured like any other.
 
 Choose on one text, check on others: a mix made from maps of one text is evaluated on the

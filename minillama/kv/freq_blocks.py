@@ -5,13 +5,13 @@ energy decides where key bits pay (KVTuner; Block-GTQ's per-RoPE-block allocatio
 channel f with f + D/2 at one frequency; a *block* holds a run of neighbouring frequencies with
 both channels of each pair (quantize.py: ``frequency_block_order``), rotated by its own Hadamard
 matrix (``block_rotate``) so that its error stays inside it. Each KV head gives each block its
-own width, chosen once per model from a text's queries and keys (bench/freq_blocks_ppl.py; the
-choice and what it buys: docs/quality.md, Frontier IX); the table is spelled in the codec's
+own width, chosen once per model from a text's queries and keys (the choice and what it buys:
+docs/archive/frontiers.md, Frontier IX); the table is spelled in the codec's
 name, so a spec, a cache file and ``minillama kv`` all carry it.
 
 Bits per element: b + 8 nb / D (every head's widths add up to nb x b, plus one byte scale a
 block). The kernels read these rows through the rows route: sixteen channels at a time on
-AVX-512 builds (native/fast_attention.cpp: score_blocks), eight on AVX2 builds
+AVX-512 builds (native/avx512_attention.cpp: score_blocks), eight on AVX2 builds
 (avx2_attention.cpp), one row at a time elsewhere (native/row_attention.cpp); the query is
 rotated block by block in layer_attention.cpp. When the kernels run, the cache write rotates the
 new keys by block and encodes each block in C++ (native/encode.cpp: prepare_rows,
@@ -117,7 +117,7 @@ class FrequencyBlocks(Codec):
         if h != len(self.widths):
             raise UserError(
                 f"codec {self.name} gives widths for {len(self.widths)} KV heads; this model has {h}: "
-                "choose a table for it (bench/freq_blocks_ppl.py --table)"
+                "choose a table for it (docs/archive/frontiers.md, Frontier IX)"
             )
 
     def encode(self, x, group):

@@ -18,8 +18,8 @@ LONG = 16  # rows above which a bfloat16 product on a CPU without bf16 support i
 
 @functools.cache
 def cpu_bf16_products() -> bool:
-    """Whether torch's CPU matrix products take bfloat16 at speed (oneDNN on AVX-512: on a Zen 4
-    a 512-row bf16 product is 2.5-3x faster than widening it to float32)."""
+    """Whether torch's CPU matrix products take bfloat16 at speed (oneDNN on AVX-512 BF16, where
+    a long bf16 product is faster than widening it to float32)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

@@ -1,5 +1,5 @@
 // AVX2 block kernels for the rows most caches hold: exact float math, every row read once for
-// all R query heads that share it, eight lanes at a time. The AVX2 twin of fast_attention.cpp
+// all R query heads that share it, eight lanes at a time. The AVX2 twin of avx512_attention.cpp
 // (AVX-512), for CPUs without AVX-512 (Zen 2/3, most laptops); same idea, half the width:
 //
 //   decode    a row becomes NV = D / 8 registers of floats without a trip through memory: fp16
@@ -23,7 +23,7 @@
 //             z_t sum(p) once).
 //
 // Everything else -- keys before RoPE, calibrated codecs, trits, per-channel values, other head
-// sizes -- returns false and the generic kernels (decode_attention.cpp) run. The specification
+// sizes -- returns false and the generic kernels (portable_attention.cpp) run. The specification
 // is model/attention.py; tests/test_attention_routes.py holds every route to it.
 
 #include "rows.h"
@@ -795,7 +795,7 @@ bool fast_reads(const RowSource& s, int D, bool values) { return fast_kind(s, D,
 bool int4_keys(const RowSource& s, int D) {
     if ((D != 64 && D != 128) || (s.bits != 4 && s.bits != 3) || s.cos || s.center) return false;
     // 16 levels, one scale a row. 3-bit books stay on the float kernels: split3's four vpmullw a row
-    // on top of the lookups' vpmaddwd measured no faster there (docs/speed-history.md).
+    // on top of the lookups' vpmaddwd measured no faster there (docs/archive/speed-history.md).
     if (s.codebook) return s.bits == 4 && s.kind == ROW_TOKEN && s.group == D;
     if (!s.zero) return false;
     if (s.kind == ROW_CHANNEL) return s.group > 0;
@@ -845,7 +845,7 @@ bool int4_keys(const RowSource&, int) { return false; }
 bool score_int4(SCORE_ARGS, Prep&) { return false; }
 bool int2_keys(const RowSource&, int) { return false; }
 bool score_int2(SCORE_ARGS, Prep&) { return false; }
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__))  // else fast_attention.cpp has them
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__))  // else avx512_attention.cpp has them
 bool block_keys(const RowSource&, int) { return false; }
 bool score_blocks(SCORE_ARGS, Prep&) { return false; }
 #endif

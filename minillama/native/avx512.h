@@ -1,4 +1,4 @@
-// What the AVX-512 kernels share (fast_attention.cpp: exact float math; vnni_attention.cpp:
+// What the AVX-512 kernels share (avx512_attention.cpp: exact float math; avx512_vnni_attention.cpp:
 // integer dot products): the intrinsics, and whether this build has the byte shuffles of VBMI.
 // Included only where AVX-512 F/BW/DQ are on.
 #pragma once

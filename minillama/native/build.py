@@ -10,8 +10,8 @@ has), ``avx2`` for x86-64-v3 (AVX2, FMA, F16C, BMI2: the oldest CPUs the fast pa
 written for), ``portable`` for any x86-64 (the plain C loops). The cached library is keyed
 by the sources, the compiler, the flags **and the CPU's instruction-set features**, so a
 cache directory shared between machines never hands one of them a binary it cannot run.
-``MINILLAMA_LINE_TABLES=1`` adds line tables (``-g``; the same code) for profilers such as
-bench/kernel_lines.py, a library of its own in the cache. When no compiler is found or a
+``MINILLAMA_LINE_TABLES=1`` adds line tables (``-g``; the same code) for profilers (perf,
+addr2line), a library of its own in the cache. When no compiler is found or a
 build fails, ``build`` says why in one line and returns None; the backend
 (native/backend.py) then runs the PyTorch reference.
 """

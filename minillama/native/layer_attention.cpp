@@ -41,7 +41,7 @@ static bool simd_integer_reads(int values, const RowSource& s, int D) {
 
 // Whether `route` can read rows described by `src` (values = 1: as values, 0: as keys) for R
 // query heads per KV head of size D. The float and exact kernels take any R; their row buffers
-// hold D <= 512 floats. The integer kernels (int_attention.cpp) keep per-head arrays for R <= 8
+// hold D <= 512 floats. The integer kernels (portable_int_attention.cpp) keep per-head arrays for R <= 8
 // and rows of D <= 128 bytes; their scores need one scale per row (group == D) for per-token codes.
 extern "C" int route_supported(int route, int values, const RowSource* src, int R, int D) {
     const RowSource& s = *src;
@@ -86,9 +86,8 @@ extern "C" int route_supported(int route, int values, const RowSource* src, int 
 // Whether the exact SIMD kernels read these rows faster than the integer route would: where no
 // SIMD integer kernel reads them (VNNI on AVX-512; on AVX2 score_int4 for 4- and 3-bit keys,
 // score_int2 for 2-bit codebook keys and value_bytes for 2-, 3- and 4-bit values) but
-// score_fast / value_fast do. Measured on a Zen 3
-// (AVX2, docs/speed-history.md): the generic AVX2 integer kernels' byte unpacking through memory and
-// scalar weights cost more than widening the codes to floats.
+// score_fast / value_fast do. On an AVX2 CPU the generic integer kernels' byte unpacking through
+// memory and scalar weights cost more than widening the codes to floats.
 extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
     const RowSource& s = *src;
     if (simd_integer_reads(values, s, D)) return 0;
@@ -96,8 +95,8 @@ extern "C" int exact_is_faster(int values, const RowSource* src, int D) {
 }
 
 // The block kernel a route names (rows.h): the SIMD kernels where they apply (exact float math in
-// fast_attention.cpp for AVX-512 and avx2_attention.cpp for AVX2, with the frequency-block keys of
-// the rows route there, or on the integer route VNNI in vnni_attention.cpp), else the generic one.
+// avx512_attention.cpp for AVX-512 and avx2_attention.cpp for AVX2, with the frequency-block keys of
+// the rows route there, or on the integer route VNNI in avx512_vnni_attention.cpp), else the generic one.
 static inline void score_block(int route, SCORE_ARGS, Prep& prep) {
     if (route == ROUTE_INTEGER && s.kind == ROW_BLOCKS) {  // VNNI, or exactly for a head with wider blocks
         if (!score_vnni(s, bh, R, D, q, i0, n, out, ls, prep) && !score_blocks(s, bh, R, D, q, i0, n, out, ls, prep))
@@ -135,16 +134,15 @@ static inline void value_block(int route, VALUE_ARGS) {
 // threads share a context from 2 x 128 tokens on); each thread walks its range in blocks of
 // block_size(R) tokens, whose R x block tile of scores stays in L1 between the scores and the
 // values (at most TILE floats, 32 KB: all of it from 8 heads a KV head on). Larger blocks spread each kernel call's fixed cost
-// (lookup tables, weight steps, the channel-order epilogue) over more tokens: 512 against 128
-// took ~0.9x the time per layer at 8192 tokens, 1024 against 512 0.94-0.98x at 3 and 8 heads
-// a KV head, 2048 (a tile past L1) nothing more (bench/kernel_ab.py, the same plans through two
-// builds in one process, in turn). Both are multiples of 32: a block holds whole groups of the
+// (lookup tables, weight steps, the channel-order epilogue) over more tokens: each doubling up
+// to 1024 was faster, 2048 (a tile past L1) no faster (tools/kernel_ab.py, the same plans through
+// two builds in one process, in turn). Both are multiples of 32: a block holds whole groups of the
 // integer value kernels' weights and of KIVI's per-channel key scales.
 static const int SPLIT = 128;
 static const int TILE = 8192;
 static inline int block_size(int R) { return std::min(1024, TILE / R / 32 * 32); }
 
-// One part of the cache through its kernel, alone (tests, bench/attention_micro.py).
+// One part of the cache through its kernel, alone (tests).
 // values = 0: x = q (B*H, R, D), scores go to out's columns (rows ld apart); values = 1:
 // x = p (rows ld apart), p . V is added to out (B*H, R, D).
 extern "C" int attend_part(int values, int route, const float* x, const RowSource* src, int B, int H, int R, int D,

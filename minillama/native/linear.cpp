@@ -68,18 +68,13 @@ static void rows_scalar(const void* x, int xdt, const void* W, int wdt, int M, i
     }
 }
 
-// How far ahead of its reads a thread asks for its weights (__builtin_prefetch): the
-// hardware prefetchers alone left a decode step's small matrices (0.2-1.8 MB, one per call,
-// each thread a new stream) ~4% slower (bench/step_ab.py; docs/speed-history.md, machine U).
-// The requests are non-temporal (locality 0, prefetchnta): a step streams ~270 MB of weights
-// that no later read of the step wants back, and as ordinary lines they pushed everything else
-// out of the L3 each token -- the cache's rings the write touches, the Python around the step.
-// `python bench/step_ab.py HEAD linear.cpp 8192 20 SPEC` against temporal requests (machine AD):
-// steps 0.961x (k2v2mixft), 0.978x (k3v2mixt), 0.977x (hadv2), their cache write 0.68-0.85x;
-// fp16 at 512 0.961x and 0.981x.
-// With the weights in huge pages (model/weights.py) 8 KB ahead beat 4 KB: `python
-// bench/step_ab.py HEAD linear.cpp 512 30 fp16`, steps 0.969-0.984x (projections 0.975-0.983x)
-// in three runs where two A/A runs read 0.997-1.009x; 2 KB 1.027x, 16 KB 0.983x (machine AD).
+// How far ahead of its reads a thread asks for its weights (__builtin_prefetch): the hardware
+// prefetchers alone start late on a decode step's small matrices (0.2-1.8 MB, one per call, each
+// thread a new stream). The requests are non-temporal (locality 0, prefetchnta): a step streams
+// ~270 MB of weights that no later read of the step wants back, and as ordinary lines they push
+// everything else out of the L3 each token -- the cache's rings the write touches, the Python
+// around the step. With the weights in huge pages (native/weights.py) 8 KB ahead measured best
+// of 2, 4, 8 and 16 KB (tools/step_ab.py; docs/archive/speed-history.md has the runs).
 constexpr int PREFETCH_BYTES = 8192;
 
 #if LIN_W == 16
@@ -115,9 +110,8 @@ static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
 
 // One row of W at a time, read front to back, so each thread's share of W is one sequential
 // stream. (Reading TILE = 4 adjacent rows interleaved, one vector of each in turn, kept more
-// weights in flight per x load but streamed at 17-23 GB/s where one row at a time reached
-// 27-34 GB/s, the machine's plain streaming read, on a Zen 4 EPYC: the prefetchers follow one
-// stream better than four.) Independent accumulator chains come from unrolling along k:
+// weights in flight per x load but streamed slower than one row at a time, which reaches the
+// machine's plain streaming read: the prefetchers follow one stream better than four.) Independent accumulator chains come from unrolling along k:
 // U chains per row of x, so U * M products are in flight.
 template <int M>
 constexpr int chains() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
@@ -262,7 +256,7 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
 // Rows [n0, n1) of y: M rows of x in blocks of 4, each block streaming this thread's share of W
 // (one pass for M <= 4: a decode step, ppl with up to 4 windows). For larger M the product is
 // bound by arithmetic, not bytes: taking the blocks inside the loop over W's rows, so each row
-// is read from memory once, measured no faster (M 8: 12-20 vs 15-17 GB/s; M 16: 8 vs 10-12, Zen 4).
+// is read from memory once, measured no faster.
 static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float* y) {
     if (!p.vector) return rows_scalar(p.x, p.xdt, W, p.wdt, p.M, n0, n1, N, p.K, y);
     const char* first = (const char*)W + (int64_t)n0 * p.K * dtype_bytes(p.wdt);  // the share's first bytes, asked at once

@@ -199,7 +199,7 @@ def attend_part(
     ld: int,
     out: torch.Tensor,
 ) -> None:
-    """One part through its kernel alone (tests, bench/attention_micro.py): see minillama.h."""
+    """One part through its kernel alone (tests): see minillama.h."""
     b, h = x.shape[:2]
     x_ptr = x.data_ptr() + (4 * column if values else 0)
     out_ptr = out.data_ptr() + (0 if values else 4 * column)

@@ -12,7 +12,7 @@ kernel that reads it:
 * ``TOKEN`` / ``CHANNEL``: per-token or KIVI per-channel codes, exact float kernels (per-channel
   key scales folded into the query, per-token rows scaled in registers);
 * ``INTEGER``: 2-4-bit affine codes scored against an int8 query and weighted by byte weights
-  (``native/int_attention.cpp``; AVX-512 VNNI in ``vnni_attention.cpp``, which also reads
+  (``native/portable_int_attention.cpp``; AVX-512 VNNI in ``avx512_vnni_attention.cpp``, which also reads
   codebooks as 16-bit levels, keys in frequency blocks at head_dim 64 with widths up to 4 (with
   VBMI), vector-coded values (by qword gathers, or in registers for a
   sign-structured book), and 8-bit values with int16 weights; AVX2 4-bit keys (affine or
@@ -25,7 +25,7 @@ kernel that reads it:
 * ``ROWS``: keys stored before RoPE (decoded, center added back, rotated for their positions),
   vector codes where no integer kernel reads them, and keys in frequency
   blocks where the integer route does not take them (``native/row_attention.cpp``; the block
-  keys' SIMD decode on AVX-512 and AVX2 builds, ``fast_attention.cpp`` / ``avx2_attention.cpp:
+  keys' SIMD decode on AVX-512 and AVX2 builds, ``avx512_attention.cpp`` / ``avx2_attention.cpp:
   score_blocks``, which also reads, exactly, a head whose blocks are too wide for the VNNI one).
 
 A part no kernel reads (a codec without ``row_kind``, a shape a kernel does not support)
@@ -198,7 +198,7 @@ def attend_one_part(
     lib, values: bool, part: PartView, x: torch.Tensor, out: torch.Tensor, via: Route | None = None
 ) -> Route:
     """One held part alone through the kernel attend_layer would route it to, or through `via`
-    (tests and bench/attention_micro.py): scores of x = q (B, H, R, D) into out (B, H, R, n), or
+    (tests): scores of x = q (B, H, R, D) into out (B, H, R, n), or
     p = x (B, H, R, n) weighting the part's rows, added to out (B, H, R, D). Returns the route taken."""
     keep: list = []
     src = row_source(part, None, None, keep)

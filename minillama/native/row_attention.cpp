@@ -1,6 +1,6 @@
 // Decode attention one stored row at a time, for every codec: the general kernels.
 //
-// decode_attention.cpp has kernels specialised per codec family that fold scales into the
+// portable_attention.cpp has kernels specialised per codec family that fold scales into the
 // query and never materialise a row. These cases need each row in plain float form first:
 //   * keys stored before RoPE (rope=pre): the row is decoded, its key center added back,
 //     and rotated for its own position (x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin in

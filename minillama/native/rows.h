@@ -31,7 +31,7 @@ static inline float scale_of(const RowSource& s, int64_t i) {
 
 // A codebook's n levels as int16, L16 = round(L 2047 / max |L|), for the integer kernels (VNNI
 // and AVX2): a level is off by at most max |L| / 4094 (int8 levels moved the small ones by 3%,
-// see vnni_attention.cpp's vnni_keys), and 2047 keeps a value sub-block's 32 products within
+// see avx512_vnni_attention.cpp's vnni_keys), and 2047 keeps a value sub-block's 32 products within
 // int32 (32 x 32767 x 2047 < 2^31). Returns the step (a level is step * L16).
 static inline float levels16(const float* book, int n, int16_t* out) {
     float big = 0.f;
@@ -225,7 +225,7 @@ static inline void unpack16_int2(const uint8_t* p, float* __restrict__ out) {
 
 #ifdef __AVX2__
 // Sums across the lanes of 256-bit registers, for the AVX2 kernels and the 256-bit code of the
-// AVX-512 builds (int_attention.cpp is compiled for both).
+// AVX-512 builds (portable_int_attention.cpp is compiled for both).
 
 // The sum of a register's eight lanes.
 static inline float hsum(__m256 v) {
@@ -402,7 +402,7 @@ struct Prep {
     int group;  // per-channel keys: the group of tokens the folded query is for (-1: none yet)
     alignas(64) unsigned char bytes[20 * 1024];
 };
-// fast_attention.cpp (AVX-512) or avx2_attention.cpp (AVX2): the same math for the common rows;
+// avx512_attention.cpp (AVX-512) or avx2_attention.cpp (AVX2): the same math for the common rows;
 // false when it does not apply.
 bool score_fast(SCORE_ARGS, Prep& prep);
 bool value_fast(VALUE_ARGS);
@@ -417,14 +417,14 @@ bool score_int4(SCORE_ARGS, Prep& prep);
 bool int2_keys(const RowSource& s, int D);
 bool score_int2(SCORE_ARGS, Prep& prep);
 // Keys in RoPE frequency blocks (ROW_BLOCKS), exact float math: eight channels at a time on AVX2
-// (avx2_attention.cpp), sixteen on AVX-512 (fast_attention.cpp); block_keys: whether score_blocks
+// (avx2_attention.cpp), sixteen on AVX-512 (avx512_attention.cpp); block_keys: whether score_blocks
 // reads them.
 bool block_keys(const RowSource& s, int D);
 bool score_blocks(SCORE_ARGS, Prep& prep);
 
 // f(std::integral_constant<int, W>()) for a block's runtime width w = 1 .. 8 (the block kernels'
 // decoders take the width as a template argument, so the decode of a block has no branch); both
-// block-key kernels (fast_attention.cpp, avx2_attention.cpp) dispatch through it.
+// block-key kernels (avx512_attention.cpp, avx2_attention.cpp) dispatch through it.
 template <typename F>
 __attribute__((always_inline)) inline void with_width(int w, F&& f) {
     switch (w) {
@@ -440,7 +440,7 @@ __attribute__((always_inline)) inline void with_width(int w, F&& f) {
 }
 
 // The operands of the whole-row decode of block keys (vpermb, vpmultishiftqb, a mask: the exact
-// kernel in fast_attention.cpp and the integer one in vnni_attention.cpp), for one head's widths
+// kernel in avx512_attention.cpp and the integer one in avx512_vnni_attention.cpp), for one head's widths
 // (nb blocks of D / nb channels, D 64 or 128). Qword q holds codes 8q .. 8q + 7: spread[8q + i]
 // picks the w whole bytes that hold them, counted from base[q / 8] (the first code byte of each
 // 64 channels); byte i of shifts[q] is code i's bit offset w i in them; mask[8q + i] = 2^w - 1
@@ -489,7 +489,7 @@ struct BlockTables {
         }
     }
 };
-// Integer (VNNI) scores of 2-, 3- and 4-bit keys, and of frequency-block keys at head_dim 64 (vnni_attention.cpp);
+// Integer (VNNI) scores of 2-, 3- and 4-bit keys, and of frequency-block keys at head_dim 64 (avx512_vnni_attention.cpp);
 // vnni_keys: whether score_vnni reads these rows (a head with a block wider than 4 bits: false at run time).
 bool vnni_keys(const RowSource& s, int D);
 bool score_vnni(SCORE_ARGS, Prep& prep);

@@ -124,7 +124,7 @@ class NativeStep:
     def time_phases(self, timing: torch.Tensor | None) -> None:
         """Profiling: the step adds the wall seconds of its layers' projections, attention and the
         rest, of its final norm and LM head, and of its cache write to timing (5,) float64
-        (bench/step_profile.py); None stops it."""
+        (tools/step_profile.py); None stops it."""
         ptr = ctypes.cast(timing.data_ptr(), ctypes.POINTER(ctypes.c_double)) if timing is not None else None
         self._timing = timing  # kept alive while the kernels write to it
         for step in self.steps:
