@@ -12,6 +12,8 @@ build target this CPU runs.
 from __future__ import annotations
 
 import math
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +23,10 @@ from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
 from minillama.model.attention import attend_cache
 from minillama.model.rope import RotaryTable
-from minillama.native import backend
+from minillama.native import abi, backend
+from minillama.native.abi import Route
 from minillama.native.build import TARGETS, build
-from minillama.native.plans import fused_decode_attention
+from minillama.native.plans import fused_decode_attention, route, row_source
 
 # One spec per kind of part: float rows, KIVI keys with per-token values, Hadamard 2-bit values
 # with sinks, centered Hadamard keys with 3-bit values, codebooks, keys before RoPE (rows decoded
@@ -152,6 +155,41 @@ def test_the_integer_route_stays_within_its_bound_on_every_shape(target, r, d):
                 fused = kernel(lib, cache, q, k, v, rotary)
                 exact = reference(cache, q, k, v, rotary)
                 assert (fused - exact).abs().max() <= integer_bound(cache, v, d), (spec, tokens, r, d)
+        # and the integer route is the one that ran where the build has it: hadv2's 2-bit rotated
+        # values take it on every build with AVX2 and BMI2 (the AVX-512 VNNI and the AVX2 kernels)
+        cache, *_ = case("hadv2", 200, 256, 1, r, d, seed=0)
+        body = next(p for p in cache.layer(0).parts()[1] if p.name == "body")
+        chosen = route(lib, True, body, row_source(body, None, None, []), r, d)
+        integer = {"avx2", "bmi2"} <= set(abi.features(lib))
+        assert (chosen == Route.INTEGER) == integer, (chosen, abi.features(lib))
+
+
+CPU_FLAGS = {  # the build's feature -> the /proc/cpuinfo flags a CPU needs for it
+    "avx2": {"avx2", "fma", "f16c"},
+    "bmi2": {"bmi2"},
+    "avx512": {"avx512f", "avx512bw", "avx512vl"},
+    "avx512_bf16": {"avx512_bf16"},
+    "avx512_vnni": {"avx512_vnni"},
+    "avx512_vbmi": {"avx512vbmi"},
+}
+
+
+def cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text()
+    return set(next(line for line in text.splitlines() if line.startswith("flags")).split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or platform.machine() != "x86_64", reason="x86-64 Linux only")
+def test_the_native_build_uses_every_instruction_set_this_cpu_has():
+    """The native build (-march=native) has exactly the instruction sets the CPU reports: one
+    that lost an instruction set the CPU has (a flag dropped, a cached library from another CPU)
+    fails here instead of quietly running slower kernels."""
+    library, why = build("native")
+    if library is None:
+        pytest.skip(f"no native build here: {why}")
+    flags = cpu_flags()
+    expected = {feature for feature, needs in CPU_FLAGS.items() if needs <= flags}
+    assert set(abi.features(library)) == expected
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
