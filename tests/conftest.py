@@ -131,7 +131,7 @@ def english_text() -> str:
 
 def decode_steps(model, spec: str, steps: int = 30, prompt: int = 40) -> torch.Tensor:
     """Logits (2, steps, vocab) of `steps` decode steps after a `prompt`-token prefill, two random
-    sequences, into a fresh cache of `spec`: what the tier and outlier tests compare across backends."""
+    sequences, into a fresh cache of `spec`: what the tier and auto tests compare across backends."""
     from minillama.kv.cache import KVCache
     from minillama.kv.spec import parse_kv
 

@@ -174,6 +174,8 @@ def test_the_model_decodes_over_block_keys_on_either_backend(tiny):
     for name in ("reference", "kernels"):
         with backend.using(name):
             spec = parse_kv("k=lm4f2:35.44,v=fp16,residual=8,sinks=2,center=1")
+            before = backend.tally()
             got[name] = run(tiny.model, KVCache.for_model(tiny.config, spec, 128), t)
+            assert (backend.tally() - before)["decode step"] == (40 if name == "kernels" else 0)
     assert (got["reference"] - exact).abs().max() <= 0.1 * exact.abs().max()
     assert torch.allclose(got["kernels"], got["reference"], atol=1e-3 * float(exact.abs().max()))

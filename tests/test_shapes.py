@@ -55,10 +55,12 @@ def shaped(request, tmp_path_factory):
 def test_every_preset_decodes_100_tokens_on_every_shape(shaped, preset):
     prompt = list(range(3, 11))
     cache = KVCache.for_model(shaped.config, parse_kv(preset), 128)
-    seen = len(backend.fallbacks())
+    before = backend.tally()
     tokens = [t for t, _ in generate(shaped.model, prompt, cache, GenerateOptions(100, SamplingParams(temperature=0)))]
     assert len(tokens) == 100 and cache.position == 8 + 99
-    assert backend.fallbacks()[seen:] == []  # every part of every step ran on a kernel
+    ran = backend.tally() - before
+    assert ran["decode step"] == 99  # every step in one native call ...
+    assert not [k for k in ran if k.startswith("fallback")]  # ... and every part of it on a kernel
 
 
 @needs_kernels
