@@ -26,7 +26,7 @@ from minillama.model.rope import RotaryTable
 from minillama.native import abi, backend
 from minillama.native.abi import Route
 from minillama.native.build import TARGETS, build
-from minillama.native.plans import fused_decode_attention, route, row_source
+from minillama.native.plans import fused_decode_attention, held_parts, route, row_source
 
 # One spec per kind of part: float rows, KIVI keys with per-token values, Hadamard 2-bit values
 # with sinks, centered Hadamard keys with 3-bit values, codebooks, keys before RoPE (rows decoded
@@ -158,7 +158,7 @@ def test_the_integer_route_stays_within_its_bound_on_every_shape(target, r, d):
         # and the integer route is the one that ran where the build has it: hadv2's 2-bit rotated
         # values take it on every build with AVX2 and BMI2 (the AVX-512 VNNI and the AVX2 kernels)
         cache, *_ = case("hadv2", 200, 256, 1, r, d, seed=0)
-        body = next(p for p in cache.layer(0).parts()[1] if p.name == "body")
+        body = next(p for p in held_parts(cache.layer(0))[1] if p.name == "body")
         chosen = route(lib, True, body, row_source(body, None, None, []), r, d)
         integer = {"avx2", "bmi2"} <= set(abi.features(lib))
         assert (chosen == Route.INTEGER) == integer, (chosen, abi.features(lib))

@@ -31,7 +31,7 @@ from minillama.kv.spec import parse_kv
 from minillama.native import abi, backend
 from minillama.native.abi import NotSupported, Route
 from minillama.native.build import build
-from minillama.native.plans import attend_one_part, fused_decode_attention, route, row_source
+from minillama.native.plans import attend_one_part, fused_decode_attention, held_parts, route, row_source
 
 
 @pytest.fixture(params=["native", "avx2"])
@@ -46,7 +46,7 @@ def lib(request):
 
 def body_part(cache: KVCache, values: bool):
     """The body part of layer 0's keys (or values), as the kernels see it."""
-    k_parts, v_parts = cache.layer(0).parts()
+    k_parts, v_parts = held_parts(cache.layer(0))
     return next(p for p in (v_parts if values else k_parts) if p.name == "body")
 
 
@@ -534,7 +534,7 @@ def test_whole_attention_on_the_integer_path_stays_within_its_bound(lib, spec, n
     vmax = cache.layer(0).read(torch.float32)[1].abs().max()
     score_err = 0.1  # generous: the bounds above for these unit-scale synthetic keys are ~1e-2
     assert (fast - exact).abs().max() <= (math.exp(2 * score_err / 8) - 1) * vmax + 0.01 * vmax
-    body = [p for p in cache.layer(0).parts()[0] if p.name == "body" and p.n]
+    body = [p for p in held_parts(cache.layer(0))[0] if p.name == "body" and p.n]
     if body and route(lib, False, body[0], row_source(body[0], None, None, []), 3, 64) == Route.INTEGER:
         assert not torch.equal(fast, exact)  # the keys took the integer route: an approximation
 

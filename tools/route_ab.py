@@ -26,7 +26,7 @@ from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
 from minillama.native import backend
 from minillama.native.abi import NotSupported, Route
-from minillama.native.plans import attend_one_part
+from minillama.native.plans import attend_one_part, held_parts
 from minillama.native.write import writer
 
 H, R, D = 3, 3, 64
@@ -44,7 +44,7 @@ def main() -> None:
     for kv in spec_list(sys.argv[3]):
         cache = KVCache(parse_kv(kv), n_layers=1, n_kv_heads=H, head_dim=D, capacity=n + 64)
         fill_synthetic(cache, n, writer=writer())
-        k_parts, v_parts = cache.layer(0).parts()
+        k_parts, v_parts = held_parts(cache.layer(0))
         part = next(p for p in (v_parts if values else k_parts) if p.name == "body")
         if values:
             x, out = torch.softmax(torch.randn(1, H, R, part.n), -1), torch.zeros(1, H, R, D)  # p; o

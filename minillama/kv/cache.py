@@ -24,7 +24,7 @@ from minillama.kv.layered import LayeredStore
 from minillama.kv.memory import check_fits
 from minillama.kv.quantize import check_finite
 from minillama.kv.spec import KVSpec
-from minillama.kv.store import PartView, TensorStore, allocation_bytes
+from minillama.kv.store import TensorStore, allocation_bytes
 from minillama.kv.write import REFERENCE, Writer
 
 
@@ -286,27 +286,22 @@ class CacheLayer:
     """One layer of a ``KVCache`` as attention reads it (kv/interface.py: LayerView)."""
 
     def __init__(self, cache: KVCache, i: int):
-        self._cache = cache
-        self._k, self._v = cache.layers[i]
-        self.k_codec, self.v_codec = self._k.codec, self._v.codec
-        self.key_center = self._k.center  # (B, H, 1, D) or None
+        self.cache = cache
+        self.keys, self.values = cache.layers[i]  # the layer's two TensorStores
+        self.k_codec, self.v_codec = self.keys.codec, self.values.codec
+        self.key_center = self.keys.center  # (B, H, 1, D) or None
 
     def positions(self, device=None) -> torch.Tensor:
         """Positions of the held tokens in age order (held,), as a read returns them."""
         ranges = [
             torch.arange(p.first_position, p.first_position + p.n)
-            for p in self._k.parts(self._cache.first_rest_position())
+            for p in self.keys.parts(self.cache.first_rest_position())
         ]
         return (torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.long)).to(device)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Held keys and values, each (B, H_kv, held, D), dequantized, in storage space."""
-        k, nk = self._k.read(dtype)
-        v, nv = self._v.read(dtype)
-        self._cache.count_read(nk + nv)
+        k, nk = self.keys.read(dtype)
+        v, nv = self.values.read(dtype)
+        self.cache.count_read(nk + nv)
         return k, v
-
-    def parts(self) -> tuple[list[PartView], list[PartView]]:
-        """The held parts of keys and values as their rings hold them, for a reader in place."""
-        first = self._cache.first_rest_position()
-        return self._k.parts(first), self._v.parts(first)

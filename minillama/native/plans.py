@@ -4,7 +4,7 @@ The same math as ``model/attention.py: attend`` (the reference and test oracle) 
 but every part of the cache is read in place by the C++ kernels, and the whole layer's
 attention is one call (``native/layer_attention.cpp``), because on a small CPU each
 PyTorch call costs tens of microseconds. This module only describes the layer to it: each
-held part of K and V (``CacheLayer.parts()``, kv/cache.py: sinks, quantized body, tier, residual) becomes a
+held part of K and V (``held_parts``: sinks, quantized body, tier, residual) becomes a
 ``RowSource`` (where its rows live, how to decode them, native/minillama.h) and a route, the
 kernel that reads it:
 
@@ -45,6 +45,13 @@ from minillama.kv.codecs import RowKind
 from minillama.kv.store import PartView
 from minillama.native import backend, ops
 from minillama.native.abi import DTYPE_CODE, MAX_PARTS, STATUS, LayerPlan, NotSupported, Route, RowSource
+
+
+def held_parts(view: CacheLayer) -> tuple[list[PartView], list[PartView]]:
+    """The held parts of one layer's keys and values as their rings hold them (kv/store.py:
+    TensorStore.parts), for the kernels that read them in place."""
+    first = view.cache.first_rest_position()
+    return view.keys.parts(first), view.values.parts(first)
 
 
 def row_source(
@@ -142,7 +149,7 @@ def layer_plan(
         center = view.key_center.float().contiguous()  # (B, H, 1, D)
         keep.append(center)
         plan.k_center = center.data_ptr()
-    k_parts, v_parts = view.parts()
+    k_parts, v_parts = held_parts(view)
     angles = rope(max(p.first_position + p.n for p in k_parts)) if pre and k_parts else None
     keep.append(angles)
     for values, parts, slots, count in ((False, k_parts, plan.kparts, "nk"), (True, v_parts, plan.vparts, "nv")):
