@@ -201,3 +201,34 @@ def test_every_target_this_cpu_runs_compiles(name):
         pytest.skip(f"this CPU does not run {name} builds, or there is no C++ compiler")
     library, why = build(name)
     assert library is not None, why
+
+
+def test_a_first_run_on_a_terminal_says_the_kernels_are_compiling(monkeypatch, capsys):
+    """Compiling takes about a minute the first time on a machine: on a terminal the backend says
+    so before it starts and how long it took, instead of leaving the screen blank; nothing is said
+    when the build is cached or stderr is not a terminal (a pipe, the tests)."""
+    import sys
+
+    from minillama.native import backend as switch
+
+    class Terminal:
+        def __init__(self):
+            self.text = ""
+
+        def isatty(self):
+            return True
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+    for needs, expected in ((True, "compiling the kernels for this CPU"), (False, "")):
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        monkeypatch.setattr(switch, "_libraries", {})
+        monkeypatch.setattr(switch, "needs_compiling", lambda target, needs=needs: needs)
+        monkeypatch.setattr(switch, "build", lambda target: (None, "a test"))
+        switch._load("native")
+        assert terminal.text.startswith(expected) and (" failed\n" in terminal.text) == needs

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +32,7 @@ import torch
 
 from minillama.errors import UserError
 from minillama.native import abi
-from minillama.native.build import build
+from minillama.native.build import build, needs_compiling
 
 NAMES = ("reference", "kernels", "kernels-exact")
 
@@ -70,7 +72,15 @@ def name() -> str:
 
 def _load(target: str) -> tuple[ctypes.CDLL | None, str]:
     if target not in _libraries:
+        # The first run on a machine compiles for about a minute: say so on a terminal, rather
+        # than leave it blank before the first output.
+        announce = sys.stderr.isatty() and needs_compiling(target)
+        if announce:
+            print("compiling the kernels for this CPU (once; about a minute) ...", end="", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         lib, why = build(target)
+        if announce:
+            print(f" done in {time.perf_counter() - started:.0f} s" if lib else " failed", file=sys.stderr)
         if lib is not None:
             why = abi.bind(lib)
             lib = None if why else lib

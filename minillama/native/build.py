@@ -104,6 +104,24 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def compile_flags(target: str) -> list[str]:
+    return COMMON + TARGETS[target] + (["-g"] if os.environ.get("MINILLAMA_LINE_TABLES") == "1" else [])
+
+
+def library_path(target: str, cxx: str) -> Path:
+    """Where the build for `target` is cached: keyed by the sources, the compiler, the flags and
+    the CPU's instruction-set features."""
+    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    identity = source + " ".join([cxx, *compile_flags(target), *cpu_features()]).encode()
+    return cache_dir() / f"minillama-kernels-{target}-{hashlib.sha256(identity).hexdigest()[:16]}.so"
+
+
+def needs_compiling(target: str = "native") -> bool:
+    """Whether ``build(target)`` would compile now (nothing cached for this CPU and these sources)."""
+    cxx = compiler()
+    return bool(cxx) and target_available(target) and not library_path(target, cxx).exists()
+
+
 @functools.cache
 def build(target: str = "native") -> tuple[ctypes.CDLL | None, str]:
     """The kernels compiled for `target` (reused from the cache when built before): (library, "")
@@ -113,15 +131,13 @@ def build(target: str = "native") -> tuple[ctypes.CDLL | None, str]:
     cxx = compiler()
     if not cxx:
         return None, "no C++ compiler found (install g++)"
-    flags = COMMON + TARGETS[target] + (["-g"] if os.environ.get("MINILLAMA_LINE_TABLES") == "1" else [])
-    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
-    identity = source + " ".join([cxx, *flags, *cpu_features()]).encode()
-    key = hashlib.sha256(identity).hexdigest()[:16]
-    lib_path = cache_dir() / f"minillama-kernels-{target}-{key}.so"
+    lib_path = library_path(target, cxx)
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True)
+        done = subprocess.run(
+            [cxx, *compile_flags(target), *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True
+        )
         if done.returncode:
             tmp.unlink(missing_ok=True)
             lines = done.stderr.strip().splitlines() or ["unknown error"]
