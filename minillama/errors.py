@@ -5,7 +5,12 @@ import math
 
 
 class UserError(Exception):
-    """Bad input from the user: the message says what is wrong and what to do."""
+    """Bad input from the user: the message says what is wrong and what to do (exit 1)."""
+
+
+class UsageError(UserError):
+    """A command line that cannot work whatever the files and the model hold: options out of range
+    or at odds with each other, a missing argument (exit 2, as click's own usage errors)."""
 
 
 def shown(value: object, limit: int = 60) -> str:

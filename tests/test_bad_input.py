@@ -89,3 +89,22 @@ def test_output_piped_into_a_reader_that_leaves_early_ends_quietly():
     proc.stdout.close()  # the reader leaves before the first line (the child is still importing)
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and err == ""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ppl", "--tokens", "0"], "--tokens must be at least 2"),
+        (["ppl", "--prefill", "-5"], "--prefill must be at least 1"),
+        (["needle", "--lengths", "1"], "--lengths must be token counts"),
+        (["needle", "--depths", "2"], "--depths must be fractions"),
+        (["kv", "inspect"], "kv inspect needs a cache file"),
+        (["kv", "hadv2", "extra"], "unexpected argument"),
+    ],
+)
+def test_a_command_line_that_cannot_work_is_a_usage_error(args, message):
+    """Options out of range or at odds with each other exit 2 with one line, as click's own usage
+    errors do, before any model loads."""
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

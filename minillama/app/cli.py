@@ -14,7 +14,7 @@ import threading
 import click
 
 from minillama.app.commands import bench, chat, fetch, generate, kv, needle, ppl
-from minillama.errors import UserError
+from minillama.errors import UsageError, UserError
 
 
 def _terminated(signum, frame):
@@ -71,7 +71,7 @@ class Main(click.Group):
                 str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e} (rerun with --debug for a traceback)"
             )
             click.echo(f"error: {msg}", err=True)
-            sys.exit(1)
+            sys.exit(2 if isinstance(e, UsageError) else 1)
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})

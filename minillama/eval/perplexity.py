@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from minillama.errors import UserError
+from minillama.errors import UsageError, UserError
 from minillama.kv.cache import KVCache
 from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache
@@ -88,16 +88,18 @@ def make_windows(ids: list[int], n: int, windows: int, offset: int, bos: int | N
 
 def check_window(n: int, prefill: int, chunk: int = 1, ctx: int | None = None, bucket: int | None = None) -> None:
     """Window arguments that cannot work: one clear error before anything is loaded."""
+    if n < 2:
+        raise UsageError(f"--tokens must be at least 2 (a prefill and a scored token), got {n}")
     if prefill < 1 or prefill >= n:
-        raise UserError(f"--prefill must be at least 1 and below --tokens ({n}), got {prefill}")
+        raise UsageError(f"--prefill must be at least 1 and below --tokens ({n}), got {prefill}")
     if chunk < 1:
-        raise UserError("--chunk must be at least 1")
+        raise UsageError("--chunk must be at least 1")
     if ctx is not None and ctx < 2:
-        raise UserError(f"--ctx must be at least 2 tokens, got {ctx}")
+        raise UsageError(f"--ctx must be at least 2 tokens, got {ctx}")
     if bucket is not None and bucket < 1:
-        raise UserError(f"--bucket must be at least 1 token, got {bucket}")
+        raise UsageError(f"--bucket must be at least 1 token, got {bucket}")
     if ctx is not None and ctx < n and chunk > 1:
-        raise UserError("--chunk needs the window to fit the cache: drop --chunk or raise --ctx")
+        raise UsageError("--chunk needs the window to fit the cache: drop --chunk or raise --ctx")
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

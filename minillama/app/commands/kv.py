@@ -80,7 +80,7 @@ def kv(spec, path, list_, model_name, tokens, as_json, maps, bits, out, byte_sca
       minillama kv allocate --map k3v2lm.json --map k4v3lmc.json --bits 3.0 --byte-scales --out mix.kv
       minillama generate "Hello" --kv mix.kv
     """
-    from minillama.errors import UserError
+    from minillama.errors import UsageError, UserError
 
     if (maps or bits is not None or byte_scales or out) and spec != "allocate":
         raise UserError(
@@ -99,12 +99,12 @@ def kv(spec, path, list_, model_name, tokens, as_json, maps, bits, out, byte_sca
         from minillama.eval.budget import format_inspect, inspect_file
 
         if not path:
-            raise UserError("kv inspect needs a cache file: minillama kv inspect FILE")
+            raise UsageError("kv inspect needs a cache file: minillama kv inspect FILE")
         info = inspect_file(path)
         click.echo(json.dumps(info, indent=2) if as_json else format_inspect(info))
         return
     if path:
-        raise UserError(f"unexpected argument {path!r}: give one SPEC (or inspect FILE)")
+        raise UsageError(f"unexpected argument {path!r}: give one SPEC (or inspect FILE)")
     if list_ or not spec:
         click.echo(describe_codecs())
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from minillama.app.options import DTYPES, SEED, load, model_options, read_text_file
-from minillama.errors import UserError
+from minillama.errors import UsageError, UserError
 
 
 def numbers(kind):
@@ -56,9 +56,9 @@ def needle(
     specs = [parse_kv(s) for s in (kvs or ("fp16", "kivi4", "hadv2"))]
     lengths_, depths_ = numbers(int)(lengths), numbers(float)(depths)
     if not lengths_ or min(lengths_) < 64:
-        raise UserError("--lengths must be token counts of at least 64, e.g. 1024,2048")
+        raise UsageError("--lengths must be token counts of at least 64, e.g. 1024,2048")
     if not depths_ or not all(0 <= d <= 1 for d in depths_):
-        raise UserError("--depths must be fractions from 0 to 1, e.g. 0.1,0.5,0.9")
+        raise UsageError("--depths must be fractions from 0 to 1, e.g. 0.1,0.5,0.9")
     haystack = nh.split_sentences(read_text_file(haystack_file)) if haystack_file else None
     if haystack_file and not haystack:
         raise UserError(f"{haystack_file} has no sentences to use as a haystack")
