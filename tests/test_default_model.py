@@ -167,3 +167,11 @@ def test_bench_and_ppl_run_on_the_hamlet_dataset(default_model_dir, english_text
     assert ppl.exit_code == 0, ppl.output
     fp16, hadv2 = json.loads(ppl.stdout)
     assert 5 < fp16["ppl"] < 200 and fp16["kld_mean"] < 1e-3 < hadv2["kld_mean"] and fp16["top1_agree"] > 0.98
+
+
+def test_the_converted_folder_has_ordinary_file_modes(default_model_dir):
+    """Every file of the converted default model has the mode the user's umask gives new files
+    (safetensors writes its own file 0600)."""
+    modes = {p.name: p.stat().st_mode & 0o777 for p in default_model_dir.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
+

@@ -11,6 +11,7 @@ an interrupted conversion never leaves a folder that looks complete.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -98,6 +99,9 @@ def convert_gguf(gguf_path: Path, out: Path, progress: Callable[[Iterable], Iter
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+    umask = os.umask(0)  # safetensors writes its file private (0600); give it the folder's other files' mode
+    os.umask(umask)
+    (tmp / "model.safetensors").chmod(0o666 & ~umask)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(reader, tokens, tmp)
     gen = {
