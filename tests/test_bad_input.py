@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -108,3 +109,15 @@ def test_a_command_line_that_cannot_work_is_a_usage_error(args, message):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not Path("/dev/null").exists(), reason="no /dev/null")
+def test_a_device_is_not_a_cache_file():
+    """`kv inspect /dev/null`: the file is named as what it is, not an OS error number."""
+    assert run(["kv", "inspect", "/dev/null"]) == "error: /dev/null is not a regular file, so not a cache file"
+
+
+def test_the_version_is_one_line():
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip().startswith("minillama ")
+    assert len(result.stdout.strip().splitlines()) == 1

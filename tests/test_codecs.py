@@ -279,6 +279,8 @@ def test_all_finite_finds_one_bad_element_anywhere(bad, dtype, where):
         ("k=int4,v=int9", "unknown codec 'int9'"),
         ("k=int4", "must name both"),
         ("k=int4,v=int4,group=-1", "must not be negative"),
+        ("k=int4,v=int4,group=３２", "is not a whole number written in 0-9"),  # int() would read it as 32
+        ("k=int4,v=int4,tier=５６:lm4hb", "write tier=N:CODEC"),
         ("k=int4,v=int4,group=x", "not a whole number"),
         ("k=int4,v=int4,foo=1", "malformed"),
         ("k=int4,v=int4,group=0", "at least 1"),

@@ -174,4 +174,3 @@ def test_the_converted_folder_has_ordinary_file_modes(default_model_dir):
     (safetensors writes its own file 0600)."""
     modes = {p.name: p.stat().st_mode & 0o777 for p in default_model_dir.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"], modes
-

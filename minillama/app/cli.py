@@ -75,6 +75,7 @@ class Main(click.Group):
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="minillama", prog_name="minillama", message="%(prog)s %(version)s")
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.pass_context
 def cli(ctx, debug):

@@ -245,6 +245,8 @@ def read(path: str | Path) -> SavedCache:
     p = Path(path)
     if p.is_dir():
         raise CacheFileError(f"{path} is a directory, not a cache file")
+    if p.exists() and not p.is_file():  # a device, a pipe: not something a cache was saved to
+        raise CacheFileError(f"{path} is not a regular file, so not a cache file")
     try:
         size = p.stat().st_size
         with safe_open(str(p), framework="pt") as f:

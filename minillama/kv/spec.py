@@ -314,12 +314,11 @@ def parse_kv(text: str) -> KVSpec:
     nums = {}
     for key in NUMBERS:
         if key in fields:
-            try:
-                nums[key] = int(fields[key])
-            except ValueError:
-                raise UserError(f"--kv {key}={shown(fields[key])} is not a whole number") from None
-            if nums[key] < 0:
-                raise UserError(f"--kv {key}={nums[key]} must not be negative")
+            if fields[key].startswith("-") and fields[key][1:].isascii() and fields[key][1:].isdigit():
+                raise UserError(f"--kv {key}={fields[key]} must not be negative")
+            if not (fields[key].isascii() and fields[key].isdigit()):  # int() also reads "３２"
+                raise UserError(f"--kv {key}={shown(fields[key])} is not a whole number written in 0-9")
+            nums[key] = int(fields[key])
     for key, allowed in WORDS.items():
         if key in fields and fields[key] not in allowed:
             raise UserError(f"--kv {key}={shown(fields[key])}: choose {' or '.join(allowed)}")
@@ -396,7 +395,7 @@ def _auto(fields: dict[str, str]) -> float:
 def _tier(text: str, quantized: bool) -> tuple[int, Codec]:
     """``N:CODEC`` -> (N, the codec): N >= 1 tokens in a quantized per-token codec."""
     n, _, name = text.partition(":")
-    if not n.strip().isdigit() or int(n) < 1 or not name.strip():
+    if not (n.strip().isascii() and n.strip().isdigit()) or int(n) < 1 or not name.strip():
         raise UserError(f"--kv tier={shown(text)}: write tier=N:CODEC, N tokens of at least 1 (e.g. tier=56:lm4hb)")
     codec = codec_named(name.strip())
     if codec is None:
