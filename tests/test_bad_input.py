@@ -57,6 +57,15 @@ def test_shape_mismatch_names_tensor_and_shapes(broken):
     )
 
 
+def test_a_config_asking_for_more_layers_than_the_weights_hold_is_refused_before_building_them(broken):
+    """100,000 layers in config.json: refused from the weights' headers (loader.py:
+    check_layer_count), before a module is built (building them first took 90 s and 4.5 GB)."""
+    cfg = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 100000}))
+    line = run(["generate", "hi", "--model", str(broken)])
+    assert "num_hidden_layers=100000, the weights hold layers 0..1 (2)" in line
+
+
 def test_pickle_only_checkpoint_is_refused_not_unpickled(broken):
     (broken / "model.safetensors").unlink()
     (broken / "pytorch_model.bin").write_bytes(b"not even a pickle")

@@ -98,6 +98,26 @@ def weight_files(folder: Path) -> list[Path]:
     raise UserError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
+def check_layer_count(cfg: LlamaConfig, files: list[Path]) -> None:
+    """The layers config.json names are the layers the weights hold, checked from the files' headers
+    before any module is built: a config that asks for 100,000 layers is refused at once, not after
+    building them."""
+    from safetensors import safe_open
+
+    held = set()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                held.update(int(m.group(1)) for key in sf.keys() if (m := re.match(r"model\.layers\.(\d+)\.", key)))
+        except Exception:
+            return  # unreadable or missing: read_state_dict names the file
+    if held and held != set(range(cfg.num_hidden_layers)):
+        raise UserError(
+            f"config.json has num_hidden_layers={cfg.num_hidden_layers}, the weights hold layers "
+            f"{min(held)}..{max(held)} ({len(held)}): the config does not belong to these weights"
+        )
+
+
 def read_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -156,6 +176,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     folder = resolve_model_path(name)
     cfg = LlamaConfig.from_file(folder / "config.json")
     files = weight_files(folder)
+    check_layer_count(cfg, files)
     with torch.device("meta"):
         model = Llama(cfg)
     state = read_state_dict(files, dtype)
