@@ -515,3 +515,23 @@ def test_chat_help_names_both_ways_out():
     from minillama.app.chat import HELP
 
     assert "/exit, /quit" in HELP
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists() or sys.platform != "linux", reason="Linux: /dev/zero, RLIMIT_AS")
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_an_endless_input_is_refused_within_a_memory_bound(tiny_dir, command):
+    """`--prompt-file /dev/zero` and `chat < /dev/zero` read no further than a prompt that fits
+    --ctx could reach, and end in one line: under a 6 GB address-space limit (they took the
+    machine's 24 GB before), exit 1."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    args = [sys.executable, "-m", "minillama", command, "--model", str(tiny_dir), "--ctx", "64"]
+    if command == "generate":
+        args += ["--prompt-file", "/dev/zero", "--max-tokens", "1"]
+    with open("/dev/zero") as zeros:
+        done = subprocess.run(args, stdin=zeros, capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    assert done.returncode == 1, done.stderr[-500:]
+    assert done.stderr.strip().splitlines()[-1].startswith("error: ") and "8,192 characters" in done.stderr

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from minillama.app.chat_template import encode_chat
+from minillama.app.options import CHARS_PER_TOKEN_BOUND
 from minillama.errors import UserError
 from minillama.kv.cache import KVCache
 from minillama.kv.file import CacheFileError, check_replaceable, read, read_header, write_atomic
@@ -345,6 +346,16 @@ def read_message(prompt: str) -> str:
         return "\n".join(lines)
 
 
+def bounded_lines(stream, limit: int, ctx: int):
+    """The lines of `stream`, each read no further than `limit` characters: a longer line (a file
+    with no newline, /dev/zero) cannot be a message that fits a cache of `ctx` tokens, and ends
+    the session in one line before it is held in memory."""
+    while line := stream.readline(limit + 1):
+        if len(line) > limit and not line.endswith("\n"):
+            raise UserError(f"a line of the input is longer than {limit:,} characters, more than --ctx {ctx:,} tokens")
+        yield line
+
+
 def repl(session: ChatSession, interactive: bool, echo, echo_err) -> None:
     """The read-eval-print loop. Non-interactive: one stdin line per turn, replies only on stdout."""
     import sys
@@ -360,7 +371,8 @@ def repl(session: ChatSession, interactive: bool, echo, echo_err) -> None:
             history = None
         echo_err(f"minillama chat: {session.lm.name}, kv {session.cache.spec}, ctx {session.ctx}. /help for commands.")
     info = echo if interactive else echo_err
-    lines = iter(sys.stdin.readline, "") if not interactive else None
+    limit = session.ctx * CHARS_PER_TOKEN_BOUND
+    lines = bounded_lines(sys.stdin, limit, session.ctx) if not interactive else None
     while True:
         try:
             if interactive:

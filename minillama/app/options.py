@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from minillama.errors import UserError
@@ -65,14 +67,32 @@ def note_missing_kernels(device: str) -> None:
         )
 
 
-def read_text_file(path: str) -> str:
+# No token of a model's vocabulary is longer than this many characters (SmolLM2's longest: 80), so a
+# text of more than ctx x this many characters is more than ctx tokens: it can be refused unread.
+CHARS_PER_TOKEN_BOUND = 128
+
+
+def read_text_file(path: str, limit: int | None = None, what: str = "") -> str:
+    """The UTF-8 text of the file at `path` (``-``: standard input); with `limit`, at most that
+    many characters -- more is refused in one line before it is held in memory (`what` says why
+    there is a limit)."""
     try:
+        if path == "-":
+            return _bounded(sys.stdin, path, limit, what)
         with open(path, encoding="utf-8") as f:
-            return f.read()
+            return _bounded(f, path, limit, what)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text: convert it to UTF-8 first") from None
+
+
+def _bounded(f, path: str, limit: int | None, what: str) -> str:
+    text = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(text) > limit:
+        source = "standard input" if path == "-" else path
+        raise UserError(f"{source} is longer than {limit:,} characters, {what}")
+    return text
 
 
 def read_json(path: str):

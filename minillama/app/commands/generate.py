@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 import torch
 
-from minillama.app.options import DEFAULT_DTYPE, DTYPES, SEED, Finite, load, model_options, read_text_file
+from minillama.app.options import (
+    CHARS_PER_TOKEN_BOUND,
+    DEFAULT_DTYPE,
+    DTYPES,
+    SEED,
+    Finite,
+    load,
+    model_options,
+    read_text_file,
+)
 from minillama.errors import UserError
 
+LONGEST_CONTEXT = 1 << 20  # tokens: the bound on a prompt read before the model says its own
 
-def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    """The PROMPT argument, or the text of --prompt-file (``-`` reads standard input)."""
+
+def read_prompt(prompt: str | None, prompt_file: str | None, ctx: int | None = None) -> str:
+    """The PROMPT argument, or the text of --prompt-file (``-`` reads standard input), read no
+    further than a prompt that can fit a cache of `ctx` tokens could reach."""
     if (prompt is None) == (prompt_file is None):
         raise UserError("give a PROMPT or --prompt-file FILE (- for standard input), one of the two")
-    if prompt_file == "-":
-        return sys.stdin.read()
-    return prompt if prompt_file is None else read_text_file(prompt_file)
+    if prompt_file is None:
+        return prompt
+    tokens = ctx or LONGEST_CONTEXT
+    why = f"more than {tokens:,} tokens" + (" (--ctx)" if ctx else "") + ": shorten the prompt"
+    return read_text_file(prompt_file, tokens * CHARS_PER_TOKEN_BOUND, why)
 
 
 @click.command()
@@ -91,7 +103,7 @@ def generate(
         raise UserError("--prompt-cache-ro reads the --prompt-cache FILE: give that too")
     if prompt_cache and not prompt_cache_ro:
         check_replaceable(prompt_cache)  # before the model loads: a file that is not a cache is never touched
-    text = read_prompt(prompt, prompt_file)
+    text = read_prompt(prompt, prompt_file, ctx)
     spec = parse_kv(kv)
     lm = load(model_name, dtype, device, backend)
     tok = lm.tokenizer
