@@ -130,3 +130,8 @@ def test_the_version_is_one_line():
     result = CliRunner().invoke(cli, ["--version"])
     assert result.exit_code == 0 and result.stdout.strip().startswith("minillama ")
     assert len(result.stdout.strip().splitlines()) == 1
+
+
+def test_threads_must_be_a_positive_count():
+    result = CliRunner().invoke(cli, ["generate", "hi", "--threads", "0"])
+    assert result.exit_code == 2 and "--threads" in result.stderr

@@ -402,3 +402,47 @@ def test_a_group_of_schemes_and_a_batch_past_16_rows_decode_in_the_one_native_ca
     for j, spec in enumerate(specs):
         alone = decode(KVCache.for_model(lm.config, parse_kv(spec), 128, batch=b), ids, "reference")
         assert torch.allclose(together[:, j * b : (j + 1) * b], alone, atol=1e-3, rtol=1e-4), spec
+
+
+@needs_kernels
+def test_threads_set_for_the_kernels_and_torch_and_the_step_agrees_across_them(model_dir):
+    """`--threads N` (native/backend.py: set_threads) reaches the kernels' OpenMP regions and
+    PyTorch; a decode step on one thread gives the logits of the step on every core, up to the
+    order in which the threads' partial sums merge."""
+    lm = load_model(str(model_dir), "float32")
+    before = backend.threads()
+    try:
+        with backend.using("kernels-exact"):
+            many = decode_logits(lm, "hadv2", 2)
+            backend.set_threads(1)
+            assert backend.library().minillama_threads() == 1 and torch.get_num_threads() == 1
+            one = decode_logits(lm, "hadv2", 2)
+    finally:
+        backend.set_threads(before)
+    assert torch.allclose(one, many, atol=1e-4, rtol=1e-4)
+
+
+def test_the_thread_chooser_takes_the_count_whose_probed_steps_are_faster():
+    """native/step.py: ThreadChooser, on made-up step times: every EVERY steps (the first after
+    FIRST) it probes PROBE steps on the other count; it switches only when their median beats the
+    chosen count's by the margin, and sets the library's count only when it changes."""
+    from minillama.native.step import ThreadChooser
+
+    class Lib:
+        def __init__(self):
+            self.calls = []
+
+        def minillama_set_threads(self, n):
+            self.calls.append(n)
+
+    def run(chooser, lib, seconds_at, steps):
+        for _ in range(steps):
+            chooser.before()
+            chooser.after(seconds_at[lib.calls[-1] if lib.calls else 2])
+
+    lib = Lib()
+    chooser = ThreadChooser(lib, 2)
+    run(chooser, lib, {2: 0.010, 1: 0.013}, 3 * ThreadChooser.EVERY)  # alone: every core stays
+    assert chooser.counts[chooser.now] == 2 and lib.calls == [1, 2] * 3  # probed three times, kept 2
+    run(chooser, lib, {2: 0.035, 1: 0.013}, ThreadChooser.EVERY)  # a core taken: one fewer wins
+    assert chooser.counts[chooser.now] == 1 and lib.calls[-1] == 1

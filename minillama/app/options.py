@@ -21,6 +21,15 @@ def model_options(device: bool = True):
     def wrap(f):
         if device:
             f = click.option(
+                "-t",
+                "--threads",
+                type=click.IntRange(1),
+                default=None,
+                expose_value=False,
+                callback=apply_threads,
+                help="Threads for the kernels and PyTorch (default: every core this process may use).",
+            )(f)
+            f = click.option(
                 "--backend",
                 default=None,
                 type=click.Choice(BACKENDS),
@@ -38,6 +47,15 @@ def model_options(device: bool = True):
         )(f)
 
     return wrap
+
+
+def apply_threads(ctx, param, value: int | None) -> int | None:
+    """--threads N, set as the command line is read (native/backend.py: set_threads)."""
+    if value is not None:
+        from minillama.native.backend import set_threads
+
+        set_threads(value)
+    return value
 
 
 def load(model_name: str | None, dtype: str, device: str, backend: str | None = None):

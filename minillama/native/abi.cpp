@@ -1,7 +1,15 @@
 // What this build of the kernels was compiled for, and the sizes of the structs of the C ABI
 // (minillama.h), which native/abi.py compares with its ctypes mirrors when the library loads.
 
+#include <omp.h>
+
 #include "minillama.h"
+
+// How many threads the kernels' parallel regions use from now on (the calling thread's OpenMP
+// setting: the decode step's regions are all started from the thread that calls it).
+extern "C" void minillama_set_threads(int n) { omp_set_num_threads(n > 0 ? n : 1); }
+
+extern "C" int minillama_threads(void) { return omp_get_max_threads(); }
 
 extern "C" int minillama_features(void) {
     int f = 0;

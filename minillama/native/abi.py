@@ -196,6 +196,8 @@ SIGNATURES = {  # name: (argument types, return type)
     "decode_step": ([ctypes.POINTER(LayerStep), _I, ctypes.POINTER(StepEnds)], _I),
     "step_scratch_bytes": ([_I, _I, _I, _I, _I, _I, _I], ctypes.c_int64),
     "minillama_features": ([], _I),
+    "minillama_set_threads": ([_I], None),
+    "minillama_threads": ([], _I),
     "minillama_abi_size": ([_I], _I),
 }
 

@@ -65,6 +65,33 @@ def using(name: str, target: str = "native") -> Iterator[None]:
         _state.update(saved)
 
 
+def set_threads(n: int) -> None:
+    """Run the kernels and PyTorch's CPU ops on `n` threads (by default they take every core this
+    process may use), for the whole process; applied to a library when it loads, too."""
+    _state["threads"] = n
+    torch.set_num_threads(n)
+    for lib, _ in _libraries.values():
+        if lib is not None:
+            lib.minillama_set_threads(n)
+
+
+def threads() -> int:
+    """The threads the kernels run on now."""
+    return _state.get("threads") or torch.get_num_threads()
+
+
+def adapt_threads(on: bool = True) -> None:
+    """Let decode steps run on one core fewer while another process holds one (native/step.py:
+    ThreadChooser), unless ``set_threads`` fixed the count. Off by default: the count changes the
+    order in which the threads' partial sums merge, so evaluations that must repeat to the last
+    bit leave it off; generate and chat turn it on."""
+    _state["adapt"] = on
+
+
+def adaptive() -> bool:
+    return bool(_state.get("adapt")) and not _state.get("threads")
+
+
 def name() -> str:
     """The backend asked for (``reference``, ``kernels`` or ``kernels-exact``)."""
     return _checked(_state["name"])
@@ -84,6 +111,8 @@ def _load(target: str) -> tuple[ctypes.CDLL | None, str]:
         if lib is not None:
             why = abi.bind(lib)
             lib = None if why else lib
+        if lib is not None and _state.get("threads"):
+            lib.minillama_set_threads(_state["threads"])
         _libraries[target] = (lib, why)
     return _libraries[target]
 

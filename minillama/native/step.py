@@ -21,6 +21,8 @@ bytes of the PyTorch write (tests/test_step.py).
 from __future__ import annotations
 
 import ctypes
+import statistics
+import time
 import weakref
 
 import torch
@@ -36,6 +38,51 @@ from minillama.native.plans import CachePlans
 from minillama.native.token_write import CacheWrites
 from minillama.native.weights import fused_rows
 from minillama.native.write import KernelWriter
+
+
+class ThreadChooser:
+    """Every core, or one fewer, for the decode step, chosen by timing both now and then.
+
+    The step's threads meet at a barrier many times a step; when another process holds a core, a
+    thread that is descheduled stalls the rest, and a step on every core runs at a fraction of its
+    speed (beside one busy process on 2 cores: 0.27x), where one core fewer keeps most of it. So
+    every ``EVERY`` steps, from the ``FIRST`` on, ``PROBE`` steps run on the other count; the count
+    whose median step is faster by ``MARGIN`` is kept. Alone, the probes cost PROBE / EVERY of the
+    difference; the first comes early, so a reply written beside a busy process switches at once."""
+
+    EVERY = 256  # steps between probes
+    PROBE = 4  # steps timed on the other count
+    FIRST = 8  # the step the first probe starts at (after PROBE steps on the chosen count and a spare)
+    MARGIN = 0.9  # the other count is taken when its median step is at most this fraction
+
+    def __init__(self, lib, most: int):
+        self.lib, self.counts = lib, (most, most - 1)
+        self.now, self.steps, self.set = 0, 0, most
+        self.recent: list[float] = []  # the last PROBE steps on the chosen count, seconds
+        self.probed: list[float] = []  # the probe's steps on the other count
+
+    def probing(self) -> bool:
+        """Whether the next step is a probe's."""
+        return self.FIRST <= self.steps % self.EVERY < self.FIRST + self.PROBE
+
+    def before(self) -> None:
+        """Set the thread count for the next step."""
+        n = self.counts[1 - self.now] if self.probing() else self.counts[self.now]
+        if n != self.set:
+            self.lib.minillama_set_threads(n)
+            self.set = n
+
+    def after(self, seconds: float) -> None:
+        """The step just made took `seconds`: keep it, and at the end of a probe choose."""
+        probing = self.probing()
+        (self.probed if probing else self.recent).append(seconds)
+        self.recent = self.recent[-self.PROBE :]
+        self.steps += 1
+        if probing and len(self.probed) == self.PROBE:
+            if statistics.median(self.probed) < self.MARGIN * statistics.median(self.recent):
+                self.now = 1 - self.now
+                self.recent = self.probed
+            self.probed = []
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -89,6 +136,7 @@ class NativeStep:
             weakref.WeakKeyDictionary()
         )
         self.writer = KernelWriter(lib)
+        self.chooser: ThreadChooser | None = None  # every core or one fewer (backend.adaptive)
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             w_qkv, b_qkv = fused_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # (Hq D + 2 Hkv D, hidden)
@@ -162,7 +210,13 @@ class NativeStep:
         state = self.caches.get(cache) if isinstance(cache, KVCache) else None
         writes = state[2].describe(self.new_k, self.new_v) if state is not None else None
         e.writes, e.nwrites = (writes.array, len(writes.array)) if writes is not None else (None, 0)
+        chooser = self._chooser()
+        if chooser is not None:
+            chooser.before()
+            started = time.perf_counter()
         ops.decode_step(self.lib, self.steps, e)
+        if chooser is not None:
+            chooser.after(time.perf_counter() - started)
         backend.ran("decode step")
         if isinstance(cache, KVCache):  # the one place the cache grows
             cache.count_full_read()
@@ -178,6 +232,21 @@ class NativeStep:
                 member.count_full_read()
             cache.append(list(zip(self.new_k, self.new_v)), self.writer)
         return out
+
+    def _chooser(self) -> ThreadChooser | None:
+        """The thread chooser where the backend lets steps adapt (``backend.adaptive``), else None
+        (and every core again, if a chooser had taken one away)."""
+        if not backend.adaptive():
+            if self.chooser is not None and self.chooser.set != self.chooser.counts[0]:
+                self.lib.minillama_set_threads(self.chooser.counts[0])
+            self.chooser = None
+            return None
+        if self.chooser is None:
+            most = self.lib.minillama_threads()
+            if most < 2:
+                return None
+            self.chooser = ThreadChooser(self.lib, most)
+        return self.chooser
 
     def _angles(self, position: int) -> tuple[int, int]:
         """Where the RoPE angles of `position` are, cos and sin (D,) float32 each (rope_tables'

@@ -69,6 +69,10 @@ def chat(
     spec = parse_kv(kv)
     if prompt_cache:
         check_save_target(prompt_cache)  # before the model loads: a file that is not ours is never touched
+    from minillama.native.backend import adapt_threads
+
+    adapt_threads()  # decode on one core fewer while another process holds one (unless --threads)
+    click.get_current_context().call_on_close(lambda: adapt_threads(False))  # for this command only
     lm = load(model_name, dtype, device, backend)
     overrides = {
         "temperature": temperature,

@@ -105,6 +105,10 @@ def generate(
         check_replaceable(prompt_cache)  # before the model loads: a file that is not a cache is never touched
     text = read_prompt(prompt, prompt_file, ctx)
     spec = parse_kv(kv)
+    from minillama.native.backend import adapt_threads
+
+    adapt_threads()  # decode on one core fewer while another process holds one (unless --threads)
+    click.get_current_context().call_on_close(lambda: adapt_threads(False))  # for this command only
     lm = load(model_name, dtype, device, backend)
     tok = lm.tokenizer
     ids = tok.encode_with_specials(text) if raw_special else tok.encode(text)
