@@ -423,10 +423,10 @@ def test_threads_set_for_the_kernels_and_torch_and_the_step_agrees_across_them(m
 
 
 def test_the_thread_chooser_takes_the_count_whose_probed_steps_are_faster():
-    """native/step.py: ThreadChooser, on made-up step times: every EVERY steps (the first after
+    """native/threads.py: ThreadChooser, on made-up step times: every EVERY steps (the first after
     FIRST) it probes PROBE steps on the other count; it switches only when their median beats the
     chosen count's by the margin, and sets the library's count only when it changes."""
-    from minillama.native.step import ThreadChooser
+    from minillama.native.threads import ThreadChooser
 
     class Lib:
         def __init__(self):
