@@ -81,7 +81,7 @@ def threads() -> int:
 
 
 def adapt_threads(on: bool = True) -> None:
-    """Let decode steps run on one core fewer while another process holds one (native/step.py:
+    """Let decode steps run on one core fewer while another process holds one (native/threads.py:
     ThreadChooser), unless ``set_threads`` fixed the count. Off by default: the count changes the
     order in which the threads' partial sums merge, so evaluations that must repeat to the last
     bit leave it off; generate and chat turn it on."""
