@@ -135,3 +135,13 @@ def test_the_version_is_one_line():
 def test_threads_must_be_a_positive_count():
     result = CliRunner().invoke(cli, ["generate", "hi", "--threads", "0"])
     assert result.exit_code == 2 and "--threads" in result.stderr
+
+
+def test_llama_cpp_short_options_mean_the_long_ones(tiny_dir):
+    """-m -n -c -s -t as llama.cpp names them: the same completion as the long options."""
+    short = CliRunner().invoke(
+        cli, ["generate", "hi", "-m", str(tiny_dir), "-n", "3", "-c", "64", "-s", "7", "-t", "2"]
+    )
+    long = ["generate", "hi", "--model", str(tiny_dir), "--max-tokens", "3", "--ctx", "64", "--seed", "7"]
+    assert short.exit_code == 0, short.stderr
+    assert short.stdout == CliRunner().invoke(cli, [*long, "--threads", "2"]).stdout

@@ -40,6 +40,7 @@ def model_options(device: bool = True):
                 f
             )
         return click.option(
+            "-m",
             "--model",
             "model_name",
             default=None,

@@ -10,7 +10,9 @@ from minillama.app.options import DEFAULT_DTYPE, DTYPES, SEED, Finite, load, mod
 @click.command()
 @model_options()
 @click.option("--kv", default="fp16", show_default=True, help="KV cache scheme (see `minillama kv --list`).")
-@click.option("--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max).")
+@click.option(
+    "-c", "--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max)."
+)
 @click.option(
     "--on-full",
     type=click.Choice(["evict", "stop"]),
@@ -24,8 +26,8 @@ from minillama.app.options import DEFAULT_DTYPE, DTYPES, SEED, Finite, load, mod
 @click.option("--top-p", type=Finite(0, 1), default=None, help="Default: generation_config, else 0.9.")
 @click.option("--min-p", type=Finite(0, 1), default=None, help="Default: 0.05.")
 @click.option("--repeat-penalty", type=Finite(0.01), default=None, help="Default: generation_config, else 1.1.")
-@click.option("--seed", default=0, show_default=True, type=SEED)
-@click.option("--max-tokens", default=512, show_default=True, type=click.IntRange(1), help="Longest reply.")
+@click.option("-s", "--seed", default=0, show_default=True, type=SEED)
+@click.option("-n", "--max-tokens", default=512, show_default=True, type=click.IntRange(1), help="Longest reply.")
 @click.option("--dtype", default=DEFAULT_DTYPE, show_default=True, type=DTYPES)
 @click.option(
     "--prompt-cache",

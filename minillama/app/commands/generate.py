@@ -34,16 +34,18 @@ def read_prompt(prompt: str | None, prompt_file: str | None, ctx: int | None = N
 
 @click.command()
 @click.argument("prompt", required=False)
-@click.option("--prompt-file", default=None, help="Read the prompt from a UTF-8 file (- for standard input).")
+@click.option("-f", "--prompt-file", default=None, help="Read the prompt from a UTF-8 file (- for standard input).")
 @model_options()
-@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("-n", "--max-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.0, show_default=True, type=Finite(0), help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off.")
 @click.option("--top-p", default=1.0, show_default=True, type=Finite(0, 1))
-@click.option("--seed", default=0, show_default=True, type=SEED)
+@click.option("-s", "--seed", default=0, show_default=True, type=SEED)
 @click.option("--dtype", default=DEFAULT_DTYPE, show_default=True, type=DTYPES)
 @click.option("--kv", "kv", default="fp16", show_default=True, help="KV cache spec (see `minillama kv --list`).")
-@click.option("--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max).")
+@click.option(
+    "-c", "--ctx", default=None, type=click.IntRange(1), help="Cache capacity in tokens (default: model max)."
+)
 @click.option(
     "--on-full",
     type=click.Choice(["stop", "evict"]),
