@@ -396,3 +396,10 @@ for _codec in [
     VectorCodebook("vq2hs", 2, "Hadamard-rotated, 4 channels a byte: one of 256 sign x pattern vectors", rotate=True),
 ]:
     register(_codec)
+
+
+def plain_keys(stored: torch.Tensor, codec: Codec, center: torch.Tensor | None) -> torch.Tensor:
+    """Stored keys (B, Hkv, P, D) back in plain space, float32: the center added back (it was taken
+    in storage space), then un-rotated."""
+    k = stored.float() + center.float() if center is not None else stored.float()
+    return codec.from_space(k)

@@ -18,7 +18,7 @@ import torch
 
 from minillama.errors import UserError
 from minillama.kv.cache import KVCache
-from minillama.kv.codecs import CODECS
+from minillama.kv.codecs import CODECS, plain_keys
 from minillama.kv.interface import LayerView
 from minillama.kv.write import REFERENCE, Writer
 
@@ -43,9 +43,7 @@ class GroupView:
         keys, values = [], []
         for view in self.views:
             k, v = view.read(torch.float32)  # (B_i, H, held, D) each, in the cache's storage space
-            if view.key_center is not None:  # taken in storage space: added back before un-rotating
-                k = k + view.key_center.float()
-            keys.append(view.k_codec.from_space(k))
+            keys.append(plain_keys(k, view.k_codec, view.key_center))
             values.append(view.v_codec.from_space(v))
         return torch.cat(keys).to(dtype), torch.cat(values).to(dtype)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from minillama.kv.codecs import CODECS, Codec
+from minillama.kv.codecs import CODECS, Codec, plain_keys
 from minillama.kv.interface import LayerView
 from minillama.model.rope import RotaryTable, apply_rope
 
@@ -33,13 +33,6 @@ QUERY_BLOCK = 1024  # queries per score matrix: (B, Hkv, n_rep*1024, P+T) floats
 
 
 PLAIN = CODECS["fp32"]  # the identity storage space: keys that are already plain and rotated for their positions
-
-
-def plain_keys(stored: torch.Tensor, codec: Codec, center: torch.Tensor | None) -> torch.Tensor:
-    """Stored keys (B, Hkv, P, D) back in plain space, float32: the center added back (it was taken
-    in storage space), then un-rotated."""
-    k = stored.float() + center.float() if center is not None else stored.float()
-    return codec.from_space(k)
 
 
 def causal_mask(t_new: int, t_past: int, device) -> torch.Tensor:
