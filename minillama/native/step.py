@@ -92,6 +92,7 @@ class NativeStep:
         )
         self.writer = KernelWriter(lib)
         self.chooser: ThreadChooser | None = None  # every core or one fewer (backend.adaptive)
+        self.one_core = False
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             w_qkv, b_qkv = fused_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # (Hq D + 2 Hkv D, hidden)
@@ -196,11 +197,10 @@ class NativeStep:
                 self.lib.minillama_set_threads(self.chooser.counts[0])
             self.chooser = None
             return None
-        if self.chooser is None:
+        if self.chooser is None and not self.one_core:
             most = self.lib.minillama_threads()
-            if most < 2:
-                return None
-            self.chooser = ThreadChooser(self.lib, most)
+            self.one_core = most < 2  # nothing to choose between: asked once, not every step
+            self.chooser = None if self.one_core else ThreadChooser(self.lib, most)
         return self.chooser
 
     def _angles(self, position: int) -> tuple[int, int]:
