@@ -10,7 +10,7 @@ class ThreadChooser:
 
     The step's threads meet at a barrier many times a step; when another process holds a core, a
     thread that is descheduled stalls the rest, and a step on every core runs at a fraction of its
-    speed (beside one busy process on 2 cores: 0.27x), where one core fewer keeps most of it. So
+    speed (docs/speed.md measures it), where one core fewer keeps most of it. So
     every ``EVERY`` steps, from the ``FIRST`` on, ``PROBE`` steps run on the other count; the count
     whose median step is faster by ``MARGIN`` is kept. Alone, the probes cost PROBE / EVERY of the
     difference; the first comes early, so a reply written beside a busy process switches at once."""
