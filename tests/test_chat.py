@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from minillama.app.chat import ChatSession, handle_command
 from minillama.app.chat_template import encode_chat, render
 from minillama.app.cli import cli
+from minillama.errors import UserError
 from minillama.kv.spec import parse_kv
 from minillama.model.sampling import SamplingParams
 
@@ -110,6 +111,27 @@ def test_second_turn_prefills_only_its_new_tokens(tiny):
     "".join(session.send("second"))
     assert session.last.reused_tokens >= held - 8  # everything but a re-tokenised reply tail is reused
     assert session.last.prefilled_tokens < 40
+
+
+def test_a_turn_longer_than_the_cache_is_refused_with_on_full_stop(tiny):
+    """--ctx 40 and a 60-token message: one clear error, and the turn is not kept in the history."""
+    session = ChatSession(tiny, parse_kv("fp32"), ctx=40, max_tokens=3, on_full="stop")
+    with pytest.raises(UserError, match=r"the conversation with this message is \d+ tokens and the cache holds 40"):
+        "".join(session.send("word " * 60))
+    assert session.messages == [] and session.cache.held == 0
+
+
+def test_a_turn_longer_than_the_cache_warns_once_and_counts_what_is_held(tiny):
+    """With on_full="evict" the turn goes on after one warning, the turn line says how many
+    tokens the ring dropped, and the next turn's "reused" never exceeds what the cache holds."""
+    warnings = []
+    session = ChatSession(tiny, parse_kv("fp32"), ctx=40, params=SamplingParams(temperature=0), max_tokens=4)
+    session.warn = warnings.append
+    "".join(session.send("word " * 60))
+    assert len(warnings) == 1 and "the cache holds 40 (--ctx)" in warnings[0] and "evicted" in warnings[0]
+    assert session.last.evicted_tokens > 0 and "oldest evicted" in session.last.line()
+    "".join(session.send("more"))
+    assert session.last.reused_tokens <= session.cache.capacity == 40
 
 
 def test_utf8_reply_streams_intact_across_token_boundaries(tiny, monkeypatch):
@@ -242,7 +264,7 @@ def talked(tiny, tmp_path, monkeypatch):
         ("/load a_list.json", "is not a minillama conversation"),
         ("/load bad_roles.json", "is not a minillama conversation"),
         ("/kv int9", "unknown --kv preset"),
-        ("/kv k=int4h,v=int2h,group=48", "does not divide head_dim"),
+        ("/kv bits=auto:1.5", "below the cheapest choice"),
         ("/kv k=fp16,v=fp16,sinks=300", "too small"),
         ("/system", "unknown or incomplete command"),
         ("/nonsense now", "unknown or incomplete command"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,16 +96,19 @@ def sigint_as_flag() -> Iterator[threading.Event]:
 
 @dataclass
 class TurnStats:
-    reused_tokens: int = 0
+    reused_tokens: int = 0  # tokens the cache held from earlier turns and kept
     prefilled_tokens: int = 0
     generation: GenerationStats | None = None
     interrupted: bool = False
+    evicted_tokens: int = 0  # tokens the full ring dropped during this turn
 
     def line(self) -> str:
         g = self.generation
         text = f"[reused {self.reused_tokens} cached tokens, prefilled {self.prefilled_tokens} new"
         if g:
             text += f" at {g.prefill_tokens_per_s:.1f} tok/s, decoded {g.generated_tokens} at {g.decode_tokens_per_s:.1f} tok/s"
+        if self.evicted_tokens:
+            text += f", {self.evicted_tokens} oldest evicted"
         return text + (", interrupted]" if self.interrupted else "]")
 
 
@@ -132,6 +135,7 @@ class ChatSession:
         self.cached_ids: list[int] = []  # every token fed to the cache, in order (evicted ones too)
         self.last = TurnStats()
         self.autosave: str | None = None  # chat --prompt-cache: save the session here after every reply
+        self.warn: Callable[[str], None] = lambda message: None  # the REPL prints these on stderr
 
     def _new_cache(self, spec: KVSpec) -> KVCache:
         return KVCache.for_model(self.lm.config, spec, self.ctx, device=self.lm.model.device, on_full=self.on_full)
@@ -146,12 +150,30 @@ class ChatSession:
         self.cached_ids = self.cached_ids[:kept]
         return ids[kept:]
 
+    def _check_fits(self, ids: list[int]) -> None:
+        """A conversation the cache cannot hold with room for a reply: refused with on_full="stop"
+        (the turn is not added), else said once in a warning before the ring drops its start."""
+        if len(ids) < self.ctx:
+            return
+        if self.on_full == "stop":
+            self.messages.pop()
+            raise UserError(
+                f"the conversation with this message is {len(ids):,} tokens and the cache holds {self.ctx:,} "
+                "(--ctx): /reset, raise --ctx, or chat with --on-full evict to drop its oldest tokens"
+            )
+        self.warn(
+            f"the conversation is {len(ids):,} tokens and the cache holds {self.ctx:,} (--ctx): its oldest "
+            f"{len(ids) - self.ctx + 1:,} or more are evicted and the reply may lose track of them"
+        )
+
     def send(self, text: str) -> Iterator[str]:
         """Add a user turn and stream the reply's text; the reply joins the history."""
         self.messages.append({"role": "user", "content": text})
         ids = encode_chat(self.lm.tokenizer, self.messages, add_generation_prompt=True)
+        self._check_fits(ids)
         new = self._sync(ids)
-        self.last = TurnStats(reused_tokens=len(ids) - len(new), prefilled_tokens=len(new))
+        evicted = self.cache.evicted
+        self.last = TurnStats(reused_tokens=self.cache.held, prefilled_tokens=len(new))
         stream = StreamDecoder(self.lm.tokenizer)
         fed = self.cached_ids + new  # grows with every sampled token; the cache's position says how many were fed
         reply: list[int] = []
@@ -172,6 +194,7 @@ class ChatSession:
                         break
         finally:
             self.cached_ids = fed[: self.cache.position]
+            self.last.evicted_tokens = self.cache.evicted - evicted
             self.messages.append({"role": "assistant", "content": self.lm.tokenizer.decode(reply)})
         tail = stream.flush()
         if tail:
@@ -371,6 +394,7 @@ def repl(session: ChatSession, interactive: bool, echo, echo_err) -> None:
             history = None
         echo_err(f"minillama chat: {session.lm.name}, kv {session.cache.spec}, ctx {session.ctx}. /help for commands.")
     info = echo if interactive else echo_err
+    session.warn = lambda message: echo_err(f"warning: {message}")
     limit = session.ctx * CHARS_PER_TOKEN_BOUND
     lines = bounded_lines(sys.stdin, limit, session.ctx) if not interactive else None
     while True:
