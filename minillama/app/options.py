@@ -173,6 +173,35 @@ class Finite(click.FloatRange):
 SEED = click.IntRange(0, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
+def sampling_options(defaults: dict[str, str]):
+    """--temperature, --top-k, --top-p, --min-p, --repeat-penalty and -s/--seed, the same for
+    generate and chat. Each is None when not given; the command fills in its defaults, which
+    `defaults` names for the help (by option name)."""
+    options = [
+        (("--temperature",), Finite(0), "0 = greedy."),
+        (("--top-k",), click.IntRange(0), "0 = off."),
+        (("--top-p",), Finite(0, 1), "1 = off."),
+        (("--min-p",), Finite(0, 1), "0 = off."),
+        (("--repeat-penalty",), Finite(0.01), "1 = off."),
+        (("-s", "--seed"), click.IntRange(-1, 2**64 - 1), "-1 = random; the seed used is printed."),
+    ]
+
+    def wrap(f):
+        for decls, kind, about in reversed(options):
+            name = decls[-1][2:]
+            f = click.option(*decls, type=kind, default=None, help=f"{about} Default: {defaults[name]}.")(f)
+        return f
+
+    return wrap
+
+
+def seed_or_random(seed: int | None) -> int:
+    """--seed as given, or a fresh random one when it was not given or is -1 (as llama.cpp)."""
+    import secrets
+
+    return seed if seed is not None and seed >= 0 else secrets.randbits(63)
+
+
 def check_device(ctx, param, value: str) -> str:
     """--device, checked when parsed, before any model loads (model/loader.py: check_device)."""
     from minillama.model.loader import check_device as check

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from minillama.app.options import DEFAULT_DTYPE, DTYPES, SEED, Finite, load, model_options
+from minillama.app.options import DEFAULT_DTYPE, DTYPES, load, model_options, sampling_options, seed_or_random
 
 
 @click.command()
@@ -21,12 +21,16 @@ from minillama.app.options import DEFAULT_DTYPE, DTYPES, SEED, Finite, load, mod
     help="When the cache is full: evict the oldest tokens, or stop with a clear message.",
 )
 @click.option("--system", default=None, help="System prompt.")
-@click.option("--temperature", type=Finite(0), default=None, help="Default: generation_config, else 0.7.")
-@click.option("--top-k", type=click.IntRange(0), default=None, help="Default: generation_config, else 0 (off).")
-@click.option("--top-p", type=Finite(0, 1), default=None, help="Default: generation_config, else 0.9.")
-@click.option("--min-p", type=Finite(0, 1), default=None, help="Default: 0.05.")
-@click.option("--repeat-penalty", type=Finite(0.01), default=None, help="Default: generation_config, else 1.1.")
-@click.option("-s", "--seed", default=0, show_default=True, type=SEED)
+@sampling_options(
+    {
+        "temperature": "generation_config, else 0.7",
+        "top-k": "generation_config, else 0",
+        "top-p": "generation_config, else 0.9",
+        "min-p": "0.05",
+        "repeat-penalty": "generation_config, else 1.1",
+        "seed": "random",
+    }
+)
 @click.option("-n", "--max-tokens", default=512, show_default=True, type=click.IntRange(1), help="Longest reply.")
 @click.option("--dtype", default=DEFAULT_DTYPE, show_default=True, type=DTYPES)
 @click.option(
@@ -86,7 +90,10 @@ def chat(
     params = sampling_from_generation_config(
         lm.generation_config, overrides, where=str(lm.path / "generation_config.json")
     )
+    seed = seed_or_random(seed)
     session = ChatSession(lm, spec, ctx, system, params, seed, max_tokens, on_full)
+    if params.temperature > 0:  # sampled: the seed repeats the session's replies
+        click.echo(f"seed {seed} (--seed {seed} repeats these replies)", err=True)
     if prompt_cache:
         from pathlib import Path
 

@@ -1,4 +1,5 @@
-"""``minillama generate``: raw completion of a prompt, streamed; optionally through a prompt cache file."""
+"""``minillama generate``: one reply to a prompt (through the model's chat template, or raw
+completion with --raw), streamed; optionally through a prompt cache file."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from minillama.app.options import (
     CHARS_PER_TOKEN_BOUND,
     DEFAULT_DTYPE,
     DTYPES,
-    SEED,
-    Finite,
     load,
     model_options,
     read_text_file,
+    sampling_options,
+    seed_or_random,
 )
 from minillama.errors import UserError
 
@@ -21,10 +22,10 @@ LONGEST_CONTEXT = 1 << 20  # tokens: the bound on a prompt read before the model
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None, ctx: int | None = None) -> str:
-    """The PROMPT argument, or the text of --prompt-file (``-`` reads standard input), read no
-    further than a prompt that can fit a cache of `ctx` tokens could reach."""
+    """The PROMPT argument (or -p), or the text of --prompt-file (``-`` reads standard input),
+    read no further than a prompt that can fit a cache of `ctx` tokens could reach."""
     if (prompt is None) == (prompt_file is None):
-        raise UserError("give a PROMPT or --prompt-file FILE (- for standard input), one of the two")
+        raise UserError("give a PROMPT (or -p PROMPT) or -f/--prompt-file FILE (- for standard input), one of them")
     if prompt_file is None:
         return prompt
     tokens = ctx or LONGEST_CONTEXT
@@ -34,13 +35,15 @@ def read_prompt(prompt: str | None, prompt_file: str | None, ctx: int | None = N
 
 @click.command()
 @click.argument("prompt", required=False)
+@click.option("-p", "--prompt", "prompt_option", default=None, help="The prompt, instead of the PROMPT argument.")
 @click.option("-f", "--prompt-file", default=None, help="Read the prompt from a UTF-8 file (- for standard input).")
+@click.option("--raw", is_flag=True, help="Complete the prompt as plain text, without the model's chat template.")
+@click.option("--system", default=None, help="A system message before the prompt (chat template only).")
 @model_options()
 @click.option("-n", "--max-tokens", default=128, show_default=True, type=click.IntRange(1))
-@click.option("--temperature", default=0.0, show_default=True, type=Finite(0), help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True, type=Finite(0, 1))
-@click.option("-s", "--seed", default=0, show_default=True, type=SEED)
+@sampling_options(
+    {"temperature": "0", "top-k": "0", "top-p": "1", "min-p": "0", "repeat-penalty": "1", "seed": "random"}
+)
 @click.option("--dtype", default=DEFAULT_DTYPE, show_default=True, type=DTYPES)
 @click.option("--kv", "kv", default="fp16", show_default=True, help="KV cache spec (see `minillama kv --list`).")
 @click.option(
@@ -63,10 +66,15 @@ def read_prompt(prompt: str | None, prompt_file: str | None, ctx: int | None = N
     "minillama cache file is ever replaced.",
 )
 @click.option("--prompt-cache-ro", is_flag=True, help="Use the --prompt-cache file but never write it.")
-@click.option("--raw-special", is_flag=True, help="Parse special-token strings in PROMPT as control tokens.")
+@click.option(
+    "--raw-special", is_flag=True, help="Complete PROMPT raw, its special-token strings parsed as control tokens."
+)
 def generate(
     prompt,
+    prompt_option,
     prompt_file,
+    raw,
+    system,
     model_name,
     device,
     backend,
@@ -74,6 +82,8 @@ def generate(
     temperature,
     top_k,
     top_p,
+    min_p,
+    repeat_penalty,
     seed,
     dtype,
     kv,
@@ -84,17 +94,22 @@ def generate(
     prompt_cache_ro,
     raw_special,
 ):
-    """Raw completion of PROMPT, streamed to stdout; stats on stderr. Stops at the model's
-    end-of-sequence token (--ignore-eos goes on) or after --max-tokens.
+    """The model's reply to PROMPT, streamed to stdout; stats on stderr. A model with a chat
+    template gets PROMPT as a user message (after --system), as mlx_lm.generate does; --raw
+    completes it as plain text. Stops at the model's end-of-sequence token (--ignore-eos goes
+    on) or after --max-tokens.
 
     \b
     Examples:
-      minillama generate "The capital of France is" --max-tokens 20
-      minillama generate "Once upon a time" --temperature 0.8 --top-p 0.9 --kv hadv2
-      minillama generate --prompt-file doc.txt --kv hadv2 --prompt-cache doc.kv   # the second run reuses doc.kv
+      minillama generate "What is the capital of France?" -n 20
+      minillama generate "The capital of France is" --raw -n 20     # plain completion
+      minillama generate "Write a haiku" --temperature 0.8 --top-p 0.9 --kv hadv2
+      minillama generate -f doc.txt --kv hadv2 --prompt-cache doc.kv   # the second run reuses doc.kv
     """
     from minillama.kv.cache import ContextFullError
     from minillama.kv.file import check_replaceable
+
+    sampling = (temperature, top_k, top_p, min_p, repeat_penalty)
     from minillama.kv.spec import parse_kv
     from minillama.model.generate import GenerateOptions
     from minillama.model.prompt_cache import Completion
@@ -103,6 +118,12 @@ def generate(
 
     if prompt_cache_ro and not prompt_cache:
         raise UserError("--prompt-cache-ro reads the --prompt-cache FILE: give that too")
+    if prompt is not None and prompt_option is not None:
+        raise UserError("give the prompt once: as the PROMPT argument or as -p PROMPT")
+    prompt = prompt if prompt is not None else prompt_option
+    raw = raw or raw_special
+    if system is not None and raw:
+        raise UserError("--system goes into the chat template: drop --raw/--raw-special, or put it in the prompt")
     if prompt_cache and not prompt_cache_ro:
         check_replaceable(prompt_cache)  # before the model loads: a file that is not a cache is never touched
     text = read_prompt(prompt, prompt_file, ctx)
@@ -113,11 +134,20 @@ def generate(
     click.get_current_context().call_on_close(lambda: adapt_threads(False))  # for this command only
     lm = load(model_name, dtype, device, backend)
     tok = lm.tokenizer
-    ids = tok.encode_with_specials(text) if raw_special else tok.encode(text)
-    if tok.add_bos and tok.bos_id is not None:
-        ids = [tok.bos_id] + ids
-    if not ids:
-        raise UserError("the prompt is empty: give some text to complete")
+    templated = not raw and tok.chat_template is not None
+    if system is not None and not templated:
+        raise UserError("--system goes into the chat template, and this model has none: put it in the prompt")
+    if not text:
+        raise UserError("the prompt is empty: give some text")
+    if templated:
+        from minillama.app.chat_template import encode_chat
+
+        messages = [{"role": "system", "content": system}] * (system is not None) + [{"role": "user", "content": text}]
+        ids = encode_chat(tok, messages, add_generation_prompt=True)
+    else:
+        ids = tok.encode_with_specials(text) if raw_special else tok.encode(text)
+        if tok.add_bos and tok.bos_id is not None:
+            ids = [tok.bos_id] + ids
     capacity = ctx or lm.config.max_position_embeddings
     if len(ids) > capacity:
         if on_full == "stop":
@@ -131,9 +161,11 @@ def generate(
             err=True,
         )
     stops = frozenset() if ignore_eos else frozenset(lm.stop_ids())
-    options = GenerateOptions(
-        max_tokens, SamplingParams(temperature, top_k, top_p), stops, torch.Generator(device).manual_seed(seed)
+    params = SamplingParams(
+        *(given if given is not None else off for given, off in zip(sampling, (0.0, 0, 1.0, 0.0, 1.0)))
     )
+    seed = seed_or_random(seed)
+    options = GenerateOptions(max_tokens, params, stops, torch.Generator(device).manual_seed(seed))
     run = Completion(
         lm, ids, spec, options, capacity=capacity, on_full=on_full, prompt_cache=prompt_cache, read_only=prompt_cache_ro
     )
@@ -160,7 +192,9 @@ def generate(
     )
     generated = stats.generated_tokens if stats else 0
     click.echo(
-        (run.note + " | " if run.note and reused else "") + f"prompt {len(ids)} tokens, {speed} | generated "
-        f"{generated} tokens{ended}, {stats.decode_tokens_per_s if stats else float('nan'):.1f} tok/s decode",
+        (run.note + " | " if run.note and reused else "")
+        + f"prompt {len(ids)} tokens{' (chat template)' if templated else ''}, {speed} | generated "
+        f"{generated} tokens{ended}, {stats.decode_tokens_per_s if stats else float('nan'):.1f} tok/s decode"
+        + (f" | seed {seed}" if params.temperature > 0 else ""),
         err=True,
     )
