@@ -430,14 +430,14 @@ def assert_same_bytes(fast: KVCache, slow: KVCache) -> None:
             assert (a.center is None) == (b.center is None) and (a.center is None or torch.equal(a.center, b.center))
 
 
-def kernels_and_reference(spec: str, dtype, capacity: int, seed: int, target: str = "native"):
+def kernels_and_reference(spec: str, dtype, capacity: int, seed: int, target: str = "native", head_dim: int = 64):
     """Two caches of 3 layers, 2 KV heads, batch 2, and feed(n): n new tokens of random keys (a few
     large channels, like real keys) and values, appended to one on the kernels backend (built for
     `target`) and to the other on the reference backend."""
-    names = ("kernels", "reference")
-    caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=64, capacity=capacity, batch=2) for _ in names]
+    d = head_dim
+    caches = [KVCache(parse_kv(spec), n_layers=3, n_kv_heads=2, head_dim=d, capacity=capacity, batch=2) for _ in "kr"]
     g = torch.Generator().manual_seed(seed)
-    big = torch.zeros(64)
+    big = torch.zeros(d)
     big[::9] = 6.0
 
     token_writes = CacheWrites(caches[0])
@@ -445,8 +445,8 @@ def kernels_and_reference(spec: str, dtype, capacity: int, seed: int, target: st
     def feed(n: int) -> None:
         kv = [
             (
-                torch.randn(2, 2, n, 64, generator=g).mul(2).add(big).to(dtype),
-                torch.randn(2, 2, n, 64, generator=g).to(dtype),
+                torch.randn(2, 2, n, d, generator=g).mul(2).add(big).to(dtype),
+                torch.randn(2, 2, n, d, generator=g).to(dtype),
             )
             for _ in range(3)
         ]
@@ -558,16 +558,32 @@ def test_the_cpp_cache_write_is_byte_identical_to_pytorch(spec, dtype):
     assert_same_bytes(*caches)
 
 
+@needs_kernels
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_every_preset_writes_the_reference_bytes_at_head_sizes_80_and_96(preset, head_dim):
+    """Heads that are not a power of two: groups fitted to the head (KVSpec.fitted), rotations in
+    power-of-two blocks. Prefill chunks and decode tokens, through a wrap: the kernels' bytes."""
+    caches, feed = kernels_and_reference(preset, torch.float32, capacity=150, seed=3, head_dim=head_dim)
+    before = backend.tally()
+    for n in (17, 1, 1, 40, 3, 64, 1, 90, 1):
+        feed(n)
+    assert_same_bytes(*caches)
+    assert not [why for why in backend.tally() - before if why.startswith("fallback")]  # the kernels wrote
+
+
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("spec", ["hadv2", "k=int4h,v=int2h,group=64,residual=32,sinks=4,center=1"])
-def test_every_build_target_rotates_rows_as_pytorch_does(target, spec):
+@pytest.mark.parametrize("head_dim", [64, 80, 96])
+def test_every_build_target_rotates_rows_as_pytorch_does(target, spec, head_dim):
     """native/hadamard.h runs the Walsh-Hadamard passes on AVX-512 or AVX2 registers where a build
     has them, and must add and subtract exactly as the scalar passes and kv/quantize.py do: every
-    build target this CPU runs writes the rotated codecs' bytes the reference writes."""
+    build target this CPU runs writes the rotated codecs' bytes the reference writes, for heads
+    rotated in one block (64) and in two (80 = 64 + 16, 96 = 64 + 32)."""
     library, why = build(target)
     if library is None:
         pytest.skip(f"no {target} build on this CPU: {why}")
-    caches, feed = kernels_and_reference(spec, torch.float32, capacity=150, seed=2, target=target)
+    caches, feed = kernels_and_reference(spec, torch.float32, capacity=150, seed=2, target=target, head_dim=head_dim)
     for n in (17, 1, 1, 40, 3):
         feed(n)
     assert_same_bytes(*caches)

@@ -268,6 +268,8 @@ def talked(tiny, tmp_path, monkeypatch):
         ("/kv k=fp16,v=fp16,sinks=300", "too small"),
         ("/system", "unknown or incomplete command"),
         ("/nonsense now", "unknown or incomplete command"),
+        ("/stast", "did you mean /stats?"),
+        ("/kv " + "nonsense" * 100, "unknown --kv preset 'nonsensenonsense"),  # cut: the line stays short
     ],
 )
 def test_a_failing_command_is_one_line_and_the_session_goes_on(talked, tmp_path, line, message):
@@ -278,6 +280,7 @@ def test_a_failing_command_is_one_line_and_the_session_goes_on(talked, tmp_path,
     said = []
     assert handle_command(talked, line, said.append) is True
     assert len(said) == 1 and said[0].startswith(("error:", "unknown")), said
+    assert len(said[0]) < 200
     assert message in said[0] and "\n" not in said[0]
     assert snapshot(talked) == before
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # nothing half-written left behind

@@ -15,6 +15,7 @@ from minillama.kv.codecs import CODECS
 from minillama.kv.quantize import (
     NonFiniteError,
     dequantize_affine,
+    hadamard_blocks,
     hadamard_matrix,
     hadamard_rotate,
     quantize_affine,
@@ -208,19 +209,33 @@ def test_fp_codecs_round_trip_in_their_dtype():
 
 
 def test_hadamard_is_orthonormal_and_self_inverse():
-    for d in (1, 2, 16, 64, 128):
+    for d in (1, 2, 16, 64, 80, 96, 128):
         h = hadamard_matrix(d)
         assert torch.allclose(h @ h.T, torch.eye(d), atol=1e-6)
         assert torch.allclose(h, h.T)
-    x = torch.randn(5, 64)
-    assert torch.allclose(hadamard_rotate(hadamard_rotate(x)), x, atol=1e-5)
+        x = torch.randn(5, d)
+        assert torch.allclose(hadamard_rotate(x), x @ h, atol=1e-5)  # the fast transform is the matrix
+        assert torch.allclose(hadamard_rotate(hadamard_rotate(x)), x, atol=1e-5)
 
 
-def test_hadamard_needs_power_of_two():
-    with pytest.raises(ValueError, match="power-of-two"):
-        hadamard_matrix(48)
-    with pytest.raises(UserError, match="power-of-two"):
-        parse_kv("k=int4h,v=fp16").validate(48)
+def test_a_head_that_is_not_a_power_of_two_is_rotated_in_power_of_two_blocks():
+    """80 channels: a 64-channel Hadamard block, then a 16-channel one; nothing mixes across."""
+    assert hadamard_blocks(80) == [64, 16] and hadamard_blocks(96) == [64, 32] and hadamard_blocks(128) == [128]
+    h = hadamard_matrix(80)
+    assert torch.equal(h[:64, :64], hadamard_matrix(64)) and torch.equal(h[64:, 64:], hadamard_matrix(16))
+    assert not h[:64, 64:].any() and not h[64:, :64].any()
+    parse_kv("k=int4h,v=lm2h,group=16").validate(80)  # accepted, no power-of-two refusal
+
+
+@pytest.mark.parametrize(
+    "head_dim,group,fitted", [(80, 32, 16), (80, 64, 16), (96, 64, 32), (96, 32, 32), (64, 32, 32)]
+)
+def test_a_group_of_channels_that_does_not_divide_the_head_is_fitted_to_it(head_dim, group, fitted):
+    """kivi4's values scale groups of 32 channels: 32 does not divide 80, so an 80-channel head gets
+    16 (the largest power of two dividing both); KIVI's per-channel keys group tokens, not channels."""
+    spec = parse_kv(f"k=int4c,v=int4,group={group}").fitted(head_dim)
+    assert (spec.kgroup, spec.vgroup) == (group, fitted)
+    spec.validate(head_dim)
 
 
 def test_affine_per_channel_groups_share_scale_along_time():
@@ -292,9 +307,31 @@ def test_bad_specs_give_clear_errors_listing_choices(text, error):
 
 
 def test_group_must_divide_head_dim_for_per_token_codecs():
+    """A spec checked as written refuses the group; a cache fits it first (KVSpec.fitted)."""
     with pytest.raises(UserError, match="does not divide head_dim"):
         parse_kv("k=int4,v=int4,group=24").validate(64)
+    parse_kv("k=int4,v=int4,group=24").fitted(64).validate(64)  # group 8
     parse_kv("k=int4c,v=fp16,group=24").validate(64)  # per-channel groups run along time
+
+
+@pytest.mark.parametrize(
+    "text,hint",
+    [
+        ("kivi5", "did you mean kivi4"),
+        ("hadv3", "did you mean hadv2"),
+        ("k=int4c,v=lm2hx", "did you mean lm2h or lm2hb"),
+    ],
+)
+def test_an_unknown_name_is_answered_with_the_nearest_ones_not_every_name(text, hint):
+    with pytest.raises(UserError) as e:
+        parse_kv(text)
+    assert hint in str(e.value) and "k4v3lmc" not in str(e.value) and len(str(e.value)) < 160
+
+
+def test_a_long_unknown_name_is_cut_in_the_error():
+    with pytest.raises(UserError) as e:
+        parse_kv("x" * 5000)
+    assert len(str(e.value)) < 200 and "(5,000 characters)" in str(e.value)
 
 
 def test_presets_are_exactly_the_documented_ones():

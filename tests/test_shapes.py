@@ -1,4 +1,4 @@
-"""Every model shape runs every preset: GQA ratios 1-16, head_dim 64 and 128, no crash.
+"""Every model shape runs every preset: GQA ratios 1-16, head_dim 64, 80, 96 and 128, no crash.
 
 A Llama with 12 or 16 query heads per KV head used to crash the process (SIGSEGV) under
 ``--kv kivi4``: the integer kernels keep per-head arrays for at most 8. The kernels now state
@@ -26,7 +26,9 @@ from minillama.native.plans import fused_decode_attention
 from tests.conftest import make_tiny
 
 RATIOS = [1, 2, 3, 4, 7, 8, 12, 16]  # query heads per KV head
-HEAD_DIMS = [64, 128]
+# Every ratio at the power-of-two head sizes; three ratios at 80 and 96 (Phi-2, Phi-3-mini), whose
+# groups are fitted to the head and whose rotations run in power-of-two blocks (64 + 16, 64 + 32).
+SHAPES = [(r, d) for r in RATIOS for d in (64, 128)] + [(r, d) for r in (1, 4, 16) for d in (80, 96)]
 needs_kernels = pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
 
 
@@ -34,7 +36,7 @@ def kv_heads(ratio: int) -> int:
     return 2 if ratio <= 4 else 1  # several KV heads where the model stays small
 
 
-@pytest.fixture(scope="module", params=[(r, d) for r in RATIOS for d in HEAD_DIMS], ids=lambda p: f"gqa{p[0]}-d{p[1]}")
+@pytest.fixture(scope="module", params=SHAPES, ids=lambda p: f"gqa{p[0]}-d{p[1]}")
 def shaped(request, tmp_path_factory):
     """A one-layer random Llama with this GQA ratio and head_dim (hidden 336, divisible by every head count)."""
     ratio, head_dim = request.param
@@ -64,8 +66,7 @@ def test_every_preset_decodes_100_tokens_on_every_shape(shaped, preset):
 
 
 @needs_kernels
-@pytest.mark.parametrize("ratio", RATIOS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("ratio,head_dim", SHAPES, ids=lambda p: str(p))
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_kernels_attend_like_the_reference_on_every_shape(ratio, head_dim, preset):
     """One decode step's attention over a filled cache: the exact kernels to float rounding."""

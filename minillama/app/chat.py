@@ -21,7 +21,7 @@ import torch
 
 from minillama.app.chat_template import encode_chat
 from minillama.app.options import CHARS_PER_TOKEN_BOUND
-from minillama.errors import UserError
+from minillama.errors import UserError, shown
 from minillama.kv.cache import KVCache
 from minillama.kv.file import CacheFileError, check_replaceable, read, read_header, write_atomic
 from minillama.kv.spec import KVSpec, parse_kv
@@ -315,6 +315,9 @@ HELP = """Commands:
 End a line with \\ to continue your message on the next line. Ctrl-C stops a reply."""
 
 
+COMMANDS = ["/help", "/stats", "/kv", "/system", "/reset", "/save", "/load", "/exit", "/quit"]
+
+
 def handle_command(session: ChatSession, line: str, out) -> bool:
     """Run a /command; returns False when the REPL should exit."""
     cmd, _, arg = line.strip().partition(" ")
@@ -347,7 +350,11 @@ def handle_command(session: ChatSession, line: str, out) -> bool:
         elif cmd == "/load" and arg:
             out(session.load(arg))
         else:
-            out(f"unknown or incomplete command {line.strip()!r}: type /help")
+            import difflib
+
+            close = difflib.get_close_matches(cmd, COMMANDS, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close and close[0] != cmd else ""
+            out(f"unknown or incomplete command {shown(line.strip())}: {hint}type /help")
     except UserError as e:
         out(f"error: {e}")
     except KeyboardInterrupt:

@@ -58,6 +58,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         on_full: str = "evict",
     ):
+        spec = spec.fitted(head_dim)
         spec.validate(head_dim, n_layers)
         if capacity < spec.min_capacity:
             tier = f" + tier={spec.tier}" if spec.tier else ""

@@ -100,10 +100,6 @@ class Codec:
 
     def validate(self, head_dim: int, group: int) -> None:
         """Raise a UserError when this codec cannot store vectors of head_dim at this group size."""
-        if self.rotate and head_dim & (head_dim - 1):
-            raise UserError(
-                f"codec {self.name} needs a power-of-two head_dim for the Hadamard rotation, got {head_dim}"
-            )
         if self.channel_groups and head_dim % group:
             raise UserError(f"group={group} does not divide head_dim={head_dim}: pick a divisor of {head_dim}")
         try:

@@ -33,7 +33,9 @@ than a product of scalar grids (the "space-filling" and "shape" gains of vector 
 
 The Hadamard rotation (QuaRot, Ashkboos et al. 2024) spreads outliers across channels
 before quantization: H is the normalized Walsh-Hadamard matrix, orthonormal and
-symmetric, so H @ H = I and (x H)(y H)^T = x y^T.
+symmetric, so H @ H = I and (x H)(y H)^T = x y^T. A head whose size is not a power of two
+(80, 96) is rotated in power-of-two blocks, largest first (80 = 64 + 16): still orthonormal
+and symmetric, with most channels mixed over the widest block.
 """
 
 from __future__ import annotations
@@ -320,38 +322,52 @@ def dequantize_vectors(codes: torch.Tensor, scale: torch.Tensor, dim: int, bits:
     return (_grouped(v, group, "token") * scale.float().unsqueeze(-1)).reshape(v.shape)
 
 
+def hadamard_blocks(d: int) -> list[int]:
+    """The power-of-two blocks, largest first, that a head of d channels is rotated in: one block
+    when d is a power of two (64, 128), else its binary digits (80 = 64 + 16, 96 = 64 + 32)."""
+    return [1 << b for b in reversed(range(d.bit_length())) if d >> b & 1]
+
+
 @functools.lru_cache(maxsize=16)
 def _hadamard_cpu(d: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:  # Sylvester's construction: [[H, H], [H, -H]]
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(d)
+    h = torch.zeros(d, d)
+    i = 0
+    for n in hadamard_blocks(d):
+        block = torch.ones(1, 1)
+        while block.shape[0] < n:  # Sylvester's construction: [[H, H], [H, -H]]
+            block = torch.cat([torch.cat([block, block], 1), torch.cat([block, -block], 1)], 0)
+        h[i : i + n, i : i + n] = block / math.sqrt(n)
+        i += n
+    return h
 
 
 def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Normalized Walsh-Hadamard matrix (d, d); d must be a power of two."""
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"Hadamard rotation needs a power-of-two head_dim, got {d}")
+    """The rotation (d, d): the normalized Walsh-Hadamard matrix for a power-of-two d, else the
+    block-diagonal matrix of one per hadamard_blocks(d). Orthonormal and symmetric either way."""
+    if d < 1:
+        raise ValueError(f"a Hadamard rotation needs at least one channel, got {d}")
     return _hadamard_cpu(d).to(device=device, dtype=dtype)
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """x (..., D) -> x @ H in x's dtype. Since H is symmetric and orthonormal this is also the inverse.
+    """x (..., D) -> x @ H in x's dtype (H = hadamard_matrix(D)). Since H is symmetric and
+    orthonormal this is also the inverse.
 
-    Computed as the fast Walsh-Hadamard transform (log2 D rounds of sums and differences of
-    halves of blocks, in float32, then one scale by 1/sqrt(D) and one rounding to x's dtype):
-    D log D work instead of D^2, and the very operations, in the very order, of the C++ cache
-    write (native/encode.cpp), so both store identical bytes."""
-    d = x.shape[-1]
-    hadamard_matrix(d)  # the power-of-two check, with its message
-    y = x.float()
-    h = 1
-    while h < d:
-        blocks = y.reshape(*y.shape[:-1], d // (2 * h), 2, h)  # (..., blocks, 2, h): pairs h apart
-        a, b = blocks[..., 0, :], blocks[..., 1, :]
-        y = torch.stack([a + b, a - b], dim=-2).reshape(y.shape)
-        h *= 2
-    return (y * (1.0 / math.sqrt(d))).to(x.dtype)
+    Computed block by block as the fast Walsh-Hadamard transform (log2 n rounds of sums and
+    differences of halves of blocks, in float32, then one scale by 1/sqrt(n) and one rounding to
+    x's dtype): n log n work instead of n^2, and the very operations, in the very order, of the
+    C++ cache write (native/hadamard.h), so both store identical bytes."""
+    y, out, i = x.float(), [], 0
+    for n in hadamard_blocks(x.shape[-1]):
+        b, h = y[..., i : i + n], 1
+        while h < n:
+            pairs = b.reshape(*b.shape[:-1], n // (2 * h), 2, h)  # (..., blocks, 2, h): pairs h apart
+            b = torch.stack([pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]], -2)
+            b = b.reshape(*y.shape[:-1], n)
+            h *= 2
+        out.append(b * (1.0 / math.sqrt(n)))
+        i += n
+    return torch.cat(out, -1).to(x.dtype)
 
 
 def frequency_block_order(d: int, nb: int) -> list[int]:

@@ -131,6 +131,22 @@ class KVSpec:
             f"{side.upper()} " + ", ".join(f"{c} x{n}" for c, n in sorted(counts[side].items())) for side in "kv"
         )
 
+    def fitted(self, head_dim: int) -> KVSpec:
+        """This spec for heads of head_dim channels: where a codec scales groups of a token's
+        channels and the group does not divide the head (32 of 80), the group becomes the largest
+        power of two that divides the head and is no larger (16): never coarser than asked."""
+
+        def fit(group: int, codecs: list[Codec]) -> int:
+            if head_dim <= 0 or not head_dim % group or not any(c.channel_groups for c in codecs):
+                return group
+            return next(g for g in (1 << b for b in reversed(range(group.bit_length()))) if not head_dim % g)
+
+        pairs = [(self.k, self.v), *self.layer_codecs]
+        kgroup, vgroup = fit(self.kgroup, [k for k, _ in pairs]), fit(self.vgroup, [v for _, v in pairs])
+        if (kgroup, vgroup) == (self.kgroup, self.vgroup):
+            return self
+        return replace(self, kgroup=kgroup, vgroup=vgroup, name="")
+
     def validate(self, head_dim: int, n_layers: int | None = None) -> None:
         if n_layers is not None and self.layer_codecs and len(self.layer_codecs) != n_layers:
             if self.name in maps():
@@ -255,11 +271,18 @@ def codec_named(name: str) -> Codec | None:
     return CODECS.get(name) or frequency_blocks(name)
 
 
-def _choices() -> str:
-    return (
-        f"presets: {', '.join([*PRESETS, *maps()])}; codecs: {', '.join(CODECS)}, "
-        "lm{b}f{nb}:{widths} (frequency blocks)"
-    )
+def _nearest(name: str, names: list[str]) -> str:
+    """ "did you mean X?" for the closest of `names` (difflib's ratio), else where the names are listed."""
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    listing = "`minillama kv --list` lists them"
+    return f"did you mean {' or '.join(close)}? ({listing})" if close else listing
+
+
+def _choices(name: str, codecs_only: bool = False) -> str:
+    names = list(CODECS) if codecs_only else [*PRESETS, *maps(), *CODECS]
+    return _nearest(name, names)
 
 
 def named_spec(name: str) -> str | None:
@@ -286,7 +309,7 @@ def parse_kv(text: str) -> KVSpec:
     if base is not None:  # a preset with fields changed: hadv2,sinks=4
         return _changed(first.strip(), base, changes, text)
     if "=" not in text:
-        raise UserError(f"unknown --kv preset {shown(text)} ({_choices()})")
+        raise UserError(f"unknown --kv preset {shown(text)}: {_choices(text)}")
     fields: dict[str, str] = {}
     for item in text.split(","):
         m = _FIELD.match(item.strip())
@@ -306,10 +329,10 @@ def parse_kv(text: str) -> KVSpec:
         fields.setdefault("k", first_pair[0].name)
         fields.setdefault("v", first_pair[1].name)
     if "k" not in fields or "v" not in fields:
-        raise UserError(f"--kv {shown(text)} must name both k= and v= codecs ({_choices()})")
+        raise UserError(f"--kv {shown(text)} must name both k= and v= codecs (`minillama kv --list` lists them)")
     for key in ("k", "v"):
         if key in fields and codec_named(fields[key]) is None:
-            raise UserError(f"unknown codec {shown(fields[key])} for {key}= ({_choices()})")
+            raise UserError(f"unknown codec {shown(fields[key])} for {key}=: {_choices(fields[key], True)}")
     k, v = codec_named(fields["k"]), codec_named(fields["v"])
     nums = {}
     for key in NUMBERS:
@@ -399,7 +422,7 @@ def _tier(text: str, quantized: bool) -> tuple[int, Codec]:
         raise UserError(f"--kv tier={shown(text)}: write tier=N:CODEC, N tokens of at least 1 (e.g. tier=56:lm4hb)")
     codec = codec_named(name.strip())
     if codec is None:
-        raise UserError(f"unknown codec {shown(name.strip())} for tier= ({_choices()})")
+        raise UserError(f"unknown codec {shown(name.strip())} for tier=: {_choices(name.strip(), True)}")
     per_channel = codec.unit(2) != 1  # unit(G) is G for codecs that quantize along time
     if not codec.quantized or per_channel or codec.row_kind is None:
         raise UserError(

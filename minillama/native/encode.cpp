@@ -293,21 +293,22 @@ static bool vector_codable(int D, int bits, int G, int dim, int P) {
     return dim >= 1 && dim <= 8 && bits * dim == 8 && P == (256 >> dim) && G >= dim && G % dim == 0 && D % G == 0;
 }
 
-// One row x (D, dtype) into storage form: rotated (nb blocks of n = D / nb channels, `norm` =
-// 1/sqrt(n)), less the center c (D fp16, or null), as fp16 in out; how many outputs are not
-// finite. v: D floats of scratch.
-static int prepare_row(const void* x, int dtype, int D, int rotate, int nb, float norm, const uint16_t* c, float* v,
+// One row x (D, dtype) into storage form: rotated (rotate 1: hadamard.h's blocks; nb > 1: nb
+// frequency blocks of D / nb channels; each block of n scaled by 1/sqrt(n)), less the center c
+// (D fp16, or null), as fp16 in out; how many outputs are not finite. v: D floats of scratch.
+static int prepare_row(const void* x, int dtype, int D, int rotate, int nb, const uint16_t* c, float* v,
                        uint16_t* out) {
-    const int n = D / nb;
     for (int d = 0; d < D; d++) v[d] = load_value(x, d, dtype);
     if (rotate > 1) {  // the channels in frequency-block order (hadamard.h)
         Scratch<float> row(D);
         std::memcpy(row.data(), v, sizeof(float) * D);
         frequency_blocks(row.data(), D, nb, v);
     }
-    if (rotate) {
-        for (int i = 0; i < D; i += n) fwht(v + i, n);
-        for (int d = 0; d < D; d++) v[d] = round_to_dtype(v[d] * norm, dtype);
+    for (int i = 0, n; rotate && i < D; i += n) {
+        n = nb > 1 ? D / nb : hadamard_block(D - i);
+        fwht(v + i, n);
+        const float norm = (float)(1.0 / std::sqrt((double)n));
+        for (int d = i; d < i + n; d++) v[d] = round_to_dtype(v[d] * norm, dtype);
     }
     int bad = 0;
     for (int d = 0; d < D; d++) {
@@ -320,8 +321,8 @@ static int prepare_row(const void* x, int dtype, int D, int rotate, int nb, floa
 
 // Whether a rotation of D channels in max(rotate, 1) blocks is one prepare_row makes.
 static bool rotation_ok(int D, int rotate) {
-    const int nb = std::max(rotate, 1), n = D / nb;
-    return rotate >= 0 && !(rotate && (D % (2 * nb) || (n & (n - 1))));
+    const int n = D / std::max(rotate, 1);
+    return rotate >= 0 && !(rotate > 1 && (D % (2 * rotate) || (n & (n - 1))));
 }
 
 extern "C" {
@@ -335,7 +336,6 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
     if (dtype < 0 || dtype > 2) return -MINILLAMA_E_DTYPE;
     if (!rotation_ok(D, rotate)) return -MINILLAMA_E_HEAD_DIM;
     const int nb = std::max(rotate, 1);
-    const float norm = (float)(1.0 / std::sqrt((double)(D / nb)));
     const size_t row_bytes = (size_t)D * dtype_bytes(dtype);
     int64_t bad = 0;
     // A decode token's few dozen rows take less time than waking a thread: one thread below 256.
@@ -345,7 +345,7 @@ int64_t prepare_rows(const void* x, int dtype, int64_t rows, int D, int rotate, 
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t* c = center ? center + (r / rows_per_center) * D : nullptr;
-        bad += prepare_row((const char*)x + r * row_bytes, dtype, D, rotate, nb, norm, c, v.data(), out + r * D);
+        bad += prepare_row((const char*)x + r * row_bytes, dtype, D, rotate, nb, c, v.data(), out + r * D);
     }
     }
     return bad;
@@ -478,10 +478,9 @@ static int check_write(const TokenWrite& w) {
 // layers[r / BH] in x, rotated, less its center; how many outputs are not finite. v: D floats.
 static int fresh_row(const TokenWrite& w, int64_t r, float* v, uint16_t* out) {
     const int nb = std::max(w.rotate, 1);
-    const float norm = (float)(1.0 / std::sqrt((double)(w.D / nb)));
     const size_t row_bytes = (size_t)w.D * dtype_bytes(w.dtype);
     const char* x = (const char*)w.x + ((int64_t)w.layers[r / w.BH] * w.BH + r % w.BH) * row_bytes;
-    return prepare_row(x, w.dtype, w.D, w.rotate, nb, norm, w.center ? w.center + r * w.D : nullptr, v, out);
+    return prepare_row(x, w.dtype, w.D, w.rotate, nb, w.center ? w.center + r * w.D : nullptr, v, out);
 }
 
 // Frequency-block keys (kv/freq_blocks.py: encode_blocks): block b of the flush rows (flush, D),

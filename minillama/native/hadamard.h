@@ -72,11 +72,22 @@ static inline void fwht(float* x, int D) {
     fwht_reference(x, D);
 }
 
-// x <- x H, H the normalized Sylvester-Hadamard matrix (D a power of two).
+// x <- x H, H the normalized Sylvester-Hadamard matrix for a power-of-two D, else one such block
+// per power of two in D, largest first (80 = 64 + 16: kv/quantize.py's hadamard_blocks);
+// hadamard_block(left) is the next block's size when `left` channels are left.
+static inline int hadamard_block(int left) {
+    int n = 1;
+    while (2 * n <= left) n *= 2;
+    return n;
+}
+
 static inline void hadamard(float* x, int D) {
-    fwht(x, D);
-    const float norm = 1.f / std::sqrt((float)D);
-    for (int d = 0; d < D; d++) x[d] *= norm;
+    for (int i = 0, n; i < D; i += n) {
+        n = hadamard_block(D - i);
+        fwht(x + i, n);
+        const float norm = 1.f / std::sqrt((float)n);
+        for (int d = i; d < i + n; d++) x[d] *= norm;
+    }
 }
 
 // out <- x's D channels in nb RoPE frequency blocks (kv/quantize.py: frequency_block_order): block

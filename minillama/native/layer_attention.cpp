@@ -290,7 +290,7 @@ extern "C" int attend_layer(const LayerPlan* plan) {
     if (B < 1 || H < 1 || P.nk < 0 || P.nk > MINILLAMA_MAX_PARTS || P.nv < 0 || P.nv > MINILLAMA_MAX_PARTS)
         return MINILLAMA_E_SHAPE;
     if (R < 1 || R > 16) return MINILLAMA_E_GQA;
-    if ((P.rotate_k || P.rotate_v) && (D & (D - 1))) return MINILLAMA_E_HEAD_DIM;
+    if (P.rotate_k > 1 && ((D / P.rotate_k) & (D / P.rotate_k - 1))) return MINILLAMA_E_HEAD_DIM;  // blocks of 2^k
     if (P.rotate_k < 0 || P.rotate_v < 0 || P.rotate_v > 1 || (P.rotate_k > 1 && (D % (2 * P.rotate_k) || D > 512)))
         return MINILLAMA_E_HEAD_DIM;
     Segments ks{P.kparts, P.nk, {}}, vs{P.vparts, P.nv, {}};

@@ -200,7 +200,7 @@ int exact_is_faster(int values, const RowSource* src, int D);
 
 // A prefill chunk's causal attention (prefill_attention.cpp), float32: q (B, Hq, T, D), k and v
 // (B, Hkv, L, D), out (B, Hq, T, D), each by its strides in elements (batch, head, token; channels
-// contiguous). Query t sees keys 0 .. L - T + t. D 64 or 128.
+// contiguous). Query t sees keys 0 .. L - T + t. D 64, 80, 96, 128 or 256.
 int causal_attention(const float* q, const int64_t* q_strides, const float* k, const int64_t* k_strides,
                      const float* v, const int64_t* v_strides, int B, int Hq, int Hkv, int T, int L, int D,
                      float* out, const int64_t* out_strides);

@@ -13,8 +13,8 @@
 //             registers. The queries are scaled by log2(e) / sqrt(D) once, so softmax is 2^s.
 //   softmax   online (running max m and sum l per row): a block that raises a row's max
 //             rescales what the row has summed so far by 2^(m_old - m_new).
-//   values    O += P V for 4 rows (D 64) or 2 rows (D 128) at a time, each value row read once
-//             for those rows.
+//   values    O += P V for RV rows at a time, 4 vectors of channels at a time, each value row
+//             read once for those rows.
 //
 // Written with GCC's vector extensions (vec: 16 floats), so the same source compiles to
 // AVX-512, to pairs of AVX2 registers, or to plain SSE: one kernel for every target. The
@@ -119,25 +119,32 @@ inline void scores_tile(const float* q, const float* kT, float* s) {
         for (int c = 0; c < NK; c++) store(s + r * KB + c * W, acc[r][c]);
 }
 
-// o[r] += sum_j p[r][j] v_j for RV rows of D channels (CV vectors at a time), over n <= KB value
-// rows (row j at v + j * vstride).
+// o[r] += sum_j p[r][j] v_j for RV rows of D channels, C vectors of channels (from c0) at a
+// time, over n <= KB value rows (row j at v + j * vstride).
+template <int D, int C>
+inline void values_chunk(const float* p, const float* v, int64_t vstride, int n, float* o, int c0) {
+    vec acc[RV][C];
+    for (int r = 0; r < RV; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = load(o + r * D + c0 + c * W);
+    for (int j = 0; j < n; j++) {
+        vec row[C];
+        for (int c = 0; c < C; c++) row[c] = load(v + j * vstride + c0 + c * W);
+        for (int r = 0; r < RV; r++) {
+            const float w = p[r * KB + j];
+            for (int c = 0; c < C; c++) acc[r][c] += w * row[c];
+        }
+    }
+    for (int r = 0; r < RV; r++)
+        for (int c = 0; c < C; c++) store(o + r * D + c0 + c * W, acc[r][c]);
+}
+
+// The head's channels CV vectors at a time, then the vectors left (80 channels: 4 + 1 on AVX-512).
 template <int D>
 inline void values_tile(const float* p, const float* v, int64_t vstride, int n, float* o) {
-    for (int c0 = 0; c0 < D; c0 += CV * W) {
-        vec acc[RV][CV];
-        for (int r = 0; r < RV; r++)
-            for (int c = 0; c < CV; c++) acc[r][c] = load(o + r * D + c0 + c * W);
-        for (int j = 0; j < n; j++) {
-            vec row[CV];
-            for (int c = 0; c < CV; c++) row[c] = load(v + j * vstride + c0 + c * W);
-            for (int r = 0; r < RV; r++) {
-                const float w = p[r * KB + j];
-                for (int c = 0; c < CV; c++) acc[r][c] += w * row[c];
-            }
-        }
-        for (int r = 0; r < RV; r++)
-            for (int c = 0; c < CV; c++) store(o + r * D + c0 + c * W, acc[r][c]);
-    }
+    static_assert(D % W == 0, "a head of whole vectors");
+    constexpr int full = D / (CV * W) * (CV * W), tail = (D - full) / W;
+    for (int c0 = 0; c0 < full; c0 += CV * W) values_chunk<D, CV>(p, v, vstride, n, o, c0);
+    if constexpr (tail > 0) values_chunk<D, tail>(p, v, vstride, n, o, full);
 }
 
 struct Strides {
@@ -255,12 +262,14 @@ int causal_attention(const float* q, const int64_t* q_strides, const float* k, c
     if (B <= 0 || T <= 0 || L < T) return MINILLAMA_E_SHAPE;
     const Strides qs{q_strides[0], q_strides[1], q_strides[2]}, ks{k_strides[0], k_strides[1], k_strides[2]};
     const Strides vs{v_strides[0], v_strides[1], v_strides[2]}, os{out_strides[0], out_strides[1], out_strides[2]};
-    if (D == 64)
-        causal_attention_impl<64>(q, qs, k, ks, v, vs, B, Hq, Hkv, T, L, out, os);
-    else if (D == 128)
-        causal_attention_impl<128>(q, qs, k, ks, v, vs, B, Hq, Hkv, T, L, out, os);
-    else
-        return MINILLAMA_E_HEAD_DIM;
+    switch (D) {  // the head sizes Llamas use, each its own unrolled kernel
+        case 64: causal_attention_impl<64>(q, qs, k, ks, v, vs, B, Hq, Hkv, T, L, out, os); break;
+        case 80: causal_attention_impl<80>(q, qs, k, ks, v, vs, B, Hq, Hkv, T, L, out, os); break;
+        case 96: causal_attention_impl<96>(q, qs, k, ks, v, vs, B, Hq, Hkv, T, L, out, os); break;
+        case 128: causal_attention_impl<128>(q, qs, k, ks, v, vs, B, Hq, Hkv, T, L, out, os); break;
+        case 256: causal_attention_impl<256>(q, qs, k, ks, v, vs, B, Hq, Hkv, T, L, out, os); break;
+        default: return MINILLAMA_E_HEAD_DIM;
+    }
     return MINILLAMA_OK;
 }
 

@@ -239,8 +239,8 @@ class NativeStep:
 
 def chunk_attention(lib):
     """How the PyTorch layers attend a chunk of new tokens on the kernels backend (model/attention.py:
-    attend's ``fused``): native/prefill_attention.cpp where it takes the shape (float32, head_dim 64
-    or 128), else PyTorch's SDPA (the reason recorded)."""
+    attend's ``fused``): native/prefill_attention.cpp where it takes the shape (float32, head_dim 64,
+    80, 96, 128 or 256), else PyTorch's SDPA (the reason recorded)."""
 
     def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         try:
