@@ -328,3 +328,19 @@ def test_random_command_lines_never_end_the_session(talked, command, arg):
     assert said and all(isinstance(s, str) for s in said)
     if said[0].startswith(("error:", "unknown")):  # a refused command changed nothing
         assert snapshot(talked) == before and len(said) == 1
+
+
+@pytest.mark.parametrize(
+    "value,expected", [(None, "~/.minillama_history"), ("off", None), ("", None), ("/tmp/h.txt", "/tmp/h.txt")]
+)
+def test_the_history_file_is_documented_and_can_be_turned_off(monkeypatch, value, expected):
+    from pathlib import Path
+
+    from minillama.app.chat import history_file
+
+    if value is None:
+        monkeypatch.delenv("MINILLAMA_HISTORY", raising=False)
+    else:
+        monkeypatch.setenv("MINILLAMA_HISTORY", value)
+    assert history_file() == (None if expected is None else Path(expected).expanduser())
+    assert "MINILLAMA_HISTORY=off" in (Path(__file__).parent.parent / "docs" / "chat.md").read_text()

@@ -386,6 +386,17 @@ def bounded_lines(stream, limit: int, ctx: int):
         yield line
 
 
+def history_file() -> Path | None:
+    """Where typed lines are kept for the arrow keys: MINILLAMA_HISTORY (a path; "off" or empty
+    for nowhere), else ~/.minillama_history (docs/chat.md)."""
+    import os
+
+    chosen = os.environ.get("MINILLAMA_HISTORY")
+    if chosen is None:
+        return Path.home() / ".minillama_history"
+    return None if chosen.strip().lower() in ("", "off") else Path(chosen).expanduser()
+
+
 def repl(session: ChatSession, interactive: bool, echo, echo_err) -> None:
     """The read-eval-print loop. Non-interactive: one stdin line per turn, replies only on stdout."""
     import sys
@@ -394,8 +405,8 @@ def repl(session: ChatSession, interactive: bool, echo, echo_err) -> None:
         try:
             import readline  # noqa: F401  (line editing and history for input())
 
-            history = Path.home() / ".minillama_history"
-            if history.exists():
+            history = history_file()
+            if history is not None and history.exists():
                 readline.read_history_file(history)
         except (ImportError, OSError):
             history = None
