@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from minillama.app.cli import cli
 from minillama.errors import UserError
-from minillama.eval.perplexity import cached_scores, evaluate, make_windows
+from minillama.eval.perplexity import PplResult, cached_scores, evaluate, make_windows
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
 from minillama.native import backend
@@ -48,6 +48,26 @@ def test_ppl_is_exp_mean_nll_of_full_forward_logits(tiny, ids):
     nll = [-float(logp[i - 1, ids[5 + i]]) for i in range(p, n)]
     assert r.ppl == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
     assert r.tokens_scored == n - p
+    sem = torch.tensor(nll, dtype=torch.float64).std() / math.sqrt(len(nll))  # as llama-perplexity's "+/-"
+    assert r.ppl_sem == pytest.approx(r.ppl * float(sem), rel=1e-4)
+
+
+def test_table_columns_never_run_together_whatever_the_numbers():
+    """A perplexity of 161,465 beside a KLD once printed as '0.16146550.0853'; each column is as
+    wide as its widest cell, two spaces apart."""
+    from dataclasses import replace
+
+    from minillama.eval.perplexity import format_table
+
+    small = PplResult(
+        "fp16", 12.5, 0.3, 12.5, 0.0, 0.0, 0.0, 1.0, 16.0, 1000, 80, 50.0, "m", 96, 16, 1, "float32", None, 0
+    )
+    huge = replace(small, kv="k=int2,v=int2,group=128", ppl=161465.5, ppl_sem=80853.1, delta_pct=1291624.0)
+    lines = format_table([small, huge]).splitlines()
+    header, *rows = lines[1:]
+    assert len(header.split("  ")) >= 11 and "161465.5000" in rows[1].split()
+    for row in rows:
+        assert len(row.split()) == 11  # eleven numbers, none merged with its neighbour
 
 
 @pytest.mark.parametrize("name, atol", [("kernels-exact", 1e-5), ("kernels", 1e-3), ("reference", 1e-5)])
@@ -103,6 +123,7 @@ def test_json_output_has_exactly_the_documented_keys(tiny_dir, tmp_path):
     keys = {
         "kv",
         "ppl",
+        "ppl_sem",
         "ppl_blind",
         "delta_pct",
         "kld_mean",
@@ -124,6 +145,7 @@ def test_json_output_has_exactly_the_documented_keys(tiny_dir, tmp_path):
     types = {
         "kv": str,
         "ppl": float,
+        "ppl_sem": float,
         "ppl_blind": float,
         "delta_pct": float,
         "kld_mean": float,

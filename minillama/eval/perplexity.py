@@ -50,6 +50,7 @@ from minillama.model.loader import LoadedModel
 class PplResult:
     kv: str
     ppl: float
+    ppl_sem: float  # its standard error: ppl x the standard error of the mean NLL (as llama-perplexity)
     ppl_blind: float | None
     delta_pct: float
     kld_mean: float | None  # mean over scored tokens of KL(p_exact || p_cached), nats
@@ -272,7 +273,9 @@ def evaluate(
     results: list[PplResult] = []
     blinds: list[float] = []
     for spec, cache, scores in zip(specs, caches, scored):
-        ppl = math.exp(float(scores.nll.mean()))
+        nll = scores.nll.double().flatten()
+        ppl = math.exp(float(nll.mean()))
+        sem = float(nll.std() / math.sqrt(nll.numel())) if nll.numel() > 1 else float("nan")
         ppl_blind = None
         if blind and not streaming:
             blind_cache = KVCache.for_model(lm.config, spec, cache.capacity, batch=windows, device=lm.model.device)
@@ -282,6 +285,7 @@ def evaluate(
             PplResult(
                 kv=str(spec),
                 ppl=ppl,
+                ppl_sem=ppl * sem,
                 ppl_blind=ppl_blind,
                 delta_pct=100 * (ppl / results[0].ppl - 1) if results else 0.0,
                 kld_mean=float(scores.kld.mean()) if scores.kld is not None else None,
@@ -310,11 +314,22 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def aligned(table: list[list[str]]) -> list[str]:
+    """Rows of cells as lines: the first column left-aligned, the rest right-aligned, each as wide
+    as its widest cell and two spaces apart, so no two columns ever run together."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in table
+    ]
+
+
 def format_table(results: list[PplResult], chunk: int = 1) -> str:
     r0 = results[0]
     head = (
         f"cached-path perplexity: {r0.model}, {r0.windows} window(s) x {r0.tokens} tokens, prefill {r0.prefill}, "
-        f"{r0.tokens_scored} tokens scored per scheme, evaluation in {r0.dtype}"
+        f"{r0.tokens_scored} tokens scored per scheme, evaluation in {r0.dtype}; ± is ppl's standard error "
+        "(ppl x the standard error of the mean NLL, as llama-perplexity)"
     )
     if r0.ctx is not None:
         head += (
@@ -323,18 +338,26 @@ def format_table(results: list[PplResult], chunk: int = 1) -> str:
         )
     if chunk > 1:
         head += f"\nAPPROXIMATION: --chunk {chunk} decodes {chunk} tokens per step (each chunk sees its own exact K/V)"
-    cols = (
-        f"{'kv':<34}{'bits/el':>8}{'cache MB':>10}{'ppl':>10}{'Δ%':>8}{'KLD mean':>10}{'KLD p99':>9}"
-        f"{'top-1 %':>9}{'blind ppl':>11}{'decode tok/s':>14}"
-    )
-    rows = []
+    header = ["kv", "bits/el", "cache MB", "ppl", "±", "Δ%", "KLD mean", "KLD p99", "top-1 %", "blind ppl"]
+    table = [header + ["decode tok/s"]]
     for r in results:
         top1 = None if r.top1_agree is None else 100 * r.top1_agree
-        rows.append(
-            f"{r.kv:<34}{r.bits_per_element:>8.2f}{r.cache_bytes / 1e6:>10.2f}{r.ppl:>10.4f}"
-            f"{r.delta_pct:>+8.2f}{_num(r.kld_mean, '.5f'):>10}{_num(r.kld_p99, '.4f'):>9}{_num(top1, '.2f'):>9}"
-            f"{_num(r.ppl_blind, '.4f'):>11}{r.decode_tokens_per_s:>14.1f}"
+        table.append(
+            [
+                r.kv,
+                f"{r.bits_per_element:.2f}",
+                f"{r.cache_bytes / 1e6:.2f}",
+                f"{r.ppl:.4f}",
+                f"{r.ppl_sem:.4f}",
+                f"{r.delta_pct:+.2f}",
+                _num(r.kld_mean, ".5f"),
+                _num(r.kld_p99, ".4f"),
+                _num(top1, ".2f"),
+                _num(r.ppl_blind, ".4f"),
+                f"{r.decode_tokens_per_s:.1f}",
+            ]
         )
+    cols, *rows = aligned(table)
     lines = [head, cols, *rows]
     if r0.buckets:
         lines += [
