@@ -20,6 +20,7 @@ KEYS = {
     "context": int,
     "decode_ms_per_token": float,
     "decode_tokens_per_s": float,
+    "spread_pct": float,
     "attention_ms_per_layer": float,
     "attention_gb_s": float,
     "projection_ms": float,
@@ -78,6 +79,28 @@ def test_bench_json_schema(tiny_dir):
         # GB/s is the bytes one layer's attention read over its time
         layer_bytes = row["attention_gb_s"] * 1e6 * row["attention_ms_per_layer"]
         assert layer_bytes == pytest.approx(row["cache_bytes"] / 2, rel=0.1)  # one of the 2 layers' share of the cache
+
+
+def bench_row(**changes):
+    from minillama.eval.bench import BenchRow
+
+    row = dict.fromkeys(KEYS, 1.0) | {"kv": "fp16", "context": 512, "fallbacks": [], "backend": "kernels"}
+    return BenchRow(**{**row, "prefill_tokens_per_s": None, **changes})
+
+
+def test_the_table_warns_when_the_steps_of_a_row_disagree_and_explains_its_columns():
+    """A step time spread of 90% (a busy machine: 'attn GB/s 0.0', 'proj ms 972') earns one
+    warning line; 5% does not. Every column heading is explained under the table."""
+    from minillama.eval.bench import COLUMNS, format_table
+
+    calm = format_table([bench_row(spread_pct=5.0)], 1e10)
+    busy = format_table([bench_row(spread_pct=5.0), bench_row(spread_pct=90.0)], 1e10)
+    assert "warning" not in calm and "warning: the decode steps of 1 row(s) varied by up to 90%" in busy
+    header = calm.splitlines()[1]
+    for name in ("ms/tok", "spread", "attn ms/layer", "attn GB/s", "prefill/s", "cache MB", "read MB/tok"):
+        assert name in header and f"  {name}" in COLUMNS
+    for name in ("roofline", "peak RSS", "proj ms"):
+        assert name in header and f"  {name}" in COLUMNS
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -33,6 +33,21 @@ from minillama.native.weights import fused_rows
 from minillama.native.write import writer
 
 WARMUP = 3
+# Decode steps whose 10th and 90th percentile times lie further apart than this share of their
+# median were measured on a busy machine (alone, the spread is a few per cent): the table says so.
+NOISY_SPREAD_PCT = 25.0
+
+COLUMNS = """columns:
+  ms/tok, tok/s   a decode step's median time over the timed steps, and its inverse
+  spread          (90th - 10th percentile step time) / median: above 25% the machine was busy
+  attn ms/layer   one layer's decode attention alone (median, the layers in turn)
+  attn GB/s       the cache bytes one layer's attention reads / attn ms/layer
+  prefill/s       prompt tokens per second filling the cache (fill=prefill only)
+  cache MB        the bytes the cache holds at that context
+  read MB/tok     the bytes a step reads: weights plus the cache (the cache's own counters)
+  roofline        read MB/tok over the step time, as a share of the measured read bandwidth
+  peak RSS        the process's peak resident memory during the row
+  proj ms         every projection of one step alone (all layers' matrices and the LM head)"""
 
 
 @dataclass
@@ -41,6 +56,7 @@ class BenchRow:
     context: int
     decode_ms_per_token: float
     decode_tokens_per_s: float
+    spread_pct: float  # (p90 - p10) / median of the timed steps, in per cent
     attention_ms_per_layer: float  # one layer's decode attention kernel alone (median, every layer in turn)
     attention_gb_s: float  # the cache bytes one layer's attention reads / attention_ms_per_layer
     projection_ms: float  # every projection of one step alone (median): all layers' matrices and the LM head
@@ -144,6 +160,7 @@ def bench_row(
             times.append(time.perf_counter() - t0)
         token = int(logits.argmax())
     step_s = statistics.median(times)
+    deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [step_s] * 9
     read = weight_bytes_per_token(lm.model) + cache.bytes.last_read
     attention, projections = attention_ms(lm, cache), projection_ms(lm.model)
     layer_bytes = cache.bytes.last_read / lm.config.num_hidden_layers  # what one layer's attention read last step
@@ -152,6 +169,7 @@ def bench_row(
         context=context,
         decode_ms_per_token=1000 * step_s,
         decode_tokens_per_s=1 / step_s,
+        spread_pct=100 * (deciles[-1] - deciles[0]) / step_s,
         attention_ms_per_layer=attention,
         attention_gb_s=layer_bytes / attention / 1e6,
         projection_ms=projections,
@@ -237,22 +255,43 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
 
 
 def format_table(rows: list[BenchRow], bandwidth: float) -> str:
-    lines = [
+    from minillama.eval.perplexity import aligned
+
+    head = (
         f"decode benchmark: {rows[0].model}, weights {rows[0].dtype}, fill {rows[0].fill}; "
-        f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; backend {rows[0].backend}",
-        f"{'kv':<14}{'context':>8}{'ms/tok':>9}{'tok/s':>8}{'attn ms/layer':>14}{'attn GB/s':>10}{'prefill/s':>10}"
-        f"{'cache MB':>10}{'read MB/tok':>12}{'roofline':>9}{'peak RSS':>10}{'proj ms':>9}",
-    ]
+        f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; backend {rows[0].backend}"
+    )
+    table = [["kv", "context", "ms/tok", "tok/s", "spread", "attn ms/layer", "attn GB/s", "prefill/s", "cache MB"]]
+    table[0] += ["read MB/tok", "roofline", "peak RSS", "proj ms"]
     for r in rows:
-        pre = f"{r.prefill_tokens_per_s:.0f}" if r.prefill_tokens_per_s else "-"
-        lines.append(
-            f"{r.kv:<14}{r.context:>8}{r.decode_ms_per_token:>9.2f}{r.decode_tokens_per_s:>8.1f}"
-            f"{r.attention_ms_per_layer:>14.3f}{r.attention_gb_s:>10.1f}{pre:>10}"
-            f"{r.cache_bytes / 1e6:>10.1f}{r.bytes_read_per_token / 1e6:>12.1f}{r.roofline_pct:>8.0f}%"
-            f"{r.peak_rss_mb:>9.0f}M{r.projection_ms:>9.2f}"
+        table.append(
+            [
+                r.kv,
+                str(r.context),
+                f"{r.decode_ms_per_token:.2f}",
+                f"{r.decode_tokens_per_s:.1f}",
+                f"{r.spread_pct:.0f}%",
+                f"{r.attention_ms_per_layer:.3f}",
+                f"{r.attention_gb_s:.1f}",
+                f"{r.prefill_tokens_per_s:.0f}" if r.prefill_tokens_per_s else "-",
+                f"{r.cache_bytes / 1e6:.1f}",
+                f"{r.bytes_read_per_token / 1e6:.1f}",
+                f"{r.roofline_pct:.0f}%",
+                f"{r.peak_rss_mb:.0f}M",
+                f"{r.projection_ms:.2f}",
+            ]
         )
+    lines = [head, *aligned(table)]
     lines += [f"  {r.kv} at {r.context}: {reason}" for r in rows for reason in r.fallbacks]
-    return "\n".join(lines)
+    noisy = [r for r in rows if r.spread_pct > NOISY_SPREAD_PCT]
+    if noisy:
+        worst = max(r.spread_pct for r in noisy)
+        lines.append(
+            f"warning: the decode steps of {len(noisy)} row(s) varied by up to {worst:.0f}% of their median "
+            f"(more than {NOISY_SPREAD_PCT:.0f}%): another process was using the CPU; these numbers are not "
+            "the machine's -- rerun alone"
+        )
+    return "\n".join([*lines, COLUMNS])
 
 
 def plot(rows: list[BenchRow], path: str) -> None:
