@@ -52,7 +52,7 @@ def library_with(texts: dict[str, str], where: Path, what: str) -> ctypes.CDLL:
     out = where / "lib.so"
     sources = [str(where / "src" / s.name) for s in build.SOURCES]
     done = subprocess.run(
-        [build.compiler(), *build.COMMON, *build.TARGETS["native"], *sources, "-o", str(out)],
+        [build.compiler(), *build.compile_flags("native"), *sources, "-o", str(out)],
         capture_output=True,
         text=True,
     )

@@ -1,7 +1,7 @@
 // What this build of the kernels was compiled for, and the sizes of the structs of the C ABI
 // (minillama.h), which native/abi.py compares with its ctypes mirrors when the library loads.
 
-#include <omp.h>
+#include "openmp.h"
 
 #include "minillama.h"
 
@@ -30,6 +30,15 @@ extern "C" int minillama_features(void) {
 #endif
 #ifdef __AVX512VBMI__
     f |= MINILLAMA_FEATURE_AVX512_VBMI;
+#endif
+#ifdef __ARM_NEON
+    f |= MINILLAMA_FEATURE_NEON;
+#endif
+#ifdef __ARM_FEATURE_DOTPROD
+    f |= MINILLAMA_FEATURE_DOTPROD;
+#endif
+#ifndef _OPENMP
+    f |= MINILLAMA_FEATURE_NO_OPENMP;
 #endif
     return f;
 }

@@ -37,7 +37,17 @@ STATUS = {  # minillama.h: enum MinillamaStatus, the errors
 
 MAX_PARTS = 4  # minillama.h: MINILLAMA_MAX_PARTS (sinks, body, tier, residual)
 
-FEATURES = {1: "avx2", 2: "bmi2", 4: "avx512", 8: "avx512_bf16", 16: "avx512_vnni", 32: "avx512_vbmi"}
+FEATURES = {
+    1: "avx2",
+    2: "bmi2",
+    4: "avx512",
+    8: "avx512_bf16",
+    16: "avx512_vnni",
+    32: "avx512_vbmi",
+    64: "neon",
+    128: "dotprod",
+    256: "no OpenMP: one thread",
+}
 
 
 class RowSource(ctypes.Structure):

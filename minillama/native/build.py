@@ -7,7 +7,9 @@ ninja or the PyTorch headers (a torch extension takes a minute to compile on a 2
 Targets: ``native`` compiles with ``-march=native`` (every instruction the CPU has: AVX2,
 AVX-512, VNNI, BF16 ...; each kernel picks its path at compile time from what the target
 has), ``avx2`` for x86-64-v3 (AVX2, FMA, F16C, BMI2: the oldest CPUs the fast paths are
-written for), ``portable`` for any x86-64 (the plain C loops). The cached library is keyed
+written for), ``portable`` for any x86-64 (the plain C loops). On ARM (aarch64) ``native``
+builds the plain loops for the CPU (NEON by the compiler's vectorizer), x86 intrinsics stay
+behind their guards; a compiler without OpenMP builds one thread. The cached library is keyed
 by the sources, the compiler, the flags **and the CPU's instruction-set features**, so a
 cache directory shared between machines never hands one of them a binary it cannot run.
 ``MINILLAMA_LINE_TABLES=1`` adds line tables (``-g``; the same code) for profilers (perf,
@@ -38,7 +40,6 @@ COMMON = [
     "-fno-signed-zeros",
     "-fno-trapping-math",
     "-fno-math-errno",
-    "-fopenmp",
     "-shared",
     "-fPIC",
     "-std=c++17",
@@ -104,15 +105,30 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def compile_flags(target: str) -> list[str]:
-    return COMMON + TARGETS[target] + (["-g"] if os.environ.get("MINILLAMA_LINE_TABLES") == "1" else [])
+@functools.cache
+def openmp_flags(cxx: str) -> tuple[str, ...]:
+    """-fopenmp where the compiler builds an OpenMP program with it (GCC; clang with libomp), else
+    one thread and the pragmas quiet (native/openmp.h): Apple's clang has no OpenMP by default."""
+    probe = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+    try:
+        done = subprocess.run(
+            [cxx, "-fopenmp", "-x", "c++", "-", "-o", os.devnull], input=probe, capture_output=True, text=True
+        )
+    except OSError:
+        return ("-Wno-unknown-pragmas",)
+    return ("-fopenmp",) if done.returncode == 0 else ("-Wno-unknown-pragmas",)
+
+
+def compile_flags(target: str, cxx: str | None = None) -> list[str]:
+    threads = list(openmp_flags(cxx or compiler() or "g++"))
+    return COMMON + threads + TARGETS[target] + (["-g"] if os.environ.get("MINILLAMA_LINE_TABLES") == "1" else [])
 
 
 def library_path(target: str, cxx: str) -> Path:
     """Where the build for `target` is cached: keyed by the sources, the compiler, the flags and
     the CPU's instruction-set features."""
     source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
-    identity = source + " ".join([cxx, *compile_flags(target), *cpu_features()]).encode()
+    identity = source + " ".join([cxx, *compile_flags(target, cxx), *cpu_features()]).encode()
     return cache_dir() / f"minillama-kernels-{target}-{hashlib.sha256(identity).hexdigest()[:16]}.so"
 
 
@@ -136,7 +152,7 @@ def build(target: str = "native") -> tuple[ctypes.CDLL | None, str]:
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
         done = subprocess.run(
-            [cxx, *compile_flags(target), *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True
+            [cxx, *compile_flags(target, cxx), *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True
         )
         if done.returncode:
             tmp.unlink(missing_ok=True)

@@ -8,16 +8,24 @@
 #include <cstdint>
 #include <cstring>
 
+// IEEE half precision as the compiler names it: _Float16 on x86 (GCC 12+, clang), __fp16 on
+// ARM, whose C++ front ends have no _Float16. Conversions from float round to nearest even.
+#if defined(__aarch64__) || defined(__arm__)
+typedef __fp16 half;
+#else
+typedef _Float16 half;
+#endif
+
 static inline int dtype_bytes(int dtype) { return dtype == 0 ? 4 : 2; }  // one element's bytes
 
 static inline float half_to_float(uint16_t h) {
-    _Float16 f;
+    half f;
     std::memcpy(&f, &h, 2);
     return (float)f;
 }
 
 static inline uint16_t float_to_half(float x) {  // round to nearest even, as torch's .to(float16)
-    const _Float16 f = (_Float16)x;
+    const half f = (half)x;
     uint16_t h;
     std::memcpy(&h, &f, 2);
     return h;

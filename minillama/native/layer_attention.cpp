@@ -27,7 +27,7 @@
 #include "rows.h"
 
 #include <cmath>
-#include <omp.h>
+#include "openmp.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -175,7 +175,7 @@ static inline void store_vec(float* x, int D, int dtype, void* base, int64_t off
     if (dtype == 0) {
         std::memcpy((float*)base + offset, x, D * sizeof(float));
     } else if (dtype == 1) {
-        for (int d = 0; d < D; d++) ((_Float16*)base)[offset + d] = (_Float16)x[d];
+        for (int d = 0; d < D; d++) ((half*)base)[offset + d] = (half)x[d];
     } else {
         uint16_t* b = (uint16_t*)base + offset;
         for (int d = 0; d < D; d++) {  // round to nearest even, as torch does

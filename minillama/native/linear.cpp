@@ -29,7 +29,7 @@
 #include <vector>
 
 #ifdef _OPENMP
-#include <omp.h>
+#include "openmp.h"
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -208,8 +208,10 @@ struct PreparedX {
 };
 
 static void prepare_x(PreparedX& p) {
-    const int M = p.M, K = p.K;
     p.dpbf16 = false;
+#if LIN_DPBF16 || LIN_W
+    const int M = p.M, K = p.K;
+#endif
 #if LIN_DPBF16
     p.dpbf16 = p.xdt == 2 && p.wdt == 2 && K % 32 == 0;
     if (p.dpbf16) {

@@ -245,6 +245,9 @@ enum MinillamaFeature {
     MINILLAMA_FEATURE_AVX512_BF16 = 8,
     MINILLAMA_FEATURE_AVX512_VNNI = 16,
     MINILLAMA_FEATURE_AVX512_VBMI = 32,
+    MINILLAMA_FEATURE_NEON = 64,       // aarch64's Advanced SIMD
+    MINILLAMA_FEATURE_DOTPROD = 128,   // ARMv8.2 int8 dot products (sdot/udot)
+    MINILLAMA_FEATURE_NO_OPENMP = 256, // built without OpenMP: one thread
 };
 int minillama_features(void);
 int minillama_abi_size(int which);  // 0 RowSource, 1 Part, 2 LayerPlan, 3 LayerStep, 4 TokenWrite, 5 StepEnds

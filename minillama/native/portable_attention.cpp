@@ -109,7 +109,7 @@ static void score_channel_impl(const RowSource& s, int64_t bh, int R_, int D_, c
                                int n, float* __restrict__ out, int ls) {
     const int D = DC ? DC : D_, R = RC ? RC : R_;
     const int W = D * s.bits / 8;
-    float qs[16 * 512], cz[16], c[512];
+    float qs[16 * 512], cz[16] = {}, c[512];
     Cursor at(s.start, i0, s.slots);
     for (int i = i0, group_row = -1; i < i0 + n; i++, at.next()) {
         if (i / s.group != group_row) {  // new group: fold its scales into the query, its zeros into a constant

@@ -27,7 +27,7 @@
 #if defined(__AVX__)
 #include <immintrin.h>  // hmax's reductions; other targets (SSE, aarch64) take the plain loop
 #endif
-#include <omp.h>
+#include "openmp.h"
 
 #include <algorithm>
 #include <cmath>

@@ -12,16 +12,28 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
+#endif
 
 // Attention weights of far-away tokens are tiny; products with them become denormal
 // floats, which x86 handles in slow microcode. Each worker flushes them to zero while it
 // runs a block and restores its own floating-point state afterwards, so nothing outside
 // the kernel sees a change (unlike -ffast-math, which would flip it for the whole process).
+// ARM's FPCR has the same switch (FZ, bit 24); elsewhere nothing changes.
 struct FlushDenormals {
+#if defined(__x86_64__) || defined(__i386__)
     unsigned int saved;
     FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
     ~FlushDenormals() { _mm_setcsr(saved); }
+#elif defined(__aarch64__)
+    uint64_t saved;
+    FlushDenormals() {
+        __asm__ __volatile__("mrs %0, fpcr" : "=r"(saved));
+        __asm__ __volatile__("msr fpcr, %0" : : "r"(saved | (1ull << 24)));
+    }
+    ~FlushDenormals() { __asm__ __volatile__("msr fpcr, %0" : : "r"(saved)); }
+#endif
 };
 
 // Scale i of a part's scale rows: fp16, or a one-byte log scale (scale8).
@@ -320,7 +332,7 @@ static inline void load_row(const void* base, int64_t offset, int dtype, int D, 
     if (dtype == 0) {
         std::memcpy(out, (const float*)base + offset, D * sizeof(float));
     } else if (dtype == 1) {
-        const _Float16* h = (const _Float16*)base + offset;
+        const half* h = (const half*)base + offset;
         int d = 0;
 #ifdef MINILLAMA_AVX512
         for (; d + 16 <= D; d += 16) _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + d))));

@@ -1,0 +1,128 @@
+// A check of the kernels against scalar twins written here, for a machine with no Python: it is
+// compiled with the kernel sources into one program (tests/test_arm.py cross-compiles it for
+// aarch64 and runs it under qemu-aarch64). Prints one line per check and exits 1 on a mismatch.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "../minillama/native/dtypes.h"
+#include "../minillama/native/hadamard.h"
+#include "../minillama/native/minillama.h"
+
+static int failures = 0;
+
+static void report(const char* what, double err, double bound) {
+    const bool ok = err <= bound;
+    std::printf("%s %s: max error %.3g (bound %.3g)\n", ok ? "ok" : "FAIL", what, err, bound);
+    failures += !ok;
+}
+
+static std::vector<float> randn(size_t n, unsigned seed) {
+    std::mt19937 g(seed);
+    std::normal_distribution<float> d;
+    std::vector<float> x(n);
+    for (auto& v : x) v = d(g);
+    return x;
+}
+
+// y = x W^T, the projections' kernel, against a double-precision loop.
+static void check_gemm(int M, int N, int K) {
+    const auto x = randn((size_t)M * K, 1), w = randn((size_t)N * K, 2);
+    std::vector<float> y((size_t)M * N);
+    if (gemm_rows(x.data(), 0, w.data(), 0, M, N, K, y.data()) != MINILLAMA_OK) return report("gemm_rows status", 1, 0);
+    double err = 0;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double s = 0;
+            for (int k = 0; k < K; k++) s += (double)x[(size_t)m * K + k] * w[(size_t)n * K + k];
+            err = std::max(err, std::fabs(s - y[(size_t)m * N + n]));
+        }
+    report("gemm_rows float32", err, 1e-3);
+}
+
+// Causal attention of T new queries over P + T keys, against the softmax written out.
+static void check_causal(int Hq, int Hkv, int T, int P, int D) {
+    const int L = P + T;
+    const auto q = randn((size_t)Hq * T * D, 3), k = randn((size_t)Hkv * L * D, 4), v = randn((size_t)Hkv * L * D, 5);
+    std::vector<float> out((size_t)Hq * T * D);
+    const int64_t qs[3] = {(int64_t)Hq * T * D, (int64_t)T * D, D}, ks[3] = {(int64_t)Hkv * L * D, (int64_t)L * D, D};
+    if (causal_attention(q.data(), qs, k.data(), ks, v.data(), ks, 1, Hq, Hkv, T, L, D, out.data(), qs) != MINILLAMA_OK)
+        return report("causal_attention status", 1, 0);
+    double err = 0;
+    for (int h = 0; h < Hq; h++)
+        for (int t = 0; t < T; t++) {
+            const float* qr = &q[((size_t)h * T + t) * D];
+            const int g = h / (Hq / Hkv), last = P + t;
+            std::vector<double> w(last + 1);
+            double top = -1e300, sum = 0;
+            for (int j = 0; j <= last; j++) {
+                double s = 0;
+                for (int d = 0; d < D; d++) s += (double)qr[d] * k[((size_t)g * L + j) * D + d];
+                w[j] = s / std::sqrt((double)D), top = std::max(top, w[j]);
+            }
+            for (auto& x : w) sum += (x = std::exp(x - top));
+            for (int d = 0; d < D; d++) {
+                double o = 0;
+                for (int j = 0; j <= last; j++) o += w[j] / sum * v[((size_t)g * L + j) * D + d];
+                err = std::max(err, std::fabs(o - out[((size_t)h * T + t) * D + d]));
+            }
+        }
+    char what[64];
+    std::snprintf(what, sizeof what, "causal_attention D=%d", D);
+    report(what, err, 1e-4);
+}
+
+// The cache write's rotation: prepare_rows against hadamard.h's scalar passes, bit for bit.
+static void check_rotation(int D) {
+    const int rows = 5;
+    const auto x = randn((size_t)rows * D, 6);
+    std::vector<uint16_t> out((size_t)rows * D);
+    if (prepare_rows(x.data(), 0, rows, D, 1, nullptr, 1, out.data()) != 0) return report("prepare_rows status", 1, 0);
+    double err = 0;
+    for (int r = 0; r < rows; r++) {
+        std::vector<float> y(x.begin() + (size_t)r * D, x.begin() + (size_t)(r + 1) * D);
+        for (int i = 0, n; i < D; i += n) {
+            n = hadamard_block(D - i);
+            fwht_reference(y.data() + i, n);
+            for (int d = i; d < i + n; d++) y[d] *= (float)(1.0 / std::sqrt((double)n));
+        }
+        for (int d = 0; d < D; d++) err = std::max(err, (double)(out[(size_t)r * D + d] != float_to_half(y[d])));
+    }
+    char what[64];
+    std::snprintf(what, sizeof what, "prepare_rows Hadamard D=%d (mismatched halves)", D);
+    report(what, err, 0);
+}
+
+// Per-token 4-bit affine codes: every code decodes to within half a step of its input.
+static void check_affine(int D, int G) {
+    const int n = 7;
+    const auto x = randn((size_t)n * D, 7);
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); i++) h[i] = float_to_half(x[i]);
+    std::vector<uint8_t> codes((size_t)n * D / 2);
+    std::vector<uint16_t> scale((size_t)n * D / G), zero((size_t)n * D / G);
+    if (encode_affine(h.data(), 1, n, D, 4, G, 0, codes.data(), scale.data(), zero.data()) != MINILLAMA_OK)
+        return report("encode_affine status", 1, 0);
+    double err = 0;
+    for (int t = 0; t < n; t++)
+        for (int d = 0; d < D; d++) {
+            const int c = codes[((size_t)t * D + d) / 2] >> (4 * (d % 2)) & 15, g = (t * D + d) / G;
+            const float s = half_to_float(scale[g]), z = half_to_float(zero[g]);
+            err = std::max(err, (double)std::fabs(c * s + z - half_to_float(h[(size_t)t * D + d])) / s);
+        }
+    report("encode_affine int4 (error in steps)", err, 0.5 + 1e-3);
+}
+
+int main() {
+    check_gemm(3, 40, 96);
+    for (int D : {64, 80, 96, 128}) check_causal(4, 2, 9, 21, D);
+    for (int D : {64, 80, 96}) check_rotation(D);
+    check_affine(64, 32);
+    check_affine(80, 16);
+    std::printf("%s\n", failures ? "FAILED" : "all checks passed");
+    return failures ? 1 : 0;
+}
