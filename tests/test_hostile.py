@@ -535,3 +535,28 @@ def test_an_endless_input_is_refused_within_a_memory_bound(tiny_dir, command):
         done = subprocess.run(args, stdin=zeros, capture_output=True, text=True, preexec_fn=limit, timeout=300)
     assert done.returncode == 1, done.stderr[-500:]
     assert done.stderr.strip().splitlines()[-1].startswith("error: ") and "8,192 characters" in done.stderr
+
+
+def test_an_allocator_failure_is_one_line_that_says_out_of_memory(model, monkeypatch):
+    """PyTorch's allocator says "can't allocate memory" with a C++ backtrace in the message (135
+    lines once): the command ends in one line that names the cause and what to do."""
+    import minillama.model.prompt_cache as run
+
+    backtrace = "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to "
+    backtrace += "allocate 8589934592 bytes.\n" + "\n".join(f"frame #{i}: c10::alloc_cpu(...)" for i in range(135))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(backtrace)
+
+    monkeypatch.setattr(run, "prefill", fail)  # where generate's prompt enters the cache
+    line = one_error_line(invoke(["generate", "hi", "--model", model, "--raw"]))
+    assert line.startswith("error: out of memory ([enforce fail") and "lower --ctx" in line
+
+
+def test_weights_too_big_for_the_free_memory_are_refused_before_they_are_read(model, monkeypatch):
+    """The weights' bytes in the asked dtype, from the files' headers, against the free memory."""
+    import minillama.kv.memory as memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1000)
+    line = one_error_line(invoke(["generate", "hi", "--model", model, "--dtype", "float32"]))
+    assert "the model's weights in float32 needs" in line and "use --dtype bfloat16" in line

@@ -67,11 +67,24 @@ class Main(click.Group):
         except Exception as e:
             if ctx.params.get("debug") or (ctx.obj or {}).get("debug"):
                 raise
-            msg = (
-                str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e} (rerun with --debug for a traceback)"
-            )
-            click.echo(f"error: {msg}", err=True)
+            click.echo(f"error: {error_line(e)}", err=True)
             sys.exit(2 if isinstance(e, UsageError) else 1)
+
+
+def error_line(e: Exception) -> str:
+    """One line for an error: a UserError's message; an allocator's failure (whose message can be a
+    hundred-line C++ backtrace) as out of memory with what to do; anything else by its type and
+    first line, cut."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    first = first if len(first) <= 200 else first[:200] + "..."
+    if isinstance(e, UserError):
+        return str(e)
+    if isinstance(e, MemoryError) or any(s in first for s in ("can't allocate memory", "out of memory")):
+        return (
+            f"out of memory ({first or type(e).__name__}): lower --ctx, pick a smaller --kv, use --dtype bfloat16 "
+            "or a smaller model"
+        )
+    return f"{type(e).__name__}: {first} (rerun with --debug for a traceback)"
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})

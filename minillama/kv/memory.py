@@ -56,11 +56,13 @@ def available_bytes(device: torch.device | str) -> int | None:
         return None
 
 
-def check_fits(nbytes: int, what: str, device: torch.device | str) -> None:
+def check_fits(
+    nbytes: int, what: str, device: torch.device | str, advice: str = "lower --ctx or pick a smaller --kv"
+) -> None:
     """Raise a UserError when `nbytes` (the closed-form size of `what`) exceed the free memory."""
     free = available_bytes(device)
     if free is not None and nbytes > free:
         raise UserError(
             f"{what} needs {nbytes:,} bytes ({nbytes / 2**30:.1f} GiB) but only {free / 2**30:.1f} GiB "
-            f"are free on {torch.device(device).type}: lower --ctx or pick a smaller --kv"
+            f"are free on {torch.device(device).type}: {advice}"
         )

@@ -8,6 +8,7 @@ left over; a mismatch names the tensor and both shapes.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -118,6 +119,25 @@ def check_layer_count(cfg: LlamaConfig, files: list[Path]) -> None:
         )
 
 
+def check_weights_fit(files: list[Path], dtype: torch.dtype, device: str) -> None:
+    """The weights as `dtype` against the free memory, from the files' headers (no tensor read): a
+    model too big for this machine is refused in one line, not ended by the allocator."""
+    from safetensors import safe_open
+
+    from minillama.kv.memory import check_fits
+
+    elements = 0
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                elements += sum(math.prod(sf.get_slice(key).get_shape()) for key in sf.keys())
+        except Exception:
+            return  # unreadable or missing: read_state_dict names the file
+    size = torch.empty((), dtype=dtype).element_size()
+    check_fits(elements * size, f"the model's weights in {dtype}".replace("torch.", ""), device,
+               "use --dtype bfloat16, a smaller model, or free some memory")  # fmt: skip
+
+
 def read_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -177,6 +197,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     cfg = LlamaConfig.from_file(folder / "config.json")
     files = weight_files(folder)
     check_layer_count(cfg, files)
+    check_weights_fit(files, dtype, str(device))
     with torch.device("meta"):
         model = Llama(cfg)
     state = read_state_dict(files, dtype)
