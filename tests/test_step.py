@@ -446,3 +446,53 @@ def test_the_thread_chooser_takes_the_count_whose_probed_steps_are_faster():
     assert chooser.counts[chooser.now] == 2 and lib.calls == [1, 2] * 3  # probed three times, kept 2
     run(chooser, lib, {2: 0.035, 1: 0.013}, ThreadChooser.EVERY)  # a core taken: one fewer wins
     assert chooser.counts[chooser.now] == 1 and lib.calls[-1] == 1
+
+
+def test_a_process_that_starts_mid_reply_is_answered_within_a_few_steps():
+    """Steps on the chosen count turning SLOWER times slower than its best start a probe at once,
+    not at the next EVERY: beside a process that starts at step 40, one fewer core is chosen by
+    step 40 + 2 PROBE + 1."""
+    from minillama.native.threads import ThreadChooser
+
+    class Lib:
+        calls: list[int] = []
+
+        def minillama_set_threads(self, n):
+            self.calls.append(n)
+
+    lib = Lib()
+    chooser = ThreadChooser(lib, 2)
+    for i in range(40 + 2 * ThreadChooser.PROBE + 1):
+        busy = i >= 40
+        chooser.before()
+        chooser.after({2: 0.035 if busy else 0.010, 1: 0.013}[chooser.set])
+    assert chooser.counts[chooser.now] == 1
+    assert ThreadChooser.FIRST + ThreadChooser.PROBE < 40 < ThreadChooser.EVERY  # not the periodic probe
+
+
+def test_a_prompt_chunk_runs_on_one_core_fewer_while_another_process_is_running(monkeypatch):
+    """native/threads.py: prefill_threads counts the other processes' running threads
+    (/proc/stat's procs_running less this process's own) and takes one core fewer when one is busy."""
+    from minillama.native import threads
+
+    monkeypatch.setattr(threads, "others_running", lambda: 1.0)
+    assert threads.prefill_threads(2) == 1 and threads.prefill_threads(1) == 1
+    monkeypatch.setattr(threads, "others_running", lambda: 0.0)
+    assert threads.prefill_threads(2) == 2
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/stat"), reason="Linux /proc")
+def test_others_running_sees_a_busy_process():
+    import subprocess
+    import sys
+    import time
+
+    from minillama.native.threads import others_running
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        assert others_running(samples=5) >= 0.5
+    finally:
+        busy.kill()
+        busy.wait()

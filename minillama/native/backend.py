@@ -75,9 +75,14 @@ def set_threads(n: int) -> None:
             lib.minillama_set_threads(n)
 
 
+_DEFAULT_THREADS = torch.get_num_threads()  # PyTorch's own count, read before anything changes it
+
+
 def threads() -> int:
-    """The threads the kernels run on now."""
-    return _state.get("threads") or torch.get_num_threads()
+    """The threads the kernels run on when nothing adapts them: --threads, else every core this
+    process may use. (Not torch.get_num_threads(): the kernels and PyTorch share one OpenMP
+    runtime, so a count the decode step's chooser sets shows there too.)"""
+    return _state.get("threads") or _DEFAULT_THREADS
 
 
 def adapt_threads(on: bool = True) -> None:

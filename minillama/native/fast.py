@@ -26,6 +26,7 @@ from minillama.model import loader
 from minillama.model.llama import Llama
 from minillama.native import backend
 from minillama.native.step import chunk_attention, decode
+from minillama.native.threads import prefill_threads
 from minillama.native.weights import fuse
 from minillama.native.write import KernelWriter, writer
 
@@ -108,7 +109,17 @@ class FastLlama(Llama):
             return out  # (B, 1, vocab or hidden)
         if isinstance(cache, (KVCache, CacheGroup)):
             cache = KernelCache(cache, KernelWriter(lib))
-        return super()._run(tokens, cache, last_only, logits, chunk_attention(lib))
+        if not backend.adaptive() or tokens.shape[1] == 1:
+            return super()._run(tokens, cache, last_only, logits, chunk_attention(lib))
+        most, before = backend.threads(), lib.minillama_threads()
+        n = prefill_threads(most)  # a prompt's chunk: one core fewer beside a busy process (threads.py)
+        torch.set_num_threads(n)
+        lib.minillama_set_threads(n)
+        try:
+            return super()._run(tokens, cache, last_only, logits, chunk_attention(lib))
+        finally:
+            torch.set_num_threads(most)
+            lib.minillama_set_threads(before)  # what the decode steps' chooser had set
 
 
 def load_model(*args, **kwargs) -> loader.LoadedModel:

@@ -198,7 +198,7 @@ class NativeStep:
             self.chooser = None
             return None
         if self.chooser is None and not self.one_core:
-            most = self.lib.minillama_threads()
+            most = backend.threads()
             self.one_core = most < 2  # nothing to choose between: asked once, not every step
             self.chooser = None if self.one_core else ThreadChooser(self.lib, most)
         return self.chooser
