@@ -11,7 +11,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "reading-guide.md"
-USER_DOCS = ["cache.md", "chat.md", "long-context.md", "prompt-cache.md", "quality.md", "speed.md", "reading-guide.md"]
+USER_DOCS = [
+    "cache.md",
+    "chat.md",
+    "long-context.md",
+    "prompt-cache.md",
+    "quality.md",
+    "speed.md",
+    "reading-guide.md",
+    "transformers.md",
+]
 
 
 def defined(path: Path) -> set[str]:

@@ -1,8 +1,9 @@
 """The repository's shape: a core that reads on its own, and wings that import only downward.
 
 The core is ``kv`` (the cache) and ``model`` (the Llama over it). The compiled wing, ``native``,
-sits beside it: it reads the core's objects, the core never imports it. ``eval`` and ``app`` sit
-on top and may use all three.
+sits beside it: it reads the core's objects, the core never imports it. ``eval`` sits on top,
+``hf`` (minillama's cache inside transformers, its ruler over eval's) above it, ``app`` above
+everything. Only ``hf`` imports transformers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minillama"
-WINGS = ["kv", "model", "native", "eval", "app"]  # each may import only from itself and the wings before it
+# each may import only from itself and the wings before it; hf (transformers) sits over eval's ruler
+WINGS = ["kv", "model", "native", "eval", "hf", "app"]
 
 
 def minillama_imports(path: Path) -> set[str]:
@@ -116,6 +118,13 @@ def test_wings_import_only_downward(wing):
     for path in sorted((PACKAGE / wing).rglob("*.py")):
         upward = {m for m in minillama_imports(path) if wing_of(m) not in allowed | {None}}
         assert not upward, f"{path.relative_to(PACKAGE)} imports from a wing above it: {sorted(upward)}"
+
+
+def test_only_the_hf_wing_imports_transformers():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if "import transformers" in text or "from transformers" in text:
+            assert path.parent.name == "hf", f"{path.relative_to(PACKAGE)} imports transformers outside minillama/hf"
 
 
 def test_every_module_lives_in_a_wing():

@@ -36,9 +36,9 @@ def model_options(device: bool = True):
                 help="reference: plain PyTorch; kernels: the compiled kernels (default; "
                 "MINILLAMA_BACKEND sets it too); kernels-exact: exact float attention.",
             )(f)
-            f = click.option("--device", default="cpu", show_default=True, callback=check_device, help="cpu or cuda.")(
-                f
-            )
+            f = click.option(
+                "--device", default="cpu", show_default=True, callback=check_device, help="cpu, cuda (or cuda:N)."
+            )(f)
         return click.option(
             "-m",
             "--model",
@@ -66,6 +66,8 @@ def load(model_name: str | None, dtype: str, device: str, backend: str | None = 
     from minillama.native.backend import set_backend
     from minillama.native.fast import load_model
 
+    if device == "auto":
+        raise UserError("--device auto spreads a transformers model over the GPUs: add --engine transformers (ppl)")
     if backend:
         set_backend(backend)
     note_missing_kernels(device)
@@ -206,6 +208,8 @@ def check_device(ctx, param, value: str) -> str:
     """--device, checked when parsed, before any model loads (model/loader.py: check_device)."""
     from minillama.model.loader import check_device as check
 
+    if value == "auto":  # accelerate's device_map="auto": ppl --engine transformers checks it
+        return value
     try:
         check(value)
     except UserError as e:

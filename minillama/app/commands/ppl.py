@@ -39,6 +39,15 @@ from minillama.errors import UserError
 )
 @click.option("--frontier", is_flag=True, help="Evaluate every preset (the bits-vs-quality frontier).")
 @click.option(
+    "--engine",
+    type=click.Choice(["minillama", "transformers"]),
+    default="minillama",
+    show_default=True,
+    help="transformers: the model runs in Hugging Face transformers with minillama's cache inside "
+    "(any model; --device auto spreads it over GPUs; --kv hf-quanto4/hf-quanto2 add transformers' own "
+    "quantized cache). Needs pip install 'minillama[hf]'.",
+)
+@click.option(
     "--sensitivity",
     is_flag=True,
     help="Where one --kv scheme loses: each layer's K or V quantized alone, the rest float32 (2L + 3 variants).",
@@ -81,6 +90,7 @@ def ppl(
     ctx,
     bucket,
     frontier,
+    engine,
     sensitivity,
     plot_path,
     plot_y,
@@ -97,6 +107,7 @@ def ppl(
       minillama ppl --dataset hamlet --tokens 8192 --prefill 7168 --kv fp16 --kv hadv2 --no-blind
       minillama ppl --dataset hamlet --tokens 20000 --ctx 1024 --bucket 1024 --kv k=fp16,v=fp16,sinks=4 --plot stream.png
       minillama ppl --dataset hamlet --sensitivity --kv k3v2lm --plot k3v2lm_map.png
+      minillama ppl --engine transformers -m Qwen/Qwen2.5-0.5B --device auto --kv fp16 --kv hadv2 --kv hf-quanto4
     """
     import json
     import sys
@@ -116,13 +127,23 @@ def ppl(
     names = list(PRESETS) if frontier else list(kvs or ("fp16", "kivi4", "hadv2"))
     if frontier and "fp16" in names:
         names.insert(0, names.pop(names.index("fp16")))  # the baseline row first
-    specs = [parse_kv(s) for s in names]
+    specs = [parse_kv(s) for s in names if not (engine == "transformers" and s.startswith("hf-"))]
     if text_file and dataset:
         raise UserError("give either --text or --dataset, not both")
     check_window(n, prefill, chunk, ctx, bucket)  # before the model loads
     if not (text_file or dataset):
         raise UserError("nothing to evaluate: pass --text FILE or --dataset hamlet|wikitext2")
     text = read_text(text_file, dataset)
+    if engine == "transformers":
+        given = {"--ctx": ctx, "--bucket": bucket, "--chunk": chunk > 1, "--frontier": frontier}
+        given |= {"--sensitivity": sensitivity, "--plot": plot_path, "--backend": backend}
+        if [o for o, on in given.items() if on]:
+            raise UserError(
+                f"{', '.join(o for o, on in given.items() if on)}: not with --engine transformers (it runs the "
+                "cached path of whole windows, one token a step)"
+            )
+        transformers_table(model_name, text, names, n, prefill, offset, windows, dtype, device, as_json)
+        return
     lm = load(model_name, dtype, device, backend)
     if frontier:  # the per-layer maps made for a model with this many layers
         shipped = (parse_kv(m) for m in maps())
@@ -173,3 +194,44 @@ def ppl(
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:
         click.echo(format_table(results, chunk))
+
+
+def transformers_table(model_name, text, names, n, prefill, offset, windows, dtype, device, as_json) -> None:
+    """ppl --engine transformers: the same ruler on a transformers model (minillama/hf/ruler.py)."""
+    import json
+    import sys
+
+    try:
+        from minillama.hf.cache import check_foreign
+        from minillama.hf.ruler import QUANTO, evaluate_hf, load_hf
+    except ImportError as e:
+        raise UserError(f"--engine transformers needs transformers: pip install 'minillama[hf]' ({e})") from None
+    from minillama.kv.spec import parse_kv
+
+    for name in names:  # before the model loads
+        if name not in QUANTO:
+            check_foreign(parse_kv(name))
+    from minillama.app.default_model import resolve_model
+    from minillama.eval.perplexity import format_table
+
+    name = resolve_model(model_name)
+    model, tokenizer = load_hf(name, dtype, device)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None
+    bars = []
+
+    def progress(label, total):
+        bar = click.progressbar(length=total, label=f"{label:<24}", file=sys.stderr, show_eta=True, show_pos=True)
+        bar.__enter__()
+        bars.append(bar)
+        return bar.update
+
+    try:
+        results = evaluate_hf(model, name, ids, names, n, prefill, offset, windows, bos, dtype, progress)
+    finally:
+        for bar in bars:
+            bar.__exit__(None, None, None)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        click.echo(format_table(results))
