@@ -78,9 +78,9 @@ def test_unknown_hub_id_offline(monkeypatch, tmp_path):
     assert "Hugging Face hub" in run(["generate", "hi", "--model", "no-such-org/no-such-model"])
 
 
-def test_unknown_kv_preset_lists_choices(tiny_dir):
+def test_unknown_kv_preset_names_the_nearest_choices(tiny_dir):
     line = run(["generate", "hi", "--model", str(tiny_dir), "--kv", "int5"])
-    assert "hadv2" in line and "int4c" in line
+    assert "did you mean int8 or int4" in line and "kv --list" in line
 
 
 @pytest.mark.parametrize("command", [["generate", "hi", "--ctx", "100000000000"], ["chat", "--ctx", "100000000000"]])

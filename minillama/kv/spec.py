@@ -281,7 +281,7 @@ def _nearest(name: str, names: list[str]) -> str:
 
 
 def _choices(name: str, codecs_only: bool = False) -> str:
-    names = list(CODECS) if codecs_only else [*PRESETS, *maps(), *CODECS]
+    names = list(CODECS) if codecs_only else list(dict.fromkeys([*PRESETS, *maps(), *CODECS]))
     return _nearest(name, names)
 
 
