@@ -116,7 +116,10 @@ def test_ppl_engine_transformers_bad_input_is_one_line(tiny_dir, tmp_path, args,
 
 
 def test_an_unreachable_hub_model_is_one_line(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: set it too
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     result = run_ppl("-m", "no-such-org/no-such-model", "--text", text)
@@ -140,3 +143,71 @@ def test_the_quanto_rows_say_what_to_install_when_quanto_is_missing(tiny_dir, tm
 def test_minillamas_own_engine_refuses_device_auto(tiny_dir):
     result = CliRunner().invoke(cli, ["generate", "hi", "-m", str(tiny_dir), "--device", "auto"])
     assert result.exit_code == 1 and "add --engine transformers" in result.stderr
+
+
+def tiny_config(kind: str):
+    """A two-layer random config of a model family transformers builds (GQA: 4 query heads, 2 KV)."""
+    import transformers
+
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)  # fmt: skip
+    if kind == "llama3":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
+        return transformers.LlamaConfig(**shape, rope_parameters=rope)
+    if kind == "qwen2":  # q/k/v projections with biases
+        return transformers.Qwen2Config(**shape, use_sliding_window=False)
+    if kind == "qwen3":  # q/k norms
+        if not hasattr(transformers, "Qwen3Config"):
+            pytest.skip("this transformers has no Qwen3")
+        return transformers.Qwen3Config(**shape, head_dim=16, use_sliding_window=False)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3"])
+def test_model_families_run_end_to_end_through_the_cache(kind):
+    """Random-weight models of three families: an exact minillama cache generates what
+    transformers' own does; a 2-bit one runs and counts its bytes."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    ids = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(1))
+    dynamic = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    exact = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=minillama_cache(
+        model.config, parse_kv("fp32"), 32))  # fmt: skip
+    assert torch.equal(dynamic, exact)
+    cache = minillama_cache(model.config, parse_kv("hadv2,residual=4,group=8"), 32)
+    model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    assert 0 < cache.live_bytes() and cache.bits_per_element() < 16
+
+
+def test_each_layer_keeps_its_cache_on_the_device_of_its_keys():
+    """A model spread over devices hands each layer's update keys on that layer's device; the
+    layer's store is made there (two devices stood in for by cpu and meta)."""
+    cache = minillama_cache(LlamaConfig(num_hidden_layers=2, head_dim=16), parse_kv("fp16"), 16)
+    for layer, device in zip(cache.layers, ("cpu", "meta")):
+        k = torch.zeros(1, 2, 3, 16, device=device)  # (B, Hkv, T, D)
+        layer.lazy_initialization(k, k)
+        assert layer.device == torch.device(device)
+        assert all(store.residual.buf.device == torch.device(device) for store in layer.cache.layers[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["fp16", "hadv2"])
+def test_greedy_generate_through_transformers_equals_minillamas_own(smollm, default_model_dir, kv):
+    """The default model, three prompts: transformers with minillama's cache generates the tokens
+    minillama's own engine does (reference backend, float32)."""
+    from minillama.kv.cache import KVCache
+    from minillama.model.generate import GenerateOptions, generate
+    from minillama.model.sampling import SamplingParams
+
+    hf = LlamaForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    for prompt in ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"):
+        ids = smollm.tokenizer.encode(prompt)
+        with backend.using("reference"):
+            cache = KVCache.for_model(smollm.config, parse_kv(kv), 64)
+            ours = [t for t, _ in generate(smollm.model, ids, cache, GenerateOptions(16, SamplingParams(0.0)))]
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                          past_key_values=minillama_cache(hf.config, parse_kv(kv), 64))  # fmt: skip
+        assert out[0, len(ids) :].tolist() == ours, prompt
