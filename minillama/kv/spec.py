@@ -139,7 +139,7 @@ class KVSpec:
         def fit(group: int, codecs: list[Codec]) -> int:
             if head_dim <= 0 or not head_dim % group or not any(c.channel_groups for c in codecs):
                 return group
-            return next(g for g in (1 << b for b in reversed(range(group.bit_length()))) if not head_dim % g)
+            return min(head_dim & -head_dim, 1 << group.bit_length() - 1)  # head's largest 2^k divisor, <= group
 
         pairs = [(self.k, self.v), *self.layer_codecs]
         kgroup, vgroup = fit(self.kgroup, [k for k, _ in pairs]), fit(self.vgroup, [v for _, v in pairs])

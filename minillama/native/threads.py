@@ -1,4 +1,5 @@
-"""How many threads a decode step runs on: every core, or one fewer while another process holds one."""
+"""How many threads a decode step (ThreadChooser) and a prompt's chunk (prefill_threads) run on:
+every core, or one fewer while another process holds one."""
 
 from __future__ import annotations
 

@@ -108,8 +108,6 @@ def generate(
     """
     from minillama.kv.cache import ContextFullError
     from minillama.kv.file import check_replaceable
-
-    sampling = (temperature, top_k, top_p, min_p, repeat_penalty)
     from minillama.kv.spec import parse_kv
     from minillama.model.generate import GenerateOptions
     from minillama.model.prompt_cache import Completion
@@ -161,8 +159,9 @@ def generate(
             err=True,
         )
     stops = frozenset() if ignore_eos else frozenset(lm.stop_ids())
-    params = SamplingParams(
-        *(given if given is not None else off for given, off in zip(sampling, (0.0, 0, 1.0, 0.0, 1.0)))
+    given = {"top_k": top_k, "top_p": top_p, "min_p": min_p, "repeat_penalty": repeat_penalty}
+    params = SamplingParams(  # greedy unless --temperature; SamplingParams' defaults turn the rest off
+        temperature=temperature or 0.0, **{name: value for name, value in given.items() if value is not None}
     )
     seed = seed_or_random(seed)
     options = GenerateOptions(max_tokens, params, stops, torch.Generator(device).manual_seed(seed))
