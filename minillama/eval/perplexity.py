@@ -150,6 +150,22 @@ class CachedScores:
     evicted: list[int]  # the cache's evicted count after each scored token's step
     decode_s: float
 
+    def summary(self) -> dict:
+        """The PplResult fields these scores give: ppl and its standard error (ppl x the SEM of the
+        NLL, as llama-perplexity), KLD mean and 99th percentile, top-1 agreement, tokens scored."""
+        nll = self.nll.double().flatten()
+        ppl = math.exp(float(nll.mean()))
+        sem = float(nll.std() / math.sqrt(nll.numel())) if nll.numel() > 1 else float("nan")
+        kld = self.kld is not None
+        return {
+            "ppl": ppl,
+            "ppl_sem": ppl * sem,
+            "kld_mean": float(self.kld.mean()) if kld else None,
+            "kld_p99": float(torch.quantile(self.kld.flatten().double(), 0.99)) if kld else None,
+            "top1_agree": float(self.top1.float().mean()) if self.top1 is not None else None,
+            "tokens_scored": int(nll.numel()),
+        }
+
     def rows(self, rows: slice, share: int) -> CachedScores:
         """The scores of some batch rows: one scheme of a batch of `share` schemes, which the
         decode time is split between (each row costs the same)."""
@@ -273,9 +289,7 @@ def evaluate(
     results: list[PplResult] = []
     blinds: list[float] = []
     for spec, cache, scores in zip(specs, caches, scored):
-        nll = scores.nll.double().flatten()
-        ppl = math.exp(float(nll.mean()))
-        sem = float(nll.std() / math.sqrt(nll.numel())) if nll.numel() > 1 else float("nan")
+        summary = scores.summary()
         ppl_blind = None
         if blind and not streaming:
             blind_cache = KVCache.for_model(lm.config, spec, cache.capacity, batch=windows, device=lm.model.device)
@@ -284,16 +298,11 @@ def evaluate(
         results.append(
             PplResult(
                 kv=str(spec),
-                ppl=ppl,
-                ppl_sem=ppl * sem,
+                **summary,
                 ppl_blind=ppl_blind,
-                delta_pct=100 * (ppl / results[0].ppl - 1) if results else 0.0,
-                kld_mean=float(scores.kld.mean()) if scores.kld is not None else None,
-                kld_p99=float(torch.quantile(scores.kld.flatten().double(), 0.99)) if scores.kld is not None else None,
-                top1_agree=float(scores.top1.float().mean()) if scores.top1 is not None else None,
+                delta_pct=100 * (summary["ppl"] / results[0].ppl - 1) if results else 0.0,
                 bits_per_element=cache.bits_per_element(),
                 cache_bytes=sum(cache.live_bytes().values()),
-                tokens_scored=int(scores.nll.numel()),
                 decode_tokens_per_s=steps * windows / scores.decode_s if scores.decode_s else float("nan"),
                 model=lm.name,
                 tokens=n,

@@ -116,22 +116,15 @@ def evaluate_hf(
     for name in names:
         cache = hf_cache(model, name, seq.shape[1])
         scores = hf_scores(model, seq, first, cache, exact, progress(name, steps) if progress else None)
-        nll = scores.nll.double().flatten()
-        ppl = math.exp(float(nll.mean()))
-        ours = isinstance(cache, MinillamaCache)
+        summary, ours = scores.summary(), isinstance(cache, MinillamaCache)
         results.append(
             PplResult(
                 kv=name,
-                ppl=ppl,
-                ppl_sem=ppl * float(nll.std() / math.sqrt(nll.numel())),
+                **summary,
                 ppl_blind=blind,
-                delta_pct=100 * (ppl / results[0].ppl - 1) if results else 0.0,
-                kld_mean=float(scores.kld.mean()),
-                kld_p99=float(torch.quantile(scores.kld.flatten().double(), 0.99)),
-                top1_agree=float(scores.top1.float().mean()),
+                delta_pct=100 * (summary["ppl"] / results[0].ppl - 1) if results else 0.0,
                 bits_per_element=cache.bits_per_element() if ours else float("nan"),
                 cache_bytes=cache.live_bytes() if ours else 0,
-                tokens_scored=int(nll.numel()),
                 decode_tokens_per_s=steps * windows / scores.decode_s if scores.decode_s else float("nan"),
                 model=model_name,
                 tokens=n,

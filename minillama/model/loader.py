@@ -99,19 +99,26 @@ def weight_files(folder: Path) -> list[Path]:
     raise UserError(f"{folder} has no model.safetensors or model.safetensors.index.json")
 
 
-def check_layer_count(cfg: LlamaConfig, files: list[Path]) -> None:
-    """The layers config.json names are the layers the weights hold, checked from the files' headers
-    before any module is built: a config that asks for 100,000 layers is refused at once, not after
-    building them."""
+def header_shapes(files: list[Path]) -> dict[str, list[int]] | None:
+    """Every tensor's shape from the safetensors files' headers (no tensor read); None when a file
+    cannot be read (read_state_dict then names it)."""
     from safetensors import safe_open
 
-    held = set()
+    shapes = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as sf:
-                held.update(int(m.group(1)) for key in sf.keys() if (m := re.match(r"model\.layers\.(\d+)\.", key)))
+                shapes.update({key: sf.get_slice(key).get_shape() for key in sf.keys()})
         except Exception:
-            return  # unreadable or missing: read_state_dict names the file
+            return None
+    return shapes
+
+
+def check_layer_count(cfg: LlamaConfig, shapes: dict[str, list[int]]) -> None:
+    """The layers config.json names are the layers the weights hold, checked from the files' headers
+    before any module is built: a config that asks for 100,000 layers is refused at once, not after
+    building them."""
+    held = {int(m.group(1)) for key in shapes if (m := re.match(r"model\.layers\.(\d+)\.", key))}
     if held and held != set(range(cfg.num_hidden_layers)):
         raise UserError(
             f"config.json has num_hidden_layers={cfg.num_hidden_layers}, the weights hold layers "
@@ -119,23 +126,14 @@ def check_layer_count(cfg: LlamaConfig, files: list[Path]) -> None:
         )
 
 
-def check_weights_fit(files: list[Path], dtype: torch.dtype, device: str) -> None:
-    """The weights as `dtype` against the free memory, from the files' headers (no tensor read): a
-    model too big for this machine is refused in one line, not ended by the allocator."""
-    from safetensors import safe_open
-
+def check_weights_fit(shapes: dict[str, list[int]], dtype: torch.dtype, device: str) -> None:
+    """The weights as `dtype` against the free memory, from the files' headers: a model too big for
+    this machine is refused in one line, not ended by the allocator."""
     from minillama.kv.memory import check_fits
 
-    elements = 0
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                elements += sum(math.prod(sf.get_slice(key).get_shape()) for key in sf.keys())
-        except Exception:
-            return  # unreadable or missing: read_state_dict names the file
     size = torch.empty((), dtype=dtype).element_size()
-    check_fits(elements * size, f"the model's weights in {dtype}".replace("torch.", ""), device,
-               "use --dtype bfloat16, a smaller model, or free some memory")  # fmt: skip
+    check_fits(sum(map(math.prod, shapes.values())) * size, f"the model's weights in {dtype}".replace("torch.", ""),
+               device, "use --dtype bfloat16, a smaller model, or free some memory")  # fmt: skip
 
 
 def read_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -196,8 +194,10 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str = "c
     folder = resolve_model_path(name)
     cfg = LlamaConfig.from_file(folder / "config.json")
     files = weight_files(folder)
-    check_layer_count(cfg, files)
-    check_weights_fit(files, dtype, str(device))
+    shapes = header_shapes(files)
+    if shapes is not None:  # an unreadable file is named by read_state_dict
+        check_layer_count(cfg, shapes)
+        check_weights_fit(shapes, dtype, str(device))
     with torch.device("meta"):
         model = Llama(cfg)
     state = read_state_dict(files, dtype)
