@@ -11,6 +11,7 @@ build target this CPU runs.
 
 from __future__ import annotations
 
+import functools
 import math
 import platform
 from pathlib import Path
@@ -59,6 +60,7 @@ def target(request):
     return request.param
 
 
+@functools.cache  # every target reads the same cases: filled once (filling costs more than attending)
 def case(spec: str, tokens: int, capacity: int, batch: int, r: int, d: int, seed: int):
     cache = KVCache(parse_kv(spec), n_layers=1, n_kv_heads=2, head_dim=d, capacity=capacity, batch=batch)
     if tokens:
