@@ -126,18 +126,29 @@ def test_an_unreachable_hub_model_is_one_line(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "cannot load no-such-org/no-such-model" in result.stderr
 
 
-def test_the_quanto_rows_say_what_to_install_when_quanto_is_missing(tiny_dir, tmp_path):
-    pytest.importorskip("transformers")
-    try:
-        import optimum.quanto  # noqa: F401
+def test_the_quanto_rows_say_what_to_install_when_quanto_is_missing(tiny_dir, tmp_path, monkeypatch):
+    import transformers
 
-        pytest.skip("optimum-quanto is installed: the row runs instead")
-    except ImportError:
-        pass
+    class NoQuanto:
+        def __init__(self, *args, **kwargs):
+            raise ImportError("optimum-quanto is not installed")
+
+    monkeypatch.setattr(transformers, "QuantizedCache", NoQuanto)  # as transformers says it without quanto
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     result = run_ppl("-m", tiny_dir, "--text", text, "--tokens", 64, "--prefill", 16, "--kv", "hf-quanto4")
     assert result.exit_code == 1 and "pip install optimum-quanto" in result.stderr
+
+
+def test_transformers_own_caches_are_rows_of_the_same_table(tiny, hf):
+    """hf-dynamic (transformers' plain cache) reads exactly; hf-quanto4 (its quantized cache) loses
+    a little, and its bytes are counted from the packed tensors it keeps."""
+    pytest.importorskip("optimum.quanto", reason="transformers' QuantizedCache rows need optimum-quanto")
+    ids = tiny.tokenizer.encode(TEXT)
+    dynamic, fp16, quanto = evaluate_hf(hf, "tiny", ids, ["hf-dynamic", "fp16", "hf-quanto4"], n=96, prefill=20)
+    assert dynamic.kld_mean < 1e-9 and dynamic.bits_per_element == 32.0  # float32 tensors, as the model runs
+    assert 0 < quanto.kld_mean and 4 < quanto.bits_per_element < 16
+    assert fp16.cache_bytes * 2 == dynamic.cache_bytes and quanto.cache_bytes < fp16.cache_bytes
 
 
 def test_minillamas_own_engine_refuses_device_auto(tiny_dir):
@@ -211,3 +222,54 @@ def test_greedy_generate_through_transformers_equals_minillamas_own(smollm, defa
         out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                           past_key_values=minillama_cache(hf.config, parse_kv(kv), 64))  # fmt: skip
         assert out[0, len(ids) :].tolist() == ours, prompt
+
+
+def test_needle_engine_transformers_retrieves_what_minillamas_own_engine_retrieves(smollm):
+    """The same needle prompts through transformers with minillama's cache and through minillama's
+    engine (float32, reference): the same answers, bytes and bits per scheme."""
+    from transformers import AutoTokenizer
+
+    from minillama.eval import needle as nh
+    from minillama.hf.ruler import needle_hf
+
+    hf = LlamaForCausalLM.from_pretrained(smollm.path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm.path)
+    kvs, lengths, depths = ["fp16", "hadv2"], [320], [0.2, 0.8]
+    theirs = needle_hf(hf, tokenizer, kvs, lengths, depths, trials=2)
+    with backend.using("reference"):
+        ours = nh.run(smollm, [parse_kv(kv) for kv in kvs], lengths, depths, trials=2)
+    for a, b in zip(theirs, ours):
+        assert (a.kv, a.depth, a.answers, a.cache_bytes) == (b.kv, b.depth, b.answers, b.cache_bytes)
+        assert a.bits_per_element == pytest.approx(b.bits_per_element)  # a mean over layers, then over all
+    assert sum(r.correct for r in theirs) >= 6  # the model does retrieve at this length
+
+
+def test_bench_engine_transformers_counts_what_each_cache_holds(tiny_dir, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    args = ["bench", "--engine", "transformers", "-m", str(tiny_dir), "--text", str(text), "--dtype", "float32",
+            "--context", "40", "--decode-tokens", "3", "--kv", "hf-dynamic", "--kv", "fp16", "--kv", "hadv2", "--json"]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    dynamic, fp16, hadv2 = json.loads(result.stdout)
+    assert dynamic["cache_bytes"] == 2 * fp16["cache_bytes"] > 2 * hadv2["cache_bytes"] > 0  # float32, fp16, 2-bit
+    assert all(row["tokens_per_s"] > 0 and row["context"] == 40 for row in (dynamic, fp16, hadv2))
+
+
+@pytest.mark.parametrize(
+    "command, args, message",
+    [
+        ("needle", ["--ctx", "100"], "--ctx: not with --engine transformers"),
+        ("needle", ["--kv", "k3v2mixt"], "layers= maps are made for the default model"),
+        ("bench", ["--fill", "synthetic"], "--fill synthetic: not with --engine transformers"),
+        ("bench", ["--context", "100000"], "fewer than --context 100000"),
+    ],
+)
+def test_needle_and_bench_engine_transformers_bad_input_is_one_line(tiny_dir, tmp_path, command, args, message):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    extra = ["--lengths", "128"] if command == "needle" else ["--text", str(text)]
+    result = CliRunner().invoke(cli, [command, "--engine", "transformers", "-m", str(tiny_dir), *extra, *args])
+    *before, last = result.stderr.strip().splitlines()  # before: transformers' own loading bar, if it loaded
+    assert result.exit_code in (1, 2) and message in last, result.stderr
+    assert all("Loading weights" in line for line in before), result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 
 import click
 
@@ -59,6 +60,62 @@ def apply_threads(ctx, param, value: int | None) -> int | None:
     return value
 
 
+def engine_option(f):
+    """--engine minillama|transformers: the same ruler in minillama's engine or in transformers."""
+    return click.option(
+        "--engine",
+        type=click.Choice(["minillama", "transformers"]),
+        default="minillama",
+        show_default=True,
+        help="transformers: the model runs in Hugging Face transformers with minillama's cache inside "
+        "(any model; --device auto spreads it over GPUs; --kv hf-dynamic, hf-quanto4, hf-quanto2 add "
+        "transformers' own caches). Needs pip install 'minillama[hf]'.",
+    )(f)
+
+
+def check_transformers_engine(**given) -> None:
+    """One line naming the options given (a true value) that --engine transformers does not take."""
+    refused = [name for name, value in given.items() if value]
+    if refused:
+        raise UserError(f"{', '.join(refused)}: not with --engine transformers")
+
+
+def load_transformers(model_name: str | None, dtype: str, device: str, names: list[str]):
+    """(model, tokenizer, name) for --engine transformers, every --kv in `names` checked first (a
+    foreign model cannot take every spec, hf/cache.py), so a refusal comes before the download."""
+    try:
+        from minillama.hf.cache import check_foreign
+        from minillama.hf.ruler import HF_CACHES, load_hf
+    except ImportError as e:
+        raise UserError(f"--engine transformers needs transformers: pip install 'minillama[hf]' ({e})") from None
+    from minillama.app.default_model import resolve_model
+    from minillama.kv.spec import parse_kv
+
+    for kv in names:
+        if kv not in HF_CACHES:
+            check_foreign(parse_kv(kv))
+    name = resolve_model(model_name)
+    return (*load_hf(name, dtype, device), name)
+
+
+@contextmanager
+def progress_bars():
+    """A maker of labelled progress bars on stderr, (label, total) -> update, closed on exit."""
+    bars = []
+
+    def progress(label: str, total: int):
+        bar = click.progressbar(length=total, label=f"{label:<24}", file=sys.stderr, show_eta=True, show_pos=True)
+        bar.__enter__()
+        bars.append(bar)
+        return bar.update
+
+    try:
+        yield progress
+    finally:
+        for bar in bars:
+            bar.__exit__(None, None, None)
+
+
 def load(model_name: str | None, dtype: str, device: str, backend: str | None = None):
     """The model named on the command line (the offline default when None), loaded; `backend`
     (from --backend) is set for the whole run."""
@@ -67,7 +124,7 @@ def load(model_name: str | None, dtype: str, device: str, backend: str | None = 
     from minillama.native.fast import load_model
 
     if device == "auto":
-        raise UserError("--device auto spreads a transformers model over the GPUs: add --engine transformers (ppl)")
+        raise UserError("--device auto spreads a transformers model over the GPUs: add --engine transformers")
     if backend:
         set_backend(backend)
     note_missing_kernels(device)
@@ -208,7 +265,7 @@ def check_device(ctx, param, value: str) -> str:
     """--device, checked when parsed, before any model loads (model/loader.py: check_device)."""
     from minillama.model.loader import check_device as check
 
-    if value == "auto":  # accelerate's device_map="auto": ppl --engine transformers checks it
+    if value == "auto":  # accelerate's device_map="auto": only --engine transformers takes it (load)
         return value
     try:
         check(value)

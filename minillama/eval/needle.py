@@ -197,7 +197,7 @@ def answer_batch(
     return [lm.tokenizer.decode(row) for row in generated]
 
 
-def prompt_tokens(specs: list[KVSpec], lengths: list[int], depths: list[float], trials: int) -> int:
+def prompt_tokens(specs: list, lengths: list[int], depths: list[float], trials: int) -> int:
     """About how many prompt tokens ``run`` prefills (a prompt is its length give or take a sentence):
     the size of the job, told before it starts."""
     return len(specs) * len(depths) * trials * sum(lengths)
@@ -206,6 +206,77 @@ def prompt_tokens(specs: list[KVSpec], lengths: list[int], depths: list[float], 
 def evicted_needle(trial: Trial, sinks: int, evicted: int) -> bool:
     """Whether the ring dropped the needle: evicted tokens are positions sinks .. sinks + evicted - 1."""
     return trial.needle_at >= sinks and trial.needle_at + trial.needle_len <= sinks + evicted
+
+
+@dataclass
+class Answers:
+    """What one batch of equal-length prompts gave through one cache."""
+
+    texts: list[str]  # the generated text of each prompt
+    bits_per_element: float
+    cache_bytes: int  # per sequence
+    evicted: int = 0  # tokens the ring evicted per sequence
+    sinks: int = 0  # the ring's sinks (evicted tokens start after them)
+
+
+Ask = Callable[[object, list[list[int]], int], Answers]  # (scheme, prompts (B, L), max_new) -> answers
+
+
+def make_cells(
+    tokenizer, task: str, lengths: list[int], depths: list[float], trials: int, haystack: list[str] | None, seed: int
+) -> list[tuple[int, float, list[Trial]]]:
+    """The trials of every (length, depth) cell: the same for every scheme (a paired comparison)."""
+    if task not in TASKS:
+        raise UserError(f"unknown needle task {task!r}: choose {' or '.join(TASKS)}")
+    haystack = haystack or split_sentences(FILLER)
+    cells = []
+    for length in lengths:
+        for depth in depths:
+            rng = random.Random(f"{seed}/{task}/{length}/{depth}")  # the same trials for every scheme
+            cells.append(
+                (length, depth, [build_trial(tokenizer, task, length, depth, rng, haystack) for _ in range(trials)])
+            )
+    return cells
+
+
+def score(schemes: list, task: str, cells: list[tuple[int, float, list[Trial]]], ask: Ask) -> list[NeedleRow]:
+    """Each scheme's accuracy in every cell; `ask` answers a batch of equal-length prompts through a
+    fresh cache of the scheme (minillama's engine below, transformers' in hf/ruler.py)."""
+    max_new = 6 if task == "passkey" else 9  # the digits, and room for a space before them
+    rows = []
+    for scheme in schemes:
+        for length, depth, cell in cells:
+            answers: list[int | None] = [None] * len(cell)
+            correct = evicted = needle_gone = 0
+            bits = nbytes = None
+            by_len: dict[int, list[int]] = {}
+            for i, t in enumerate(cell):  # trials whose prompts have the same token count share one batch
+                by_len.setdefault(len(t.ids), []).append(i)
+            for members in by_len.values():
+                got = ask(scheme, [cell[i].ids for i in members], max_new)
+                for i, text in zip(members, got.texts):
+                    answers[i] = first_integer(text)
+                    correct += answers[i] == cell[i].answer
+                    needle_gone += evicted_needle(cell[i], got.sinks, got.evicted)
+                evicted = max(evicted, got.evicted)
+                bits, nbytes = got.bits_per_element, got.cache_bytes
+            rows.append(
+                NeedleRow(
+                    str(scheme),
+                    task,
+                    length,
+                    depth,
+                    len(cell),
+                    correct,
+                    correct / len(cell),
+                    bits,
+                    nbytes,
+                    evicted,
+                    needle_gone,
+                    tuple(answers),
+                )
+            )
+    return rows
 
 
 def run(
@@ -222,53 +293,16 @@ def run(
 ) -> list[NeedleRow]:
     """Accuracy of every scheme at every (length, depth): the same trials for every scheme.
     `progress` is told the prompt tokens prefilled as they go (``prompt_tokens`` is their total)."""
-    if task not in TASKS:
-        raise UserError(f"unknown needle task {task!r}: choose {' or '.join(TASKS)}")
-    haystack = haystack or split_sentences(FILLER)
-    cells = []
-    for length in lengths:
-        for depth in depths:
-            rng = random.Random(f"{seed}/{task}/{length}/{depth}")  # the same trials for every scheme
-            cells.append(
-                (length, depth, [build_trial(lm.tokenizer, task, length, depth, rng, haystack) for _ in range(trials)])
-            )
-    max_new = 6 if task == "passkey" else 9  # the digits, and room for a space before them
-    rows = []
-    for spec in specs:
-        for length, depth, cell in cells:
-            answers: list[int | None] = [None] * len(cell)
-            correct = evicted = needle_gone = 0
-            bits = nbytes = None
-            by_len: dict[int, list[int]] = {}
-            for i, t in enumerate(cell):  # trials whose prompts have the same token count share one batch
-                by_len.setdefault(len(t.ids), []).append(i)
-            for n, members in by_len.items():
-                capacity = max(ctx or n + max_new, spec.min_capacity)
-                cache = KVCache.for_model(lm.config, spec, capacity, batch=len(members), device=lm.model.device)
-                texts = answer_batch(lm, [cell[i].ids for i in members], cache, max_new, progress=progress)
-                for i, text in zip(members, texts):
-                    answers[i] = first_integer(text)
-                    correct += answers[i] == cell[i].answer
-                    needle_gone += evicted_needle(cell[i], spec.sinks, cache.evicted)
-                evicted = max(evicted, cache.evicted)
-                bits, nbytes = cache.bits_per_element(), sum(cache.live_bytes().values()) // len(members)
-            rows.append(
-                NeedleRow(
-                    str(spec),
-                    task,
-                    length,
-                    depth,
-                    len(cell),
-                    correct,
-                    correct / len(cell),
-                    bits,
-                    nbytes,
-                    evicted,
-                    needle_gone,
-                    tuple(answers),
-                )
-            )
-    return rows
+    cells = make_cells(lm.tokenizer, task, lengths, depths, trials, haystack, seed)
+
+    def ask(spec: KVSpec, prompts: list[list[int]], max_new: int) -> Answers:
+        capacity = max(ctx or len(prompts[0]) + max_new, spec.min_capacity)
+        cache = KVCache.for_model(lm.config, spec, capacity, batch=len(prompts), device=lm.model.device)
+        texts = answer_batch(lm, prompts, cache, max_new, progress=progress)
+        nbytes = sum(cache.live_bytes().values()) // len(prompts)
+        return Answers(texts, cache.bits_per_element(), nbytes, cache.evicted, spec.sinks)
+
+    return score(specs, task, cells, ask)
 
 
 def format_table(rows: list[NeedleRow]) -> str:

@@ -124,6 +124,7 @@ def check_foreign(spec: KVSpec) -> None:
 
 def minillama_cache(config, spec: KVSpec, capacity: int) -> MinillamaCache:
     """A cache for a transformers model with this config, storing every layer as `spec` says, for up
-    to `capacity` tokens; refuses what cannot apply to a foreign model (see the module docstring)."""
+    to `capacity` tokens (or the least the spec needs: a residual, a group); refuses what cannot
+    apply to a foreign model (see the module docstring)."""
     check_foreign(spec)
-    return MinillamaCache(spec, attention_layers(config), capacity)
+    return MinillamaCache(spec, attention_layers(config), max(capacity, spec.min_capacity))

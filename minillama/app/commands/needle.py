@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import click
 
-from minillama.app.options import DTYPES, SEED, load, model_options, read_text_file
+from minillama.app.options import (
+    DTYPES,
+    SEED,
+    check_transformers_engine,
+    engine_option,
+    load,
+    load_transformers,
+    model_options,
+    read_text_file,
+)
 from minillama.errors import UsageError, UserError
 
 
@@ -35,8 +44,23 @@ def numbers(kind):
 @click.option("--dtype", default="bfloat16", show_default=True, type=DTYPES)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON rows instead of the table.")
 @click.option("--plot", "plot_path", default=None, help="Write the depth x length heatmap as a PNG.")
+@engine_option
 def needle(
-    model_name, device, backend, kvs, lengths, depths, trials, task, haystack_file, ctx, seed, dtype, as_json, plot_path
+    model_name,
+    device,
+    backend,
+    kvs,
+    lengths,
+    depths,
+    trials,
+    task,
+    haystack_file,
+    ctx,
+    seed,
+    dtype,
+    as_json,
+    plot_path,
+    engine,
 ):
     """Needle-in-a-haystack retrieval through each KV cache: accuracy per length and depth.
 
@@ -46,6 +70,7 @@ def needle(
       minillama needle --kv fp16 --kv k3v2lm --lengths 4096 --depths 0,0.25,0.5,0.75,1 --trials 4
       minillama needle --task multikey --haystack book.txt --json
       minillama needle --kv fp16 --lengths 2048 --ctx 1024    # the ring evicts: early needles are lost
+      minillama needle --engine transformers -m Qwen/Qwen2.5-7B --device cuda --kv fp16 --kv hadv2 --kv hf-quanto4
     """
     import json
     import sys
@@ -53,12 +78,15 @@ def needle(
     from minillama.eval import needle as nh
     from minillama.kv.spec import parse_kv
 
-    specs = [parse_kv(s) for s in (kvs or ("fp16", "kivi4", "hadv2"))]
+    names = list(kvs or ("fp16", "kivi4", "hadv2"))
+    specs = [parse_kv(s) for s in names if not (engine == "transformers" and s.startswith("hf-"))]
     lengths_, depths_ = numbers(int)(lengths), numbers(float)(depths)
     if not lengths_ or min(lengths_) < 64:
         raise UsageError("--lengths must be token counts of at least 64, e.g. 1024,2048")
     if not depths_ or not all(0 <= d <= 1 for d in depths_):
         raise UsageError("--depths must be fractions from 0 to 1, e.g. 0.1,0.5,0.9")
+    if engine == "transformers":  # the whole prompt is held: transformers' masks assume it
+        check_transformers_engine(**{"--ctx": ctx, "--backend": backend})
     haystack = nh.split_sentences(read_text_file(haystack_file)) if haystack_file else None
     if haystack_file and not haystack:
         raise UserError(f"{haystack_file} has no sentences to use as a haystack")
@@ -68,21 +96,28 @@ def needle(
             "the ring evicts their start, and a needle it dropped cannot be retrieved",
             err=True,
         )
-    lm = load(model_name, dtype, device, backend)
-    if max(lengths_) > lm.config.max_position_embeddings:
-        click.echo(
-            f"note: {max(lengths_)} tokens is beyond the model's trained context ({lm.config.max_position_embeddings})",
-            err=True,
-        )
-    total = nh.prompt_tokens(specs, lengths_, depths_, trials)
-    prompts = len(specs) * len(lengths_) * len(depths_) * trials
+    if engine == "transformers":
+        model, tokenizer, _ = load_transformers(model_name, dtype, device, names)
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    else:
+        lm = load(model_name, dtype, device, backend)
+        limit = lm.config.max_position_embeddings
+    if limit and max(lengths_) > limit:
+        click.echo(f"note: {max(lengths_)} tokens is beyond the model's trained context ({limit})", err=True)
+    total = nh.prompt_tokens(names, lengths_, depths_, trials)
+    prompts = len(names) * len(lengths_) * len(depths_) * trials
     click.echo(
         f"needle: {prompts} prompts, about {total:,} tokens to prefill (the bar counts tokens, "
         "its estimate firms up after the first chunks)",
         err=True,
     )
     with click.progressbar(length=total, label="needle", file=sys.stderr, show_pos=True, show_eta=True) as bar:
-        rows = nh.run(lm, specs, lengths_, depths_, trials, task, haystack, ctx, seed, bar.update)
+        if engine == "transformers":
+            from minillama.hf.ruler import needle_hf
+
+            rows = needle_hf(model, tokenizer, names, lengths_, depths_, trials, task, haystack, seed, bar.update)
+        else:
+            rows = nh.run(lm, specs, lengths_, depths_, trials, task, haystack, ctx, seed, bar.update)
     if any(r.evicted for r in rows):
         click.echo(
             f"note: the cache evicted tokens (--ctx {ctx} is below a length); "

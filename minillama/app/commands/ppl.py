@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import click
 
-from minillama.app.options import DTYPES, load, model_options, read_text, text_options
+from minillama.app.options import (
+    DTYPES,
+    check_transformers_engine,
+    engine_option,
+    load,
+    load_transformers,
+    model_options,
+    progress_bars,
+    read_text,
+    text_options,
+)
 from minillama.errors import UserError
 
 
@@ -38,15 +48,7 @@ from minillama.errors import UserError
     "--bucket", default=None, type=click.IntRange(1), help="Also report perplexity per bucket of this many positions."
 )
 @click.option("--frontier", is_flag=True, help="Evaluate every preset (the bits-vs-quality frontier).")
-@click.option(
-    "--engine",
-    type=click.Choice(["minillama", "transformers"]),
-    default="minillama",
-    show_default=True,
-    help="transformers: the model runs in Hugging Face transformers with minillama's cache inside "
-    "(any model; --device auto spreads it over GPUs; --kv hf-quanto4/hf-quanto2 add transformers' own "
-    "quantized cache). Needs pip install 'minillama[hf]'.",
-)
+@engine_option
 @click.option(
     "--sensitivity",
     is_flag=True,
@@ -110,7 +112,6 @@ def ppl(
       minillama ppl --engine transformers -m Qwen/Qwen2.5-0.5B --device auto --kv fp16 --kv hadv2 --kv hf-quanto4
     """
     import json
-    import sys
 
     from minillama.eval.perplexity import check_window, evaluate, format_table
     from minillama.kv.spec import PRESETS, maps, parse_kv
@@ -134,14 +135,11 @@ def ppl(
     if not (text_file or dataset):
         raise UserError("nothing to evaluate: pass --text FILE or --dataset hamlet|wikitext2")
     text = read_text(text_file, dataset)
-    if engine == "transformers":
-        given = {"--ctx": ctx, "--bucket": bucket, "--chunk": chunk > 1, "--frontier": frontier}
-        given |= {"--sensitivity": sensitivity, "--plot": plot_path, "--backend": backend}
-        if [o for o, on in given.items() if on]:
-            raise UserError(
-                f"{', '.join(o for o, on in given.items() if on)}: not with --engine transformers (it runs the "
-                "cached path of whole windows, one token a step)"
-            )
+    if engine == "transformers":  # whole windows, one token a step: no ring, chunks or maps
+        check_transformers_engine(
+            **{"--ctx": ctx, "--bucket": bucket, "--chunk": chunk > 1, "--frontier": frontier},
+            **{"--sensitivity": sensitivity, "--plot": plot_path, "--backend": backend},
+        )
         transformers_table(model_name, text, names, n, prefill, offset, windows, dtype, device, as_json)
         return
     lm = load(model_name, dtype, device, backend)
@@ -149,33 +147,43 @@ def ppl(
         shipped = (parse_kv(m) for m in maps())
         specs += [m for m in shipped if len(m.layer_codecs) == lm.config.num_hidden_layers]
     ids = lm.tokenizer.encode(text)
-    bars = []
+    told = []
 
-    def progress(label, total):
-        if not bars:  # the text held the windows: say how big the job is before it starts
-            click.echo(
-                f"ppl: {label} x {windows} window(s): {total} decode steps after a prefill of {prefill} "
-                f"(the schemes decode together as one batch unless --ctx streams)",
-                err=True,
-            )
-        bar = click.progressbar(length=total, label=f"{label:<24}", file=sys.stderr, show_eta=True, show_pos=True)
-        bar.__enter__()
-        bars.append(bar)
-        return bar.update
+    def first_told(progress):
+        def start(label, total):
+            if not told:  # the text held the windows: say how big the job is before it starts
+                click.echo(
+                    f"ppl: {label} x {windows} window(s): {total} decode steps after a prefill of {prefill} "
+                    f"(the schemes decode together as one batch unless --ctx streams)",
+                    err=True,
+                )
+                told.append(label)
+            return progress(label, total)
 
-    try:
+        return start
+
+    with progress_bars() as progress:
         if sensitivity:
             from minillama.eval.sensitivity import format_map, plot_map
             from minillama.eval.sensitivity import sensitivity as sensitivity_map
 
-            rows = sensitivity_map(lm, ids, specs[0], n, prefill, offset, windows, dtype, progress)
+            rows = sensitivity_map(lm, ids, specs[0], n, prefill, offset, windows, dtype, first_told(progress))
         else:
             results = evaluate(
-                lm, ids, specs, n, prefill, offset, windows, chunk, not no_blind, dtype, progress, ctx, bucket
+                lm,
+                ids,
+                specs,
+                n,
+                prefill,
+                offset,
+                windows,
+                chunk,
+                not no_blind,
+                dtype,
+                first_told(progress),
+                ctx,
+                bucket,
             )
-    finally:
-        for bar in bars:
-            bar.__exit__(None, None, None)
     if sensitivity:
         if plot_path:
             plot_map(rows, plot_path)
@@ -199,38 +207,27 @@ def ppl(
 def transformers_table(model_name, text, names, n, prefill, offset, windows, dtype, device, as_json) -> None:
     """ppl --engine transformers: the same ruler on a transformers model (minillama/hf/ruler.py)."""
     import json
-    import sys
 
-    try:
-        from minillama.hf.cache import check_foreign
-        from minillama.hf.ruler import QUANTO, evaluate_hf, load_hf
-    except ImportError as e:
-        raise UserError(f"--engine transformers needs transformers: pip install 'minillama[hf]' ({e})") from None
-    from minillama.kv.spec import parse_kv
-
-    for name in names:  # before the model loads
-        if name not in QUANTO:
-            check_foreign(parse_kv(name))
-    from minillama.app.default_model import resolve_model
     from minillama.eval.perplexity import format_table
+    from minillama.hf.ruler import HFTokens, evaluate_hf
 
-    name = resolve_model(model_name)
-    model, tokenizer = load_hf(name, dtype, device)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None
-    bars = []
-
-    def progress(label, total):
-        bar = click.progressbar(length=total, label=f"{label:<24}", file=sys.stderr, show_eta=True, show_pos=True)
-        bar.__enter__()
-        bars.append(bar)
-        return bar.update
-
-    try:
-        results = evaluate_hf(model, name, ids, names, n, prefill, offset, windows, bos, dtype, progress)
-    finally:
-        for bar in bars:
-            bar.__exit__(None, None, None)
+    model, tokenizer, name = load_transformers(model_name, dtype, device, names)
+    tokens = HFTokens(tokenizer)
+    ids = tokens.encode(text)
+    with progress_bars() as progress:
+        results = evaluate_hf(
+            model,
+            name,
+            ids,
+            names,
+            n,
+            prefill,
+            offset,
+            windows,
+            tokens.bos_id if tokens.add_bos else None,
+            dtype,
+            progress,
+        )
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in results], indent=2))
     else:
