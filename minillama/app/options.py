@@ -40,6 +40,13 @@ def model_options(device: bool = True):
             f = click.option(
                 "--device", default="cpu", show_default=True, callback=check_device, help="cpu, cuda (or cuda:N)."
             )(f)
+            f = click.option(
+                "--weights",
+                type=click.Choice(["q8_0", "q4_0", "q4_1"]),
+                default=None,
+                help="Keep the layers' projections in llama.cpp's blocks of 32 (quantized at load, "
+                "weight-only): fewer bytes a token. Default: the --dtype weights.",
+            )(f)
         return click.option(
             "-m",
             "--model",
@@ -116,9 +123,10 @@ def progress_bars():
             bar.__exit__(None, None, None)
 
 
-def load(model_name: str | None, dtype: str, device: str, backend: str | None = None):
+def load(model_name: str | None, dtype: str, device: str, backend: str | None = None, weights: str | None = None):
     """The model named on the command line (the offline default when None), loaded; `backend`
-    (from --backend) is set for the whole run."""
+    (from --backend) is set for the whole run; `weights` (--weights) keeps the projections in
+    blocks of 32 (minillama/weights)."""
     from minillama.app.default_model import resolve_model
     from minillama.native.backend import set_backend
     from minillama.native.fast import load_model
@@ -128,7 +136,7 @@ def load(model_name: str | None, dtype: str, device: str, backend: str | None = 
     if backend:
         set_backend(backend)
     note_missing_kernels(device)
-    return load_model(resolve_model(model_name), dtype, device)
+    return load_model(resolve_model(model_name), dtype, device, weights=weights)
 
 
 def note_missing_kernels(device: str) -> None:

@@ -13,6 +13,7 @@ from enum import IntEnum
 import torch
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the one table of dtype codes
+BLOCK_CODE = {"q8_0": 8, "q4_0": 9, "q4_1": 10}  # weights in blocks of 32 (native/dtypes.h: BlockDtype)
 
 
 class Route(IntEnum):
@@ -127,6 +128,7 @@ class LayerStep(ctypes.Structure):
             )
         ],
         ("pre_rope", ctypes.c_int),
+        ("wdtype", ctypes.c_int),  # the projections' weights: the dtype's code or BLOCK_CODE's
         ("x", ctypes.c_void_p),
         ("k_new", ctypes.c_void_p),
         ("v_new", ctypes.c_void_p),

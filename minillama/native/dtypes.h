@@ -18,6 +18,16 @@ typedef _Float16 half;
 
 static inline int dtype_bytes(int dtype) { return dtype == 0 ? 4 : 2; }  // one element's bytes
 
+// Weights in blocks of 32 with their own scale (minillama/weights/blocks.py has the layouts and
+// the reference): dtype codes for matrices only, never for activations.
+enum BlockDtype { DTYPE_Q8_0 = 8, DTYPE_Q4_0 = 9, DTYPE_Q4_1 = 10 };
+static inline bool is_block_dtype(int dtype) { return dtype >= DTYPE_Q8_0 && dtype <= DTYPE_Q4_1; }
+static inline int block_bytes(int dtype) { return dtype == DTYPE_Q8_0 ? 34 : dtype == DTYPE_Q4_0 ? 18 : 20; }
+// The bytes of one weight row of K columns (K a multiple of 32 for the block dtypes).
+static inline int64_t row_bytes(int dtype, int64_t K) {
+    return is_block_dtype(dtype) ? K / 32 * block_bytes(dtype) : K * dtype_bytes(dtype);
+}
+
 static inline float half_to_float(uint16_t h) {
     half f;
     std::memcpy(&f, &h, 2);

@@ -29,6 +29,7 @@ from minillama.native.step import chunk_attention, decode
 from minillama.native.threads import prefill_threads
 from minillama.native.weights import fuse
 from minillama.native.write import KernelWriter, writer
+from minillama.weights.linear import quantize_linears
 
 
 class KernelCache:
@@ -122,8 +123,11 @@ class FastLlama(Llama):
             lib.minillama_set_threads(before)  # what the decode steps' chooser had set
 
 
-def load_model(*args, **kwargs) -> loader.LoadedModel:
-    """``model/loader.py: load_model`` with its model on the compiled path (``FastLlama``)."""
+def load_model(*args, weights: str | None = None, **kwargs) -> loader.LoadedModel:
+    """``model/loader.py: load_model`` with its model on the compiled path (``FastLlama``); with
+    `weights` (q8_0, q4_0, q4_1) the projections kept in blocks of 32 (weights/linear.py)."""
     lm = loader.load_model(*args, **kwargs)
+    if weights:
+        quantize_linears(lm.model, weights)
     FastLlama.from_llama(lm.model)
     return lm

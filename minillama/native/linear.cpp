@@ -1,5 +1,5 @@
 // Skinny matrix products for decode steps: a few rows of activations against float32 or
-// bfloat16 weights (CPU, OpenMP).
+// bfloat16 weights, or weights in blocks of 32 with their own scales (q8_0, q4_0, q4_1: below).
 //
 //   y[m, n] = sum_k x[m, k] * W[n, k]      x (M, K) float32 or bfloat16, W (N, K) row-major, y float32 (M, N)
 //
@@ -83,6 +83,8 @@ static inline vf vzero() { return _mm512_setzero_ps(); }
 static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vset1(float a) { return _mm512_set1_ps(a); }
 static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 // 32 bf16 weights (64 bytes) -> (even channels, odd channels) as floats
 static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
@@ -96,6 +98,8 @@ static inline vf vzero() { return _mm256_setzero_ps(); }
 static inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vset1(float a) { return _mm256_set1_ps(a); }
 static inline float vsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -105,6 +109,114 @@ static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)w);
     even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000)));
+}
+#endif
+
+// ---- Weights in blocks of 32 (dtypes.h: DTYPE_Q8_0, DTYPE_Q4_0, DTYPE_Q4_1) ----
+// A block is a scale d (fp16), for q4_1 an offset m (fp16), and 32 codes q, with w_j = d q_j + o:
+// o = m for q4_1, -8 d for q4_0 (its codes 0..15 stand for -8..7), 0 for q8_0 (signed codes). So
+//   sum_j w_j x_j = d * (sum_j q_j x_j) + o * (sum_j x_j)
+// and the sums of x, one per block, are made once per call: a block costs one dot product of its
+// codes (widened to floats) with x, and two multiply-adds. Activations stay float32, so the
+// product is exact up to float summation order (minillama/weights/blocks.py: the specification).
+
+struct Block {
+    float d, o;        // w_j = d q_j + o
+    const uint8_t* q;  // 32 int8 codes (q8_0) or 16 bytes of nibbles: byte j = q_j | q_(j+16) << 4
+};
+
+static inline Block block_at(const uint8_t* b, int dt) {
+    uint16_t h[2];
+    std::memcpy(h, b, 4);  // d, and m for q4_1
+    const float d = half_to_float(h[0]);
+    if (dt == DTYPE_Q8_0) return {d, 0.f, b + 2};
+    if (dt == DTYPE_Q4_0) return {d, -8.f * d, b + 2};
+    return {d, half_to_float(h[1]), b + 4};
+}
+
+// Code j of a block, as the plain loop reads it.
+static inline float block_code(const Block& v, int dt, int j) {
+    if (dt == DTYPE_Q8_0) return (float)(int8_t)v.q[j];
+    return (float)(j < 16 ? v.q[j] & 15 : v.q[j - 16] >> 4);
+}
+
+// The plain loop over blocks: reference for the vector path and the product on CPUs without it.
+// x (M, K) float32, sums (M, K / 32) the sums of x's blocks.
+static void rows_blocks_scalar(const float* x, const float* sums, const void* W, int dt, int M, int n0, int n1, int N, int K,
+                               float* y) {
+    const int nb = K / 32, bb = block_bytes(dt);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t* w = (const uint8_t*)W + n * row_bytes(dt, K);
+        for (int m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int b = 0; b < nb; b++) {
+                const Block v = block_at(w + b * bb, dt);
+                float dot = 0.f;
+                for (int j = 0; j < 32; j++) dot += block_code(v, dt, j) * x[(int64_t)m * K + 32 * b + j];
+                acc += v.d * dot + v.o * sums[(int64_t)m * nb + b];
+            }
+            y[(int64_t)m * N + n] = acc;
+        }
+    }
+}
+
+#if LIN_W
+constexpr int BV = 32 / LIN_W;  // vectors of floats per block: 2 (AVX-512) or 4 (AVX2)
+
+// The 32 codes of a block as BV vectors of floats, in weight order.
+static inline void block_codes(const uint8_t* q, int dt, vf* c) {
+    const __m128i nibble = _mm_set1_epi8(15);
+#if LIN_W == 16
+    if (dt == DTYPE_Q8_0) {
+        c[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+        c[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
+    } else {
+        const __m128i p = _mm_loadu_si128((const __m128i*)q);
+        c[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(p, nibble)));
+        c[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(p, 4), nibble)));
+    }
+#else
+    __m128i lo, hi;
+    if (dt == DTYPE_Q8_0) {
+        lo = _mm_loadu_si128((const __m128i*)q), hi = _mm_loadu_si128((const __m128i*)(q + 16));
+        c[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        c[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        c[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        c[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        const __m128i p = _mm_loadu_si128((const __m128i*)q);
+        lo = _mm_and_si128(p, nibble), hi = _mm_and_si128(_mm_srli_epi16(p, 4), nibble);
+        c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        c[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    }
+#endif
+}
+
+// Row n of W (blocks) against M rows of x: each block's codes widened once for all M rows.
+template <int M>
+static inline void row_blocks(const float* x, const float* sums, const void* W, int dt, int n, int N, int K, float* y) {
+    const int nb = K / 32, bb = block_bytes(dt);
+    const uint8_t* w = (const uint8_t*)W + n * row_bytes(dt, K);
+    vf acc[M];
+    float off[M];
+    for (int m = 0; m < M; m++) acc[m] = vzero(), off[m] = 0.f;
+    for (int b = 0; b < nb; b++, w += bb) {
+        __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
+        const Block v = block_at(w, dt);
+        vf c[BV];
+        block_codes(v.q, dt, c);
+        const vf d = vset1(v.d);
+        for (int m = 0; m < M; m++) {
+            const float* xm = x + (int64_t)m * K + 32 * b;
+            vf dot = vmul(c[0], vload(xm));
+            for (int i = 1; i < BV; i++) dot = vfma(c[i], vload(xm + i * LIN_W), dot);
+            acc[m] = vfma(d, dot, acc[m]);
+            off[m] += v.o * sums[(int64_t)m * nb + b];
+        }
+    }
+    for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = vsum(acc[m]) + off[m];
 }
 #endif
 
@@ -203,12 +315,20 @@ struct PreparedX {
     int M, K, xdt, wdt;
     const void* x;            // as given, (M, K)
     std::vector<float> a, b;  // float32 copies: x, or its even / odd channels (M, K/2) for bf16 weights
+    std::vector<float> sums;  // block weights: the sums of x's blocks of 32 (M, K/32)
     bool vector;              // a vector path applies (K a multiple of the vector width)
     bool dpbf16;              // bf16 x bf16 on vdpbf16ps
 };
 
 static void prepare_x(PreparedX& p) {
     p.dpbf16 = false;
+    if (is_block_dtype(p.wdt)) {  // x as float32, and the sum of each of its blocks
+        const int M = p.M, K = p.K;
+        p.a.resize((size_t)M * K), p.sums.assign((size_t)M * K / 32, 0.f);
+        for (int64_t i = 0; i < (int64_t)M * K; i++) p.sums[i / 32] += p.a[i] = element(p.x, i, p.xdt);
+        p.vector = LIN_W > 0;
+        return;
+    }
 #if LIN_DPBF16 || LIN_W
     const int M = p.M, K = p.K;
 #endif
@@ -242,6 +362,13 @@ static void prepare_x(PreparedX& p) {
 template <int MB>
 static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1, int N, float* y) {
     y += (int64_t)m0 * N;
+#if LIN_W
+    if (is_block_dtype(p.wdt)) {
+        const float *x = p.a.data() + (int64_t)m0 * p.K, *sums = p.sums.data() + (int64_t)m0 * (p.K / 32);
+        for (int n = n0; n < n1; n++) row_blocks<MB>(x, sums, W, p.wdt, n, N, p.K, y);
+        return;
+    }
+#endif
 #if LIN_DPBF16
     if (p.dpbf16) return rows_dpbf16<MB>((const uint16_t*)p.x + (int64_t)m0 * p.K, (const uint16_t*)W, n0, n1, N, p.K, y);
 #endif
@@ -260,8 +387,10 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
 // bound by arithmetic, not bytes: taking the blocks inside the loop over W's rows, so each row
 // is read from memory once, measured no faster.
 static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float* y) {
+    if (!p.vector && is_block_dtype(p.wdt))
+        return rows_blocks_scalar(p.a.data(), p.sums.data(), W, p.wdt, p.M, n0, n1, N, p.K, y);
     if (!p.vector) return rows_scalar(p.x, p.xdt, W, p.wdt, p.M, n0, n1, N, p.K, y);
-    const char* first = (const char*)W + (int64_t)n0 * p.K * dtype_bytes(p.wdt);  // the share's first bytes, asked at once
+    const char* first = (const char*)W + n0 * row_bytes(p.wdt, p.K);  // the share's first bytes, asked at once
     for (int b = 0; b < PREFETCH_BYTES; b += 64) __builtin_prefetch(first + b, 0, 0);
     for (int m0 = 0; m0 < p.M; m0 += 4) {
         switch (std::min(4, p.M - m0)) {
@@ -276,7 +405,7 @@ static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float
 // At most 16 rows of x against all of W. Each thread takes a contiguous share of W's rows (a
 // multiple of 4), so each streams one region.
 static void gemm16(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
-    PreparedX p{M, K, xdtype, dtype, x, {}, {}, false, false};
+    PreparedX p{M, K, xdtype, dtype, x, {}, {}, {}, false, false};
     prepare_x(p);
 #pragma omp parallel
     {
@@ -294,8 +423,8 @@ static void gemm16(const void* x, int xdtype, const void* W, int dtype, int M, i
 // Any number of rows, 16 at a time (the weights stream once per 16 rows: a decode step's batch,
 // or the windows and schemes of a perplexity run decoded together).
 extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
-    if ((dtype != 0 && dtype != 2) || (xdtype != 0 && xdtype != 2)) return MINILLAMA_E_DTYPE;
-    if (M < 1 || N < 1 || K < 1) return MINILLAMA_E_SHAPE;
+    if ((dtype != 0 && dtype != 2 && !is_block_dtype(dtype)) || (xdtype != 0 && xdtype != 2)) return MINILLAMA_E_DTYPE;
+    if (M < 1 || N < 1 || K < 1 || (is_block_dtype(dtype) && K % 32)) return MINILLAMA_E_SHAPE;
     for (int m = 0; m < M; m += 16)
         gemm16((const char*)x + (size_t)m * K * dtype_bytes(xdtype), xdtype, W, dtype, std::min(16, M - m), N, K, y + (size_t)m * N);
     return MINILLAMA_OK;

@@ -153,6 +153,7 @@ struct LayerStep {
     const float* cos;    // (D) float32: this token's RoPE angles (every sequence is at the same position)
     const float* sin;
     int pre_rope;        // the cache keeps keys before RoPE: k_new gets the unrotated key
+    int wdtype;          // the four projections' weights: dtype, or a block dtype (dtypes.h: BlockDtype)
     void* x;             // (B, hidden): the residual stream, updated in place
     void* k_new;         // (B, Hkv, D): the new key as the cache stores it
     void* v_new;         // (B, Hkv, D): the new value

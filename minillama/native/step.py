@@ -32,12 +32,13 @@ from minillama.kv.interface import Cache
 from minillama.model.attention import sdpa
 from minillama.model.rope import rope_tables
 from minillama.native import backend, ops
-from minillama.native.abi import DTYPE_CODE, STATUS, STATUS_OK, LayerPlan, LayerStep, NotSupported, StepEnds
+from minillama.native.abi import BLOCK_CODE, DTYPE_CODE, STATUS, STATUS_OK, LayerPlan, LayerStep, NotSupported, StepEnds
 from minillama.native.plans import CachePlans
 from minillama.native.threads import ThreadChooser
 from minillama.native.token_write import CacheWrites
 from minillama.native.weights import fused_rows
 from minillama.native.write import KernelWriter
+from minillama.weights.linear import block_kind
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -53,6 +54,8 @@ class NativeStep:
         self.lib, self.batch, self.dtype = lib, batch, model.dtype
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise NotSupported(f"{self.dtype} weights (the step takes float32 and bfloat16)")
+        kind = block_kind(model)  # projections in blocks of 32 (weights/linear.py), or the model's dtype
+        wdtype = BLOCK_CODE[kind] if kind else DTYPE_CODE[self.dtype]
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         for name, t in (("embedding", embed), ("LM head", head)):
             if t.dtype != self.dtype or not t.is_contiguous():
@@ -108,6 +111,7 @@ class NativeStep:
                 D=self.d,
                 I=cfg.intermediate_size,
                 dtype=DTYPE_CODE[self.dtype],
+                wdtype=wdtype,
                 eps=layer.input_layernorm.eps,
                 w_in=_ptr(layer.input_layernorm.weight),
                 w_post=_ptr(layer.post_attention_layernorm.weight),

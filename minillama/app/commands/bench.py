@@ -44,6 +44,7 @@ from minillama.errors import UserError
 @engine_option
 def bench(
     model_name,
+    weights,
     device,
     backend,
     kvs,
@@ -78,12 +79,12 @@ def bench(
     contexts = contexts or (512, 8192)
     if engine == "transformers":
         check_transformers_engine(
-            **{"--fill synthetic": fill == "synthetic", "--plot": plot_path, "--backend": backend}
+            **{"--fill synthetic": fill == "synthetic", "--plot": plot_path, "--backend": backend, "--weights": weights}
         )
         transformers_bench(model_name, device, list(kvs), contexts, decode_tokens, dtype, text_file, dataset, as_json)
         return
     specs = [parse_kv(s) for s in (kvs or ("fp16", "kivi4", "hadv2"))]
-    lm = load(model_name, dtype, device, backend)
+    lm = load(model_name, dtype, device, backend, weights)
     if fill == "prefill":
         ids = lm.tokenizer.encode(read_text(text_file, dataset))
         if len(ids) < max(contexts):

@@ -41,6 +41,7 @@ from minillama.app.options import DEFAULT_DTYPE, DTYPES, load, model_options, sa
 )
 def chat(
     model_name,
+    weights,
     device,
     backend,
     kv,
@@ -79,7 +80,7 @@ def chat(
 
     adapt_threads()  # decode on one core fewer while another process holds one (unless --threads)
     click.get_current_context().call_on_close(lambda: adapt_threads(False))  # for this command only
-    lm = load(model_name, dtype, device, backend)
+    lm = load(model_name, dtype, device, backend, weights)
     overrides = {
         "temperature": temperature,
         "top_k": top_k,

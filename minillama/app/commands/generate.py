@@ -76,6 +76,7 @@ def generate(
     raw,
     system,
     model_name,
+    weights,
     device,
     backend,
     max_tokens,
@@ -130,7 +131,7 @@ def generate(
 
     adapt_threads()  # decode on one core fewer while another process holds one (unless --threads)
     click.get_current_context().call_on_close(lambda: adapt_threads(False))  # for this command only
-    lm = load(model_name, dtype, device, backend)
+    lm = load(model_name, dtype, device, backend, weights)
     tok = lm.tokenizer
     templated = not raw and tok.chat_template is not None
     if system is not None and not templated:

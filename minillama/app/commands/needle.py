@@ -47,6 +47,7 @@ def numbers(kind):
 @engine_option
 def needle(
     model_name,
+    weights,
     device,
     backend,
     kvs,
@@ -86,7 +87,7 @@ def needle(
     if not depths_ or not all(0 <= d <= 1 for d in depths_):
         raise UsageError("--depths must be fractions from 0 to 1, e.g. 0.1,0.5,0.9")
     if engine == "transformers":  # the whole prompt is held: transformers' masks assume it
-        check_transformers_engine(**{"--ctx": ctx, "--backend": backend})
+        check_transformers_engine(**{"--ctx": ctx, "--backend": backend, "--weights": weights})
     haystack = nh.split_sentences(read_text_file(haystack_file)) if haystack_file else None
     if haystack_file and not haystack:
         raise UserError(f"{haystack_file} has no sentences to use as a haystack")
@@ -100,7 +101,7 @@ def needle(
         model, tokenizer, _ = load_transformers(model_name, dtype, device, names)
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     else:
-        lm = load(model_name, dtype, device, backend)
+        lm = load(model_name, dtype, device, backend, weights)
         limit = lm.config.max_position_embeddings
     if limit and max(lengths_) > limit:
         click.echo(f"note: {max(lengths_)} tokens is beyond the model's trained context ({limit})", err=True)

@@ -76,6 +76,7 @@ from minillama.errors import UserError
 )
 def ppl(
     model_name,
+    weights,
     device,
     backend,
     text_file,
@@ -138,11 +139,11 @@ def ppl(
     if engine == "transformers":  # whole windows, one token a step: no ring, chunks or maps
         check_transformers_engine(
             **{"--ctx": ctx, "--bucket": bucket, "--chunk": chunk > 1, "--frontier": frontier},
-            **{"--sensitivity": sensitivity, "--plot": plot_path, "--backend": backend},
+            **{"--sensitivity": sensitivity, "--plot": plot_path, "--backend": backend, "--weights": weights},
         )
         transformers_table(model_name, text, names, n, prefill, offset, windows, dtype, device, as_json)
         return
-    lm = load(model_name, dtype, device, backend)
+    lm = load(model_name, dtype, device, backend, weights)
     if frontier:  # the per-layer maps made for a model with this many layers
         shipped = (parse_kv(m) for m in maps())
         specs += [m for m in shipped if len(m.layer_codecs) == lm.config.num_hidden_layers]

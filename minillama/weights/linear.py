@@ -1,0 +1,66 @@
+"""Linear layers whose weights stay in blocks of 32 (blocks.py), and the transform that makes them.
+
+As gpt-fast's weight-only quantization, a transform the model never knows about:
+``quantize_linears(model, "q4_0")`` replaces the four projections of every layer (q/k/v, o,
+gate/up, down) by ``BlockLinear``s holding the blocks llama.cpp would write; the embedding and
+the LM head keep the model's dtype. ``BlockLinear.forward`` is the reference: dequantize, then
+multiply. The native decode step multiplies the blocks in place (native/linear.cpp: every weight
+read once a token, at 4.5-8.5 bits instead of 16).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillama.errors import UserError
+from minillama.weights.blocks import BLOCK_BYTES, KINDS, QK, dequantize, quantize
+
+PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+
+class BlockLinear(nn.Module):
+    """y = x W^T + b with W (out, in) kept as rows of blocks: ``weight`` (out, in / 32 * bytes) uint8."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        if blocks.shape[1] != in_features // QK * BLOCK_BYTES[kind]:
+            raise ValueError(f"{tuple(blocks.shape)} bytes are not rows of {in_features} weights in {kind} blocks")
+        self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
+        self.weight = nn.Parameter(blocks, requires_grad=False)  # (out, in / 32 * bytes) uint8
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize(self.weight, self.kind).to(x.dtype)  # (out, in)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+def quantize_linears(model: nn.Module, kind: str) -> None:
+    """Every decoder layer's projections as ``BlockLinear``s of `kind`, in place."""
+    if kind not in KINDS:
+        raise UserError(f"unknown weight blocks {kind!r}: choose {', '.join(KINDS)}")
+    for layer in model.model.layers:
+        for part, names in PROJECTIONS:
+            module = getattr(layer, part)
+            for name in names:
+                linear = getattr(module, name)
+                if linear.in_features % QK:
+                    raise UserError(
+                        f"{name} has {linear.in_features} inputs, not a multiple of {QK}: {kind} weights need whole blocks"
+                    )
+                bias = None if linear.bias is None else linear.bias.detach()
+                blocks = quantize(linear.weight.detach(), kind)  # (out, in / 32 * bytes)
+                setattr(module, name, BlockLinear(blocks, kind, linear.in_features, bias))
+
+
+def block_kind(model: nn.Module) -> str | None:
+    """The block kind of the model's projections (None: ordinary weights); one kind for all."""
+    kinds = {getattr(getattr(getattr(layer, part), name), "kind", None)
+             for layer in model.model.layers for part, names in PROJECTIONS for name in names}  # fmt: skip
+    if len(kinds) > 1:
+        raise UserError(f"the projections mix weight kinds ({', '.join(map(str, kinds))}): use one")
+    return kinds.pop()

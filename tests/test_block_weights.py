@@ -1,0 +1,108 @@
+"""Weights kept in llama.cpp's blocks of 32 (minillama/weights): the blocks are llama.cpp's to the
+bit, the native product reads them as the reference does, and a model whose projections are
+blocks decodes through the native step with the logits of its PyTorch layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from minillama.errors import UserError
+from minillama.kv.cache import KVCache
+from minillama.kv.spec import parse_kv
+from minillama.native import backend, ops
+from minillama.native.abi import NotSupported
+from minillama.native.fast import load_model
+from minillama.weights.blocks import KINDS, dequantize, quantize
+from minillama.weights.linear import BlockLinear, quantize_linears
+from tests.conftest import make_tiny
+
+gguf = pytest.importorskip("gguf")
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1}  # fmt: skip
+
+
+def awkward_rows() -> torch.Tensor:
+    """Random rows, a block of zeros, one huge weight, and q8_0's rounding ties (x.5 after scaling)."""
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(0)) * 0.05  # (N, K)
+    w[3, :32] = 0
+    w[5, 40] = 5.0
+    w[7, :32] = torch.arange(32) / 2 - 8
+    return w
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_are_the_ones_llama_cpp_writes_and_reads(kind):
+    w = awkward_rows()
+    ours = quantize(w, kind)  # (N, K / 32 * bytes)
+    theirs = gguf.quants.quantize(w.numpy(), GGML[kind])
+    assert np.array_equal(ours.numpy(), theirs)
+    assert np.array_equal(dequantize(ours, kind).numpy(), gguf.quants.dequantize(theirs, GGML[kind]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n_out,n_in,rows", [(7, 576, 1), (576, 1536, 3), (1029, 96, 5), (64, 4096, 16), (3, 32, 21)])
+def test_the_native_block_product_equals_the_dequantized_one(lib, kind, n_out, n_in, rows):
+    """Every build target (the conftest's lib): rows not a multiple of any tile, 1-21 rows of x."""
+    g = torch.Generator().manual_seed(n_out + rows)
+    blocks = quantize(torch.randn(n_out, n_in, generator=g) * 0.1, kind)
+    x = torch.randn(rows, n_in, generator=g)
+    fast = ops.gemm_rows(lib, x, blocks, kind)  # (rows, n_out) float32
+    reference = x @ dequantize(blocks, kind).T
+    assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5 * n_in**0.5)  # float sums in another order
+
+
+def test_a_row_that_is_not_whole_blocks_is_refused(lib):
+    with pytest.raises(NotSupported, match="gemm_rows"):
+        ops.gemm_rows(lib, torch.randn(1, 48), torch.zeros(4, 34, dtype=torch.uint8), "q8_0")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny(
+        tmp_path_factory.mktemp("blocks"), hidden_size=192, intermediate_size=160, head_dim=64, attention_bias=True
+    )
+
+
+@pytest.mark.skipif(backend.library() is None, reason="the kernels did not build here")
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_native_step_reads_block_weights_as_the_layers_do(model_dir, kind):
+    """float32: the whole decode step in one native call (counted) against the PyTorch layers
+    (reference backend: each BlockLinear dequantizes, then multiplies)."""
+    lm = load_model(str(model_dir), "float32", weights=kind)
+    assert isinstance(lm.model.model.layers[0].mlp.down_proj, BlockLinear)
+    ids = torch.randint(3, lm.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))  # (B, T)
+
+    def decode(name: str) -> torch.Tensor:
+        cache = KVCache.for_model(lm.config, parse_kv("fp16"), 64, batch=2)
+        with backend.using(name), torch.inference_mode():
+            lm.model(ids[:, :30], cache)
+            return torch.stack([lm.model(ids[:, t : t + 1], cache)[:, -1] for t in range(30, 40)])  # (10, B, V)
+
+    reference = decode("reference")
+    before = backend.tally()
+    native = decode("kernels-exact")
+    ran = backend.tally() - before
+    assert ran["decode step"] == 10 and not [k for k in ran if k.startswith("fallback")]
+    assert torch.allclose(native, reference, atol=1e-4, rtol=1e-4)
+    assert torch.equal(native.argmax(-1), reference.argmax(-1))
+
+
+def test_projections_that_are_not_whole_blocks_are_refused_in_one_line(tmp_path):
+    from minillama.model.loader import load_model as load_reference
+
+    lm = load_reference(str(make_tiny(tmp_path, hidden_size=72, intermediate_size=96)), "float32")
+    with pytest.raises(UserError, match="not a multiple of 32: q4_0 weights need whole blocks"):
+        quantize_linears(lm.model, "q4_0")
+
+
+def test_generate_takes_weights_from_the_command_line(model_dir):
+    from minillama.app.cli import cli
+
+    args = ["generate", "hello", "-m", str(model_dir), "--raw", "-n", "4", "--temperature", "0"]
+    result = CliRunner().invoke(cli, [*args, "--weights", "q4_1"])
+    assert result.exit_code == 0, result.output
+    bad = CliRunner().invoke(cli, [*args, "--weights", "q3"])
+    assert bad.exit_code == 2 and "q4_1" in bad.stderr
