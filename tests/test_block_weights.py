@@ -16,7 +16,7 @@ from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 from minillama.native.fast import load_model
 from minillama.weights.blocks import KINDS, dequantize, quantize
-from minillama.weights.linear import BlockLinear, quantize_linears
+from minillama.weights.layers import BlockLinear, quantize_linears
 from tests.conftest import make_tiny
 
 gguf = pytest.importorskip("gguf")

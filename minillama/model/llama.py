@@ -136,11 +136,11 @@ class Llama(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def forward(self, tokens: torch.Tensor, cache: Cache | None = None, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab), or (B, 1, vocab) with last_only.

@@ -184,6 +184,8 @@ class StepEnds(ctypes.Structure):
         ("writes", ctypes.POINTER(TokenWrite)),
         ("nwrites", ctypes.c_int),
         ("write_status", ctypes.c_int),
+        ("embed_dtype", ctypes.c_int),  # the layers' dtype code, or BLOCK_CODE's
+        ("head_dtype", ctypes.c_int),
     ]
 
 

@@ -87,3 +87,31 @@ static inline uint8_t log_scale_code(double s) {
     }
     return (uint8_t)lo;
 }
+
+// One block of 32 weights (minillama/weights/blocks.py): w_j = d q_j + o, with o = m for q4_1,
+// -8 d for q4_0 (codes 0..15 stand for -8..7) and 0 for q8_0 (signed codes).
+struct Block {
+    float d, o;        // w_j = d q_j + o
+    const uint8_t* q;  // 32 int8 codes (q8_0) or 16 bytes of nibbles: byte j = q_j | q_(j+16) << 4
+};
+
+static inline Block block_at(const uint8_t* b, int dt) {
+    uint16_t h[2];
+    std::memcpy(h, b, 4);  // d, and m for q4_1
+    const float d = half_to_float(h[0]);
+    if (dt == DTYPE_Q8_0) return {d, 0.f, b + 2};
+    if (dt == DTYPE_Q4_0) return {d, -8.f * d, b + 2};
+    return {d, half_to_float(h[1]), b + 4};
+}
+
+// Code j of a block, as the plain loop reads it.
+static inline float block_code(const Block& v, int dt, int j) {
+    if (dt == DTYPE_Q8_0) return (float)(int8_t)v.q[j];
+    return (float)(j < 16 ? v.q[j] & 15 : v.q[j - 16] >> 4);
+}
+
+// Weight j of a block exactly as blocks.py's dequantize computes it (q4_0: d (q - 8)).
+static inline float block_weight(const Block& v, int dt, int j) {
+    const float q = block_code(v, dt, j);
+    return dt == DTYPE_Q4_0 ? v.d * (q - 8.f) : dt == DTYPE_Q8_0 ? v.d * q : v.d * q + v.o;
+}

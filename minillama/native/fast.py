@@ -29,7 +29,7 @@ from minillama.native.step import chunk_attention, decode
 from minillama.native.threads import prefill_threads
 from minillama.native.weights import fuse
 from minillama.native.write import KernelWriter, writer
-from minillama.weights.linear import quantize_linears
+from minillama.weights.layers import quantize_model
 
 
 class KernelCache:
@@ -128,6 +128,6 @@ def load_model(*args, weights: str | None = None, **kwargs) -> loader.LoadedMode
     `weights` (q8_0, q4_0, q4_1) the projections kept in blocks of 32 (weights/linear.py)."""
     lm = loader.load_model(*args, **kwargs)
     if weights:
-        quantize_linears(lm.model, weights)
+        quantize_model(lm.model, weights)
     FastLlama.from_llama(lm.model)
     return lm

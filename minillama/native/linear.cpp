@@ -120,26 +120,6 @@ static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
 // codes (widened to floats) with x, and two multiply-adds. Activations stay float32, so the
 // product is exact up to float summation order (minillama/weights/blocks.py: the specification).
 
-struct Block {
-    float d, o;        // w_j = d q_j + o
-    const uint8_t* q;  // 32 int8 codes (q8_0) or 16 bytes of nibbles: byte j = q_j | q_(j+16) << 4
-};
-
-static inline Block block_at(const uint8_t* b, int dt) {
-    uint16_t h[2];
-    std::memcpy(h, b, 4);  // d, and m for q4_1
-    const float d = half_to_float(h[0]);
-    if (dt == DTYPE_Q8_0) return {d, 0.f, b + 2};
-    if (dt == DTYPE_Q4_0) return {d, -8.f * d, b + 2};
-    return {d, half_to_float(h[1]), b + 4};
-}
-
-// Code j of a block, as the plain loop reads it.
-static inline float block_code(const Block& v, int dt, int j) {
-    if (dt == DTYPE_Q8_0) return (float)(int8_t)v.q[j];
-    return (float)(j < 16 ? v.q[j] & 15 : v.q[j - 16] >> 4);
-}
-
 // The plain loop over blocks: reference for the vector path and the product on CPUs without it.
 // x (M, K) float32, sums (M, K / 32) the sums of x's blocks.
 static void rows_blocks_scalar(const float* x, const float* sums, const void* W, int dt, int M, int n0, int n1, int N, int K,

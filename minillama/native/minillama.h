@@ -185,6 +185,8 @@ struct StepEnds {
     const TokenWrite* writes;
     int nwrites;
     int write_status;
+    int embed_dtype;  // the embedding table's and the LM head's weights: the layers' dtype, or a
+    int head_dtype;   // block dtype (dtypes.h: BlockDtype; the embedding's rows dequantized into x)
 };
 
 // -- entry points -------------------------------------------------------------------------
@@ -262,5 +264,5 @@ static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) =
 static_assert(sizeof(Part) == 128, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
 static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
-static_assert(sizeof(StepEnds) == 8 * 8 + 8 + 8 + 8, "StepEnds layout changed: update native/abi.py");
+static_assert(sizeof(StepEnds) == 8 * 8 + 8 + 8 + 8 + 8, "StepEnds layout changed: update native/abi.py");
 static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 264, "TokenWrite layout changed: update native/abi.py");

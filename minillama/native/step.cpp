@@ -135,11 +135,22 @@ extern "C" int decode_step(const LayerStep* steps, int n, StepEnds* ends) {
     const LayerStep& first = steps[0];
     const int B = first.B, E = first.hidden, dt = first.dtype, V = ends->vocab;
     if (dt != 0 && dt != 2) return MINILLAMA_E_DTYPE;
-    const size_t row = (size_t)E * dtype_bytes(dt);
+    const int edt = ends->embed_dtype, hdt = ends->head_dtype;
+    if (edt != dt && !is_block_dtype(edt)) return MINILLAMA_E_DTYPE;
+    const size_t row = (size_t)E * dtype_bytes(dt), erow = row_bytes(edt, E);
     for (int b = 0; b < B; b++)  // every token checked before anything is written
         if (ends->tokens[b] < 0 || ends->tokens[b] >= V) return MINILLAMA_E_SHAPE;
-    for (int b = 0; b < B; b++)  // x = embedding rows (every layer's x is this one buffer)
-        std::memcpy((char*)first.x + b * row, (const char*)ends->embed + ends->tokens[b] * row, row);
+    for (int b = 0; b < B; b++) {  // x = embedding rows (every layer's x is this one buffer)
+        const uint8_t* e = (const uint8_t*)ends->embed + ends->tokens[b] * erow;
+        if (!is_block_dtype(edt)) {
+            std::memcpy((char*)first.x + b * row, e, row);
+            continue;
+        }
+        for (int k = 0; k < E; k += 32) {  // a row of blocks, dequantized and rounded to dt
+            const Block v = block_at(e + k / 32 * block_bytes(edt), edt);
+            for (int j = 0; j < 32; j++) put_rounded(block_weight(v, edt, j), dt, first.x, (int64_t)b * E + k + j);
+        }
+    }
     for (int i = 0; i < n; i++) {
         LayerStep layer = steps[i];  // this step's angles
         layer.cos = ends->cos, layer.sin = ends->sin;
@@ -150,7 +161,7 @@ extern "C" int decode_step(const LayerStep* steps, int n, StepEnds* ends) {
     void* normed = ends->head ? first.scratch : ends->out;
     if (int st = add_rms_norm(first.x, nullptr, ends->norm, dt, B, E, ends->eps, nullptr, normed)) return st;
     if (ends->head) {  // logits rounded once, as F.linear rounds
-        if (int st = gemm_rows(normed, dt, ends->head, dt, B, V, E, ends->product)) return st;
+        if (int st = gemm_rows(normed, dt, ends->head, hdt, B, V, E, ends->product)) return st;
         round_product(ends->product, nullptr, dt, B, V, ends->out);
     }
     t.lap(STEP_HEAD);

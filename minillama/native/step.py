@@ -38,7 +38,7 @@ from minillama.native.threads import ThreadChooser
 from minillama.native.token_write import CacheWrites
 from minillama.native.weights import fused_rows
 from minillama.native.write import KernelWriter
-from minillama.weights.linear import block_kind
+from minillama.weights.layers import block_kind
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -54,12 +54,16 @@ class NativeStep:
         self.lib, self.batch, self.dtype = lib, batch, model.dtype
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise NotSupported(f"{self.dtype} weights (the step takes float32 and bfloat16)")
-        kind = block_kind(model)  # projections in blocks of 32 (weights/linear.py), or the model's dtype
+        # Weights in blocks of 32 (minillama/weights) where the model keeps them so, else its dtype.
+        kind = block_kind(model)
         wdtype = BLOCK_CODE[kind] if kind else DTYPE_CODE[self.dtype]
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        for name, t in (("embedding", embed), ("LM head", head)):
-            if t.dtype != self.dtype or not t.is_contiguous():
+        codes = {}
+        for name, module in (("embedding", model.model.embed_tokens), ("LM head", model.lm_head)):
+            t, block = module.weight, getattr(module, "kind", None)
+            if (t.dtype != self.dtype and not block) or not t.is_contiguous():
                 raise NotSupported(f"{name} {tuple(t.shape)} {t.dtype}: the step reads contiguous {self.dtype} rows")
+            codes[name] = BLOCK_CODE[block] if block else DTYPE_CODE[self.dtype]
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.n_kv_heads, cfg.head_dim
         n = cfg.num_hidden_layers
         self.new_k = torch.empty(n, batch, self.hkv, 1, self.d, dtype=self.dtype)  # (L, B, Hkv, 1, D)
@@ -79,7 +83,13 @@ class NativeStep:
         norm = model.model.norm
         self.weights += [embed, head, norm.weight]
         self.ends = StepEnds(
-            embed=_ptr(embed), norm=_ptr(norm.weight), product=_ptr(self.product), vocab=cfg.vocab_size, eps=norm.eps
+            embed=_ptr(embed),
+            norm=_ptr(norm.weight),
+            product=_ptr(self.product),
+            vocab=cfg.vocab_size,
+            eps=norm.eps,
+            embed_dtype=codes["embedding"],
+            head_dtype=codes["LM head"],
         )
         self.head = _ptr(head)
         self.steps = (LayerStep * n)()  # one contiguous array: the whole step is one native call

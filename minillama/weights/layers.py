@@ -1,11 +1,12 @@
-"""Linear layers whose weights stay in blocks of 32 (blocks.py), and the transform that makes them.
+"""Layers whose weights stay in blocks of 32 (blocks.py), and the transform that makes them.
 
 As gpt-fast's weight-only quantization, a transform the model never knows about:
-``quantize_linears(model, "q4_0")`` replaces the four projections of every layer (q/k/v, o,
-gate/up, down) by ``BlockLinear``s holding the blocks llama.cpp would write; the embedding and
-the LM head keep the model's dtype. ``BlockLinear.forward`` is the reference: dequantize, then
-multiply. The native decode step multiplies the blocks in place (native/linear.cpp: every weight
-read once a token, at 4.5-8.5 bits instead of 16).
+``quantize_model(model, "q4_0")`` replaces the projections of every layer (q/k/v, o, gate/up,
+down) by ``BlockLinear``s holding the blocks llama.cpp would write, and the embedding table (and
+the LM head, tied or not) by q8_0 blocks: llama.cpp keeps those at 6-8 bits whatever the file's
+type, since every token's logits come from the head. ``forward`` is the reference everywhere:
+dequantize, then multiply or look up. The native decode step reads the blocks in place
+(native/linear.cpp, step.cpp): every weight read once a token at 4.5-8.5 bits instead of 16.
 """
 
 from __future__ import annotations
@@ -37,6 +38,35 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table (vocab, hidden) kept as q8_0 (or any kind's) rows of blocks: each looked-up
+    row dequantized, in the model's dtype (``like`` follows the model's .to())."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.kind, self.embedding_dim = kind, dim
+        self.weight = nn.Parameter(blocks, requires_grad=False)  # (vocab, dim / 32 * bytes) uint8
+        self.register_buffer("like", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.weight[tokens.reshape(-1)], self.kind)  # (B T, dim) float32
+        return rows.to(self.like.dtype).view(*tokens.shape, self.embedding_dim)  # (B, T, dim)
+
+
+def quantize_model(model: nn.Module, kind: str) -> None:
+    """Every decoder layer's projections as ``BlockLinear``s of `kind`, the embedding table and the
+    LM head as q8_0 blocks (one tensor when tied), in place."""
+    quantize_linears(model, kind)
+    embed, head = model.model.embed_tokens, model.lm_head
+    tied = head.weight is embed.weight
+    blocks = quantize(embed.weight.detach(), "q8_0")  # (vocab, hidden / 32 * 34)
+    model.model.embed_tokens = BlockEmbedding(blocks, "q8_0", embed.embedding_dim, embed.weight.dtype)
+    head_blocks = model.model.embed_tokens.weight if tied else quantize(head.weight.detach(), "q8_0")
+    model.lm_head = BlockLinear(head_blocks, "q8_0", head.in_features)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight  # one tensor, as the tie was
 
 
 def quantize_linears(model: nn.Module, kind: str) -> None:
