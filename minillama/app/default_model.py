@@ -81,3 +81,12 @@ def resolve_model(name: str | None) -> str:
     if name in (None, "", "default"):
         return str(fetch_default())
     return name
+
+
+def resolve_weights(name: str | None, device: str, weights: str | None) -> str:
+    """What minillama's own engine loads for --model: the default model from its own GGUF file,
+    its Q4_1 blocks read in place (weights/gguf.py), on a CPU without --weights; otherwise as
+    ``resolve_model`` (the converted folder, for other devices and for --weights)."""
+    if name in (None, "", "default") and device == "cpu" and not weights:
+        return str(find_gguf())
+    return resolve_model(name)

@@ -127,7 +127,7 @@ def load(model_name: str | None, dtype: str, device: str, backend: str | None = 
     """The model named on the command line (the offline default when None), loaded; `backend`
     (from --backend) is set for the whole run; `weights` (--weights) keeps the projections in
     blocks of 32 (minillama/weights)."""
-    from minillama.app.default_model import resolve_model
+    from minillama.app.default_model import resolve_weights
     from minillama.native.backend import set_backend
     from minillama.native.fast import load_model
 
@@ -136,7 +136,10 @@ def load(model_name: str | None, dtype: str, device: str, backend: str | None = 
     if backend:
         set_backend(backend)
     note_missing_kernels(device)
-    return load_model(resolve_model(model_name), dtype, device, weights=weights)
+    lm = load_model(resolve_weights(model_name, device, weights), dtype, device, weights=weights)
+    for note in lm.notes:
+        click.echo(note, err=True)
+    return lm
 
 
 def note_missing_kernels(device: str) -> None:

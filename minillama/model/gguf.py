@@ -42,6 +42,45 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def open_gguf(path: Path):
+    """A reader over a llama GGUF file (memory-mapped: no tensor is read); one line when it is not one."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # truncated, offsets past the end, not a GGUF: the reader's own words, cut
+        raise UserError(f"{path} is not a readable GGUF file ({str(e).strip().splitlines()[0][:160]})") from None
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise UserError(f"{path} holds a {arch!r} model; only llama GGUF files can be read")
+    return reader
+
+
+def hf_name(name: str) -> str:
+    """A GGUF tensor's name as the Hugging Face checkpoint names it (blk.3.attn_q.weight ->
+    model.layers.3.self_attn.q_proj.weight)."""
+    parts = name.split(".")
+    try:
+        if parts[0] == "blk":
+            return f"model.layers.{int(parts[1])}.{TENSOR_NAMES[parts[2]]}.weight"
+        return {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}[
+            parts[0]
+        ] + ".weight"
+    except (KeyError, IndexError, ValueError):
+        raise UserError(f"the GGUF holds a tensor {name!r} a llama model does not have") from None
+
+
+def hf_rows(reader, name: str, rows: np.ndarray) -> np.ndarray:
+    """A tensor's rows (out, ...) in HF's order: q and k rows un-permuted (any trailing shape, so
+    rows of quantized blocks too), others as they are."""
+    n_heads = int(_field(reader, "llama.attention.head_count"))
+    if name.endswith("attn_q.weight"):
+        return unpermute(rows, n_heads)
+    if name.endswith("attn_k.weight"):
+        return unpermute(rows, int(_field(reader, "llama.attention.head_count_kv", n_heads)))
+    return rows
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     return f.contents() if f is not None else default
@@ -50,33 +89,30 @@ def _field(reader, key, default=None):
 def convert_gguf(gguf_path: Path, out: Path, progress: Callable[[Iterable], Iterable] = iter) -> None:
     """Write an HF folder (config, safetensors, tokenizer files) for a llama GGUF file; `progress`
     wraps the loop over tensors (the command line draws a bar with it)."""
-    import gguf
     from gguf import quants
     from safetensors.torch import save_file
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise UserError(f"{gguf_path} holds a {arch!r} model; only llama GGUF files can be converted")
-    n_heads = int(_field(reader, "llama.attention.head_count"))
-    n_kv = int(_field(reader, "llama.attention.head_count_kv", n_heads))
+    reader = open_gguf(gguf_path)
     state = {}
     for t in progress(reader.tensors):
         w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            kind = parts[2]
-            if kind == "attn_q":
-                w = unpermute(w, n_heads)
-            elif kind == "attn_k":
-                w = unpermute(w, n_kv)
-            name = f"model.layers.{parts[1]}.{TENSOR_NAMES[kind]}.weight"
-        else:
-            name = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}[
-                parts[0]
-            ] + ".weight"
-        state[name] = torch.from_numpy(w.copy())
+        state[hf_name(t.name)] = torch.from_numpy(hf_rows(reader, t.name, w).copy())
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
+    umask = os.umask(0)  # safetensors writes its file private (0600); give it the folder's other files' mode
+    os.umask(umask)
+    (tmp / "model.safetensors").chmod(0o666 & ~umask)
+    write_model_files(reader, tmp, tied="lm_head.weight" not in state)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # the folder appears complete or not at all
+
+
+def write_model_files(reader, folder: Path, tied: bool) -> None:
+    """config.json, generation_config.json and the tokenizer's files of a llama GGUF, into `folder`."""
     tokens = _field(reader, "tokenizer.ggml.tokens")
+    n_heads = int(_field(reader, "llama.attention.head_count"))
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -85,33 +121,24 @@ def convert_gguf(gguf_path: Path, out: Path, progress: Callable[[Iterable], Iter
         "intermediate_size": int(_field(reader, "llama.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, "llama.block_count")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
+        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", n_heads)),
         "max_position_embeddings": int(_field(reader, "llama.context_length")),
         "rms_norm_eps": float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
         "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "lm_head.weight" not in state,
+        "tie_word_embeddings": tied,
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
-    umask = os.umask(0)  # safetensors writes its file private (0600); give it the folder's other files' mode
-    os.umask(umask)
-    (tmp / "model.safetensors").chmod(0o666 & ~umask)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(reader, tokens, tmp)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(reader, tokens, folder)
     gen = {
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": config["eos_token_id"],
         "pad_token_id": int(_field(reader, "tokenizer.ggml.padding_token_id", config["eos_token_id"])),
     }
-    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)  # the folder appears complete or not at all
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
 
 def write_tokenizer(reader, tokens: list[str], folder: Path) -> None:

@@ -34,6 +34,7 @@ class LoadedModel:
     config: LlamaConfig
     path: Path
     generation_config: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what loading changed, one line each (weights/gguf.py)
 
     @property
     def name(self) -> str:

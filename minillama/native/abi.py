@@ -128,7 +128,7 @@ class LayerStep(ctypes.Structure):
             )
         ],
         ("pre_rope", ctypes.c_int),
-        ("wdtype", ctypes.c_int),  # the projections' weights: the dtype's code or BLOCK_CODE's
+        ("wdtype", ctypes.c_int * 4),  # the weights of w_qkv, w_o, w_gu, w_down: DTYPE_CODE's or BLOCK_CODE's
         ("x", ctypes.c_void_p),
         ("k_new", ctypes.c_void_p),
         ("v_new", ctypes.c_void_p),

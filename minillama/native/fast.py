@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from minillama.errors import UserError
 from minillama.kv.cache import KVCache
 from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache, LayerView
@@ -29,6 +30,7 @@ from minillama.native.step import chunk_attention, decode
 from minillama.native.threads import prefill_threads
 from minillama.native.weights import fuse
 from minillama.native.write import KernelWriter, writer
+from minillama.weights.gguf import load_gguf
 from minillama.weights.layers import quantize_model
 
 
@@ -123,11 +125,17 @@ class FastLlama(Llama):
             lib.minillama_set_threads(before)  # what the decode steps' chooser had set
 
 
-def load_model(*args, weights: str | None = None, **kwargs) -> loader.LoadedModel:
-    """``model/loader.py: load_model`` with its model on the compiled path (``FastLlama``); with
-    `weights` (q8_0, q4_0, q4_1) the projections kept in blocks of 32 (weights/linear.py)."""
-    lm = loader.load_model(*args, **kwargs)
-    if weights:
-        quantize_model(lm.model, weights)
+def load_model(name: str, *args, weights: str | None = None, **kwargs) -> loader.LoadedModel:
+    """``model/loader.py: load_model`` with its model on the compiled path (``FastLlama``). A
+    ``.gguf`` file keeps its q8_0 / q4_0 / q4_1 weights as stored (weights/gguf.py); with `weights`
+    (q8_0, q4_0, q4_1) a folder's projections are quantized into those blocks (weights/layers.py)."""
+    if str(name).endswith(".gguf"):
+        if weights:
+            raise UserError("a GGUF's weights are used as stored: --weights is for model folders")
+        lm = load_gguf(name, *args, **kwargs)
+    else:
+        lm = loader.load_model(name, *args, **kwargs)
+        if weights:
+            quantize_model(lm.model, weights)
     FastLlama.from_llama(lm.model)
     return lm

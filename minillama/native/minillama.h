@@ -153,7 +153,7 @@ struct LayerStep {
     const float* cos;    // (D) float32: this token's RoPE angles (every sequence is at the same position)
     const float* sin;
     int pre_rope;        // the cache keeps keys before RoPE: k_new gets the unrotated key
-    int wdtype;          // the four projections' weights: dtype, or a block dtype (dtypes.h: BlockDtype)
+    int wdtype[4];       // the weights of w_qkv, w_o, w_gu, w_down: dtype, or a block dtype (dtypes.h: BlockDtype)
     void* x;             // (B, hidden): the residual stream, updated in place
     void* k_new;         // (B, Hkv, D): the new key as the cache stores it
     void* v_new;         // (B, Hkv, D): the new value
@@ -263,6 +263,6 @@ static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) =
               "RowSource layout");
 static_assert(sizeof(Part) == 128, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
-static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 8 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
+static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 24 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8 + 8 + 8 + 8, "StepEnds layout changed: update native/abi.py");
 static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 264, "TokenWrite layout changed: update native/abi.py");

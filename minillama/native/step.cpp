@@ -88,7 +88,7 @@ static int decode_layer(const LayerStep* step) {
     Laps t{s.timing};
     if (int st = add_rms_norm(s.x, nullptr, s.w_in, dt, B, E, s.eps, nullptr, normed)) return st;
     t.lap(STEP_REST);
-    if (int st = gemm_rows(normed, dt, s.w_qkv, s.wdtype, B, QKV, E, y)) return st;
+    if (int st = gemm_rows(normed, dt, s.w_qkv, s.wdtype[0], B, QKV, E, y)) return st;
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_qkv, dt, B, QKV, qkv);
     for (int bb = 0; bb < B; bb++) {  // q, k, v out of the fused row; the stored key (and v) for the cache
@@ -112,17 +112,17 @@ static int decode_layer(const LayerStep* step) {
     }
     t.lap(STEP_ATTENTION);
 
-    if (int st = gemm_rows(a, dt, s.w_o, s.wdtype, B, E, Hq * D, y)) return st;
+    if (int st = gemm_rows(a, dt, s.w_o, s.wdtype[1], B, E, Hq * D, y)) return st;
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_o, dt, B, E, h);
     add_rms_norm(s.x, h, s.w_post, dt, B, E, s.eps, s.x, normed);  // x <- round(x + h), normed
     t.lap(STEP_REST);
-    if (int st = gemm_rows(normed, dt, s.w_gu, s.wdtype, B, 2 * s.I, E, y)) return st;
+    if (int st = gemm_rows(normed, dt, s.w_gu, s.wdtype[2], B, 2 * s.I, E, y)) return st;
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_gu, dt, B, 2 * s.I, gu);
     silu_mul(gu, dt, B, s.I, act);
     t.lap(STEP_REST);
-    if (int st = gemm_rows(act, dt, s.w_down, s.wdtype, B, E, s.I, y)) return st;
+    if (int st = gemm_rows(act, dt, s.w_down, s.wdtype[3], B, E, s.I, y)) return st;
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_down, dt, B, E, h);
     add_rounded(s.x, h, dt, (int64_t)B * E, s.x);

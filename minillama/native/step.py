@@ -38,7 +38,7 @@ from minillama.native.threads import ThreadChooser
 from minillama.native.token_write import CacheWrites
 from minillama.native.weights import fused_rows
 from minillama.native.write import KernelWriter
-from minillama.weights.layers import block_kind
+from minillama.weights.layers import block_kinds
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -54,9 +54,6 @@ class NativeStep:
         self.lib, self.batch, self.dtype = lib, batch, model.dtype
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise NotSupported(f"{self.dtype} weights (the step takes float32 and bfloat16)")
-        # Weights in blocks of 32 (minillama/weights) where the model keeps them so, else its dtype.
-        kind = block_kind(model)
-        wdtype = BLOCK_CODE[kind] if kind else DTYPE_CODE[self.dtype]
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         codes = {}
         for name, module in (("embedding", model.model.embed_tokens), ("LM head", model.lm_head)):
@@ -108,6 +105,11 @@ class NativeStep:
         self.one_core = False
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            try:  # weights in blocks of 32 (minillama/weights) where the model keeps them so, else its dtype
+                kinds = block_kinds(layer)
+            except ValueError as e:
+                raise NotSupported(f"layer {i}: {e}") from None
+            wdtype = [BLOCK_CODE[k] if k else DTYPE_CODE[self.dtype] for k in kinds]
             w_qkv, b_qkv = fused_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # (Hq D + 2 Hkv D, hidden)
             w_gu, b_gu = fused_rows([mlp.gate_proj, mlp.up_proj])  # (2 I, hidden)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -121,7 +123,7 @@ class NativeStep:
                 D=self.d,
                 I=cfg.intermediate_size,
                 dtype=DTYPE_CODE[self.dtype],
-                wdtype=wdtype,
+                wdtype=(ctypes.c_int * 4)(*wdtype),
                 eps=layer.input_layernorm.eps,
                 w_in=_ptr(layer.input_layernorm.weight),
                 w_post=_ptr(layer.post_attention_layernorm.weight),

@@ -87,10 +87,16 @@ def quantize_linears(model: nn.Module, kind: str) -> None:
                 setattr(module, name, BlockLinear(blocks, kind, linear.in_features, bias))
 
 
-def block_kind(model: nn.Module) -> str | None:
-    """The block kind of the model's projections (None: ordinary weights); one kind for all."""
-    kinds = {getattr(getattr(getattr(layer, part), name), "kind", None)
-             for layer in model.model.layers for part, names in PROJECTIONS for name in names}  # fmt: skip
-    if len(kinds) > 1:
-        raise UserError(f"the projections mix weight kinds ({', '.join(map(str, kinds))}): use one")
-    return kinds.pop()
+def block_kinds(layer: nn.Module) -> tuple[str | None, str | None, str | None, str | None]:
+    """The block kinds of a decoder layer's q/k/v, o, gate/up and down weights (None: ordinary
+    weights); q, k and v must share theirs, as gate and up must (the step multiplies each group
+    as one matrix)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,))
+    kinds = []
+    for group in groups:
+        found = {getattr(m, "kind", None) for m in group}
+        if len(found) > 1:
+            raise ValueError(f"projections multiplied together are stored differently ({', '.join(map(str, found))})")
+        kinds.append(found.pop())
+    return tuple(kinds)

@@ -1,0 +1,114 @@
+"""A GGUF file loaded with its weights as stored (minillama/weights/gguf.py): the default model's
+own Q4_1 file reads exactly as its dequantized folder, decodes through the native step, and a
+damaged file or a tensor type kept as floats says so in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from minillama.app.cli import cli
+from minillama.kv.cache import KVCache
+from minillama.kv.spec import parse_kv
+from minillama.native import backend
+from minillama.native.fast import load_model
+from minillama.weights.layers import BlockEmbedding, BlockLinear
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_path(default_model_dir):
+    from minillama.app.default_model import find_gguf
+
+    return find_gguf(install=False)
+
+
+def rewrite(src, dst, change) -> None:
+    """Copy a GGUF file, each tensor's (data, type) as change(tensor) says."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for name, f in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data, kind = change(t)
+        writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow
+def test_the_default_models_q4_1_file_reads_as_its_dequantized_folder(gguf_path, smollm):
+    """Its blocks stay blocks (the projections Q4_1, the tied embedding and head Q8_0); the PyTorch
+    reference dequantizes them to exactly the folder's float32 weights, and the native step that
+    multiplies them in place gives the reference's logits."""
+    lm = load_model(str(gguf_path), "float32")
+    layer = lm.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, BlockLinear) and layer.mlp.down_proj.kind == "q4_1"
+    assert (
+        isinstance(lm.model.model.embed_tokens, BlockEmbedding)
+        and lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+    )
+    ids = torch.tensor([smollm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])
+
+    def decode(model, name: str) -> torch.Tensor:
+        cache = KVCache.for_model(lm.config, parse_kv("fp16"), 64)
+        with backend.using(name), torch.inference_mode():
+            out = [model(ids[:, :-4], cache)[:, -1]]
+            out += [model(ids[:, t : t + 1], cache)[:, -1] for t in range(ids.shape[1] - 4, ids.shape[1])]
+        return torch.stack(out)  # (5, 1, vocab)
+
+    reference = decode(lm.model, "reference")
+    assert torch.equal(reference, decode(smollm.model, "reference"))  # the same weights, to the bit
+    before = backend.tally()
+    native = decode(lm.model, "kernels-exact")
+    assert (backend.tally() - before)["decode step"] == 4
+    # the folder's own float32 weights differ as much between these two paths (4.3e-3 measured):
+    # float sums in another order over 30 layers, and an fp16 cache rounding them
+    assert (native - reference).abs().max() < 1e-2
+    assert torch.equal(native.argmax(-1), reference.argmax(-1))
+
+
+def test_a_tensor_type_not_kept_as_blocks_is_dequantized_with_a_note(gguf_path, tmp_path):
+    def to_f16(t):
+        if t.name == "blk.0.ffn_down.weight":
+            return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float16), gguf.GGMLQuantizationType.F16
+        return t.data, t.tensor_type
+
+    rewrite(gguf_path, tmp_path / "f16.gguf", to_f16)
+    lm = load_model(str(tmp_path / "f16.gguf"), "bfloat16")
+    assert lm.notes == [
+        "note: F16 tensors are dequantized to bfloat16 (blocks are read as stored for Q8_0, Q4_0 and Q4_1 only)"
+    ]
+    down = lm.model.model.layers[0].mlp.down_proj
+    assert not isinstance(down, BlockLinear) and down.weight.dtype == torch.bfloat16
+    result = CliRunner().invoke(cli, ["generate", "hi", "-m", str(tmp_path / "f16.gguf"), "-n", "2", "--raw"])
+    assert result.exit_code == 0 and lm.notes[0] in result.stderr
+
+
+@pytest.mark.parametrize("keep", [1000, 60_000_000])  # inside the header; inside the tensors
+def test_a_truncated_gguf_is_refused_in_one_line(gguf_path, tmp_path, keep):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_path.read_bytes()[:keep])
+    result = CliRunner().invoke(cli, ["generate", "hi", "-m", str(cut), "-n", "2"])
+    assert result.exit_code == 1 and "is not a readable GGUF file" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_weights_are_not_requantized_from_a_gguf(gguf_path):
+    result = CliRunner().invoke(cli, ["generate", "hi", "-m", str(gguf_path), "--weights", "q4_0"])
+    assert result.exit_code == 1 and "a GGUF's weights are used as stored" in result.stderr
+
+
+def test_the_default_model_runs_from_its_own_gguf_on_a_cpu(gguf_path):
+    from minillama.app.default_model import resolve_weights
+
+    assert resolve_weights(None, "cpu", None) == str(gguf_path)
+    assert not resolve_weights(None, "cpu", "q4_0").endswith(".gguf")  # --weights quantizes the folder
+    assert not resolve_weights(None, "cuda", None).endswith(".gguf")  # blocks run on the CPU only
