@@ -310,11 +310,12 @@ def pair_rows(
     rounds: int,
     pairs: list[tuple[str, str]],
     prefill: bool = False,
+    weights: str = "bf16w",
 ) -> list[dict]:
-    """minillama (bf16 weights, --kv A) against llama.cpp (the same weights as a BF16 GGUF, K/V
-    type B) for each pair (A, B), interleaved round by round at each context: the ratio a target
-    is judged on. Decode tokens/s after a prompt of `context` tokens, or with `prefill` the
-    prompt's own tokens/s."""
+    """minillama (`folder`'s weights, --kv A) against llama.cpp (the same weights as the GGUF
+    `gguf`, K/V type B) for each pair (A, B), interleaved round by round at each context: the ratio
+    a target is judged on. Decode tokens/s after a prompt of `context` tokens, or with `prefill`
+    the prompt's own tokens/s. `folder` may be the GGUF itself (its blocks read in place)."""
     rows = []
     for context in contexts:
         room = (WARMUP + steps) * rounds + 64
@@ -330,7 +331,7 @@ def pair_rows(
                 return rows
             pair = {"minillama": mine, "llama_cpp": other}
             what = "prefill " if prefill else ""  # decode rows keep the label earlier files have
-            row = {"pair": f"{what}minillama {ours} / llama.cpp-bf16w-{theirs}", "context": context}
+            row = {"pair": f"{what}minillama {ours} / llama.cpp-{weights}-{theirs}", "context": context}
             row.update(interleave(pair, rounds, floor))
             print(json.dumps(row), file=sys.stderr)
             rows.append(row)
@@ -394,6 +395,12 @@ def main() -> None:
         help="with --rounds: time the prompt (each engine prefills --context tokens from empty), not the decode",
     )
     ap.add_argument(
+        "--same-file",
+        action="store_true",
+        help="with --rounds: both engines read the shipped Q4_1 GGUF (minillama keeps its blocks), "
+        "instead of the same bf16 weights",
+    )
+    ap.add_argument(
         "--hf-dtype",
         action="append",
         default=None,
@@ -412,14 +419,20 @@ def main() -> None:
     folder = fetch_default()
     ids = load_tokenizer(folder).encode(read_text(args.text, args.dataset))
     bf16 = Path("weights") / "smollm2-135m-instruct.bf16.gguf"
-    if not bf16.exists() and (args.rounds or ("llama.cpp" not in args.skip and "bf16" in args.llama_weights)):
+    table = "llama.cpp" not in args.skip and "bf16" in args.llama_weights
+    needs_bf16 = not args.same_file if args.rounds else table
+    if not bf16.exists() and needs_bf16:
         subprocess.run([sys.executable, str(Path(__file__).with_name("bf16_gguf.py")), str(bf16)], check=True)
     rows = []
     if args.rounds:
         pairs = [tuple(p.split(":")) for p in args.pairs.split(",")]
         if any(len(p) != 2 or p[1] not in ("f16", "q8_0", "q4_0") for p in pairs):
             ap.error(f"--pairs {args.pairs!r}: give KV:TYPE pairs, TYPE one of f16, q8_0, q4_0")
-        rows = pair_rows(folder, bf16, ids, contexts, args.decode_tokens, args.rounds, pairs, args.prefill)
+        if args.same_file:
+            q4_1 = find_gguf(install=False)
+            rows = pair_rows(q4_1, q4_1, ids, contexts, args.decode_tokens, args.rounds, pairs, args.prefill, "q4_1")
+        else:
+            rows = pair_rows(folder, bf16, ids, contexts, args.decode_tokens, args.rounds, pairs, args.prefill)
     elif "transformers" not in args.skip:
         dtypes = [getattr(torch, d) for d in (args.hf_dtype or ["float32", "bfloat16"])]
         rows += hf_rows(folder, ids, contexts, args.decode_tokens, dtypes)
