@@ -30,6 +30,7 @@ KEYS = {
     "peak_rss_mb": float,
     "model": str,
     "dtype": str,
+    "weights": str,
     "fill": str,
     "backend": str,
     "fallbacks": list,

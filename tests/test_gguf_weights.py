@@ -112,3 +112,17 @@ def test_the_default_model_runs_from_its_own_gguf_on_a_cpu(gguf_path):
     assert resolve_weights(None, "cpu", None) == str(gguf_path)
     assert not resolve_weights(None, "cpu", "q4_0").endswith(".gguf")  # --weights quantizes the folder
     assert not resolve_weights(None, "cuda", None).endswith(".gguf")  # blocks run on the CPU only
+
+
+def test_the_header_reader_reads_what_the_gguf_package_reads(gguf_path):
+    """weights/gguf_file.py parses the header itself (the gguf package's reader is slow and large
+    on a big vocabulary): the same fields, the same tensors, the same bytes."""
+    from minillama.weights.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(gguf_path), gguf.GGUFReader(str(gguf_path))
+    assert set(ours.fields) == {k for k in theirs.fields if not k.startswith("GGUF.")}
+    for key in ("general.architecture", "llama.block_count", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+        assert ours.fields[key].contents() == theirs.fields[key].contents(), key
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.shape, a.tensor_type) == (b.name, b.shape.tolist(), b.tensor_type)
+        assert np.array_equal(a.data.reshape(b.data.shape), b.data), a.name

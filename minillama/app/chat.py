@@ -22,6 +22,7 @@ import torch
 from minillama.app.chat_template import encode_chat
 from minillama.app.options import CHARS_PER_TOKEN_BOUND
 from minillama.errors import UserError, shown
+from minillama.eval.bench import weight_bytes_per_token
 from minillama.kv.cache import KVCache
 from minillama.kv.file import CacheFileError, check_replaceable, read, read_header, write_atomic
 from minillama.kv.spec import KVSpec, parse_kv
@@ -291,7 +292,8 @@ class ChatSession:
             f"allocated bytes: {c.allocated_bytes():,}; effective bits/element "
             + (f"{c.bits_per_element():.2f}" if c.held else "- (the cache is empty)"),
             *([c.spec.auto_state(c.head_dim, c.n_layers)] if c.spec.auto else []),
-            f"last step: {c.bytes.last_read:,} bytes read, {c.bytes.last_written:,} bytes written",
+            f"last step: {c.bytes.last_read:,} cache bytes read, {c.bytes.last_written:,} bytes written; "
+            f"weights {weight_bytes_per_token(self.lm.model):,} bytes read a token",
             f"backend: {backend.describe()}",
             f"last turn: reused {self.last.reused_tokens} cached tokens, prefilled {self.last.prefilled_tokens} new",
         ]

@@ -66,7 +66,8 @@ class BenchRow:
     roofline_pct: float
     peak_rss_mb: float
     model: str
-    dtype: str
+    dtype: str  # the activations' (and float weights') dtype
+    weights: str  # how the matrices are stored: the dtype, or block kinds (minillama/weights), e.g. "q4_1/q8_0"
     fill: str
     backend: str  # native/backend.py: describe(), e.g. "kernels (native build: avx2 ...; integer attention)"
     fallbacks: list[str]  # why any fast path took the reference during this row (empty: none did)
@@ -116,6 +117,12 @@ def measure_bandwidth(mb: int = 512, repeats: int = 7) -> float:
         x.sum()
         times.append(time.perf_counter() - t0)
     return x.numel() * 4 / statistics.median(times)
+
+
+def weight_kinds(model) -> str:
+    """How the model's matrices are stored: "bfloat16", or its block kinds, "q4_1/q8_0"."""
+    matrices = [m for m in model.modules() if hasattr(m, "in_features") or hasattr(m, "embedding_dim")]
+    return "/".join(sorted({getattr(m, "kind", None) or str(model.dtype).removeprefix("torch.") for m in matrices}))
 
 
 def weight_bytes_per_token(model) -> int:
@@ -180,6 +187,7 @@ def bench_row(
         peak_rss_mb=peak_rss_mb(),
         model=lm.name,
         dtype=dtype,
+        weights=weight_kinds(lm.model),
         fill=fill,
         backend=backend.describe(),
         fallbacks=backend.fallbacks()[seen:],
@@ -210,34 +218,37 @@ def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 10) -> float:
     return median_ms(lambda: [ops.attend_layer(lib, plan) for plan in plans], repeats) / len(plans)
 
 
-def _fused(*layers) -> torch.Tensor:
-    """The weights of projections of one input as the native step multiplies them: one matrix."""
+def _fused(*layers) -> tuple[torch.Tensor, str | None, int]:
+    """The weights of projections of one input as the native step multiplies them: one matrix,
+    its block kind (minillama/weights; None for float weights) and its input size."""
+    kind, n_in = getattr(layers[0], "kind", None), layers[0].in_features
     try:
-        return fused_rows(list(layers))[0]  # (sum out, in): side by side in memory (native/weights.py)
+        return fused_rows(list(layers))[0], kind, n_in  # (sum out, ...): side by side (native/weights.py)
     except NotSupported:
-        return torch.cat([m.weight for m in layers])  # (sum out, in)
+        return torch.cat([m.weight for m in layers]), kind, n_in  # (sum out, ...)
 
 
 @torch.inference_mode()
 def projection_ms(model, repeats: int = 10) -> float:
     """Median ms of one step's projections alone: every layer's fused q/k/v, o, fused gate/up and
     down, then the LM head, in that order, on one row (the kernel a decode step calls when the
-    backend has one, else F.linear). With ``attention_ms`` this splits a step into its parts."""
+    backend has one, else the layers' own forward). With ``attention_ms`` this splits a step."""
     lib = backend.library()
     mats = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        mats += [_fused(a.q_proj, a.k_proj, a.v_proj)]
-        mats.append(a.o_proj.weight)
-        mats += [_fused(m.gate_proj, m.up_proj)]
-        mats.append(m.down_proj.weight)
-    mats.append(model.lm_head.weight)
-    xs = {n: torch.randn(1, n).to(model.dtype) for n in {w.shape[1] for w in mats}}  # (1, in) per input size
+        mats += [_fused(a.q_proj, a.k_proj, a.v_proj), _fused(a.o_proj), _fused(m.gate_proj, m.up_proj)]
+        mats.append(_fused(m.down_proj))
+    mats.append(_fused(model.lm_head))
+    xs = {n: torch.randn(1, n).to(model.dtype) for _, _, n in mats}  # (1, in) per input size
+    layers = [m for m in model.modules() if hasattr(m, "in_features")]  # the reference's own products
 
     def one_pass():
-        for w in mats:
-            x = xs[w.shape[1]]
-            ops.gemm_rows(lib, x, w) if lib is not None else torch.nn.functional.linear(x, w)
+        if lib is None:
+            for layer in layers:
+                layer(xs[layer.in_features])
+        for w, kind, n in mats if lib is not None else ():
+            ops.gemm_rows(lib, xs[n], w, kind)
 
     return median_ms(one_pass, repeats, warmup=2)
 
@@ -258,7 +269,7 @@ def format_table(rows: list[BenchRow], bandwidth: float) -> str:
     from minillama.eval.perplexity import aligned
 
     head = (
-        f"decode benchmark: {rows[0].model}, weights {rows[0].dtype}, fill {rows[0].fill}; "
+        f"decode benchmark: {rows[0].model}, weights {rows[0].weights}, activations {rows[0].dtype}, fill {rows[0].fill}; "
         f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; backend {rows[0].backend}"
     )
     table = [["kv", "context", "ms/tok", "tok/s", "spread", "attn ms/layer", "attn GB/s", "prefill/s", "cache MB"]]

@@ -19,15 +19,28 @@ import torch
 
 from minillama.errors import UserError
 from minillama.model.config import LlamaConfig
-from minillama.model.gguf import hf_name, hf_rows, open_gguf, write_model_files
+from minillama.model.gguf import _field, hf_name, hf_rows, write_model_files
 from minillama.model.llama import Llama
 from minillama.model.loader import DTYPES, LoadedModel, check_device
 from minillama.model.rope import inverse_frequencies
 from minillama.model.tokenizer import load_tokenizer, read_json
 from minillama.weights.blocks import BLOCK_BYTES, QK
+from minillama.weights.gguf_file import GGUFFile
 from minillama.weights.layers import BlockEmbedding, BlockLinear
 
 GGML_KINDS = {8: "q8_0", 2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values kept as blocks
+
+
+def open_file(path: Path) -> GGUFFile:
+    """The GGUF's header, its tensors mapped; one line when it is not a llama GGUF this can read."""
+    try:
+        reader = GGUFFile(path)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not a readable GGUF file ({str(e).strip().splitlines()[0][:160]})") from None
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise UserError(f"{path} holds a {arch!r} model; only llama GGUF files can be read")
+    return reader
 
 
 def block_rows(t, kind: str) -> torch.Tensor:
@@ -50,7 +63,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: st
     if str(device) != "cpu":
         raise UserError("a GGUF's block weights run on the CPU: use --device cpu (or convert it to a folder)")
     path = Path(path)
-    reader = open_gguf(path)
+    reader = open_file(path)
     with tempfile.TemporaryDirectory() as tmp:
         tied = not any(t.name == "output.weight" for t in reader.tensors)
         write_model_files(reader, Path(tmp), tied)
