@@ -54,6 +54,14 @@ def test_the_native_block_product_equals_the_dequantized_one(lib, kind, n_out, n
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5 * n_in**0.5)  # float sums in another order
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_widening_of_blocks_is_the_reference_to_the_bit(lib, kind, dtype):
+    """What a prompt's chunk multiplies (torch's product on the widened weights): bit for bit."""
+    blocks = quantize(torch.randn(37, 160, generator=torch.Generator().manual_seed(3)), kind)
+    assert torch.equal(ops.dequantize_rows(lib, blocks, kind, 160, dtype), dequantize(blocks, kind).to(dtype))
+
+
 def test_a_row_that_is_not_whole_blocks_is_refused(lib):
     with pytest.raises(NotSupported, match="gemm_rows"):
         ops.gemm_rows(lib, torch.randn(1, 48), torch.zeros(4, 34, dtype=torch.uint8), "q8_0")
@@ -86,6 +94,14 @@ def test_the_native_step_reads_block_weights_as_the_layers_do(model_dir, kind):
     native = decode("kernels-exact")
     ran = backend.tally() - before
     assert ran["decode step"] == 10 and not [k for k in ran if k.startswith("fallback")]
+    assert ran["block widening"] == 7 * 2 + 1  # the prompt's 60 rows: 7 matrices in 2 layers, the head
+    down, x = lm.model.model.layers[0].mlp.down_proj, torch.randn(3, 160)  # a few rows: the block kernel
+    with backend.using("reference"):
+        expected = down(x)
+    before = backend.tally()
+    with backend.using("kernels-exact"):
+        assert torch.allclose(down(x), expected, atol=1e-5, rtol=1e-5)
+    assert (backend.tally() - before)["block product"] == 1
     assert torch.allclose(native, reference, atol=1e-4, rtol=1e-4)
     assert torch.equal(native.argmax(-1), reference.argmax(-1))
 

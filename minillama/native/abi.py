@@ -200,6 +200,7 @@ SIGNATURES = {  # name: (argument types, return type)
     "exact_is_faster": ([_I, ctypes.POINTER(RowSource), _I], _I),
     "causal_attention": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P], _I),
     "gemm_rows": ([_P, _I, _P, _I, _I, _I, _I, _P], _I),
+    "dequantize_rows": ([_P, _I, _I, _I, _P, _I], _I),
     "add_rms_norm": ([_P, _P, _P, _I, _I, _I, _F, _P, _P], _I),
     "prepare_rows": ([_P, _I, _I64, _I, _I, _P, _I64, _P], _I64),
     "encode_affine": ([_P, _I64, _I, _I, _I, _I, _I, _P, _P, _P], _I),

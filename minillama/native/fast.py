@@ -24,14 +24,17 @@ from minillama.kv.group import CacheGroup
 from minillama.kv.interface import Cache, LayerView
 from minillama.kv.write import Writer
 from minillama.model import loader
+from minillama.model.linear import project
 from minillama.model.llama import Llama
-from minillama.native import backend
+from minillama.native import backend, ops
 from minillama.native.step import chunk_attention, decode
 from minillama.native.threads import prefill_threads
 from minillama.native.weights import fuse
 from minillama.native.write import KernelWriter, writer
 from minillama.weights.gguf import load_gguf
-from minillama.weights.layers import quantize_model
+from minillama.weights.layers import BlockLinear, quantize_model
+
+SKINNY_ROWS = 16  # rows of x up to which the block kernel beats widening the weights for torch's product
 
 
 class KernelCache:
@@ -60,6 +63,27 @@ class KernelCache:
         self.cache.append(new_kv, self.writer)
 
 
+class FastBlockLinear(BlockLinear):
+    """A ``BlockLinear`` (weights/layers.py) whose product asks the backend: on the kernels, a few
+    rows go through the block kernel (gemm_rows: every block read once), a prompt's chunk through
+    the weights widened natively and torch's product (model/linear.py: project); the reference
+    (dequantize in PyTorch, then multiply) otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = backend.library(x.device)
+        if lib is None:
+            return super().forward(x)
+        rows = x.reshape(-1, self.in_features)  # (M, in)
+        if rows.shape[0] <= SKINNY_ROWS:
+            y = ops.gemm_rows(lib, rows, self.weight, self.kind)  # (M, out) float32, rounded once below
+            y = (y + self.bias.float() if self.bias is not None else y).to(x.dtype)
+            backend.ran("block product")
+        else:
+            y = project(rows, ops.dequantize_rows(lib, self.weight, self.kind, self.in_features, x.dtype), self.bias)
+            backend.ran("block widening")
+        return y.view(*x.shape[:-1], self.out_features)  # (..., out)
+
+
 class FastLlama(Llama):
     """A ``Llama`` whose forward takes the compiled path where the backend runs the kernels."""
 
@@ -73,6 +97,9 @@ class FastLlama(Llama):
         """`model` itself, now a FastLlama (nothing is copied)."""
         model.__class__ = cls
         model.steps, model.laid_out = {}, False
+        for module in model.modules():
+            if isinstance(module, BlockLinear):
+                module.__class__ = FastBlockLinear
         if model.device.type == "cpu":
             model.fuse()  # now, as part of loading, rather than in the first decode step
         return model

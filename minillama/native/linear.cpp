@@ -409,3 +409,34 @@ extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, in
         gemm16((const char*)x + (size_t)m * K * dtype_bytes(xdtype), xdtype, W, dtype, std::min(16, M - m), N, K, y + (size_t)m * N);
     return MINILLAMA_OK;
 }
+
+// Rows of blocks (N, K / 32 * bytes) -> weights (N, K) in float32 or bfloat16, computed and rounded
+// as weights/blocks.py's dequantize and torch's .to(): what a prompt's chunk multiplies. With many
+// rows of x the product is bound by arithmetic, where torch's matrix product beats the skinny
+// kernel above; widening the blocks here costs a fraction of doing it in PyTorch.
+extern "C" int dequantize_rows(const void* W, int dtype, int N, int K, void* out, int out_dtype) {
+    if (!is_block_dtype(dtype) || (out_dtype != 0 && out_dtype != 2)) return MINILLAMA_E_DTYPE;
+    if (N < 1 || K < 32 || K % 32) return MINILLAMA_E_SHAPE;
+    const int64_t wrow = row_bytes(dtype, K);
+    const int bb = block_bytes(dtype);
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t* w = (const uint8_t*)W + n * wrow;
+        for (int b = 0; b < K / 32; b++) {
+            const Block v = block_at(w + b * bb, dtype);
+            const int64_t at = (int64_t)n * K + 32 * b;
+            for (int j = 0; j < 32; j++) {
+                const float x = block_weight(v, dtype, j);
+                if (out_dtype == 0) {
+                    ((float*)out)[at + j] = x;
+                } else {
+                    const float r = round_to_dtype(x, 2);
+                    uint32_t u;
+                    std::memcpy(&u, &r, 4);
+                    ((uint16_t*)out)[at + j] = (uint16_t)(u >> 16);
+                }
+            }
+        }
+    }
+    return MINILLAMA_OK;
+}

@@ -211,6 +211,7 @@ int causal_attention(const float* q, const int64_t* q_strides, const float* k, c
 // Projections (linear.cpp): y (M, N) float32 = x (M, K) @ W (N, K)^T; x and W float32 or bfloat16
 // (dtype codes), any M (the weights stream once per 16 rows).
 int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y);
+int dequantize_rows(const void* W, int dtype, int N, int K, void* out, int out_dtype);  // blocks -> (N, K)
 
 // Small decode-step ops (decode_ops.cpp), float32 or bfloat16, rounded as PyTorch rounds.
 int add_rms_norm(const void* x, const void* h, const void* weight, int dtype, int M, int N, float eps, void* sum,
