@@ -401,6 +401,11 @@ def main() -> None:
         "instead of the same bf16 weights",
     )
     ap.add_argument(
+        "--gguf",
+        default=None,
+        help="with --rounds: both engines read this GGUF (e.g. bench/tinyllama_shape.py's), as --same-file does",
+    )
+    ap.add_argument(
         "--hf-dtype",
         action="append",
         default=None,
@@ -420,7 +425,7 @@ def main() -> None:
     ids = load_tokenizer(folder).encode(read_text(args.text, args.dataset))
     bf16 = Path("weights") / "smollm2-135m-instruct.bf16.gguf"
     table = "llama.cpp" not in args.skip and "bf16" in args.llama_weights
-    needs_bf16 = not args.same_file if args.rounds else table
+    needs_bf16 = not (args.same_file or args.gguf) if args.rounds else table
     if not bf16.exists() and needs_bf16:
         subprocess.run([sys.executable, str(Path(__file__).with_name("bf16_gguf.py")), str(bf16)], check=True)
     rows = []
@@ -428,9 +433,10 @@ def main() -> None:
         pairs = [tuple(p.split(":")) for p in args.pairs.split(",")]
         if any(len(p) != 2 or p[1] not in ("f16", "q8_0", "q4_0") for p in pairs):
             ap.error(f"--pairs {args.pairs!r}: give KV:TYPE pairs, TYPE one of f16, q8_0, q4_0")
-        if args.same_file:
-            q4_1 = find_gguf(install=False)
-            rows = pair_rows(q4_1, q4_1, ids, contexts, args.decode_tokens, args.rounds, pairs, args.prefill, "q4_1")
+        if args.same_file or args.gguf:
+            file = Path(args.gguf) if args.gguf else find_gguf(install=False)
+            name = file.stem.rsplit(".", 1)[-1].lower()  # SmolLM2-135M-Instruct.Q4_1 -> q4_1
+            rows = pair_rows(file, file, ids, contexts, args.decode_tokens, args.rounds, pairs, args.prefill, name)
         else:
             rows = pair_rows(folder, bf16, ids, contexts, args.decode_tokens, args.rounds, pairs, args.prefill)
     elif "transformers" not in args.skip:

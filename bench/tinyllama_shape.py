@@ -2,6 +2,8 @@
 
     python bench/tinyllama_shape.py weights/tinyllama-shape      # writes the folder (~2.1 GB, bf16)
     minillama bench --model weights/tinyllama-shape --kv fp16 --kv hadv2 --context 512 --context 8192 --fill synthetic
+    python bench/tinyllama_shape.py weights/tinyllama-q4_0.gguf  # a GGUF: projections q4_0 (or q8_0), rest q8_0
+    python bench/peers.py --rounds 5 --gguf weights/tinyllama-q4_0.gguf --context 512   # both engines, that file
 
 TinyLlama-1.1B: 22 layers, hidden 2048, 32 query heads and 4 KV heads of 64, MLP 5632 (the
 Hadamard-value method this project reproduces was reported on it). The weights are seeded
@@ -16,6 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -30,8 +33,62 @@ SHAPE = {
 }
 
 
+def write_gguf(out: Path, kind: str) -> None:
+    """The same shape as a llama GGUF that llama.cpp and minillama both read: the projections in
+    `kind` blocks, the embedding and the head q8_0, the norms F32, the default model's tokenizer
+    metadata. Random rows need no q/k permutation: their order means nothing."""
+    import gguf
+
+    from minillama.app.default_model import find_gguf
+    from minillama.weights.blocks import quantize
+    from minillama.weights.gguf_file import GGUFFile
+
+    source = GGUFFile(find_gguf(install=False))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    shape = {"llama.block_count": SHAPE["num_hidden_layers"], "llama.embedding_length": SHAPE["hidden_size"],
+             "llama.feed_forward_length": SHAPE["intermediate_size"], "llama.attention.head_count":
+             SHAPE["num_attention_heads"], "llama.attention.head_count_kv": SHAPE["num_key_value_heads"],
+             "llama.rope.dimension_count": 64}  # fmt: skip
+    reader = gguf.GGUFReader(str(find_gguf(install=False)))  # for the fields' value types
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = shape.get(name, source.fields[name].contents())
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+    g = torch.Generator().manual_seed(0)
+    code = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+    def blocks(name: str, rows: int, cols: int, as_kind: str) -> None:
+        data = quantize(torch.randn(rows, cols, generator=g) * 0.02, as_kind).numpy()  # (rows, bytes)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=code[as_kind])
+
+    h, i, d = SHAPE["hidden_size"], SHAPE["intermediate_size"], 64
+    hq, hkv, vocab = (
+        SHAPE["num_attention_heads"],
+        SHAPE["num_key_value_heads"],
+        len(source.fields["tokenizer.ggml.tokens"].contents()),
+    )
+    blocks("token_embd.weight", vocab, h, "q8_0")
+    writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    blocks("output.weight", vocab, h, "q8_0")
+    for n in range(SHAPE["num_hidden_layers"]):
+        for part, rows, cols in (("attn_q", hq * d, h), ("attn_k", hkv * d, h), ("attn_v", hkv * d, h),
+                                 ("attn_output", h, hq * d), ("ffn_gate", i, h), ("ffn_up", i, h), ("ffn_down", h, i)):  # fmt: skip
+            blocks(f"blk.{n}.{part}.weight", rows, cols, kind)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{n}.{norm}.weight", np.ones(h, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"wrote {out}: {kind} projections, q8_0 embedding and head, random (speed only)")
+
+
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "weights/tinyllama-shape")
+    if out.suffix == ".gguf":
+        return write_gguf(out, "q8_0" if "q8_0" in out.name else "q4_0")
     source = Path(resolve_model(None))  # the default model's folder: its tokenizer and config keys
     cfg = json.loads((source / "config.json").read_text())
     cfg.update(SHAPE, head_dim=64, tie_word_embeddings=False, torch_dtype="bfloat16")
