@@ -16,6 +16,8 @@ step that streams every weight.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
@@ -100,3 +102,14 @@ def pack_weights(model: nn.Module) -> None:
         if id(p) not in new:
             new[id(p)] = nn.Parameter(moved(p.detach()), requires_grad=p.requires_grad)
         setattr(m, name, new[id(p)])
+    del params, storages
+    release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim): the weights' old storage,
+    and the loader's copies before it, would otherwise stay resident beside the one buffer."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the pages are reused by later allocations instead
