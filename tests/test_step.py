@@ -422,11 +422,15 @@ def test_threads_set_for_the_kernels_and_torch_and_the_step_agrees_across_them(m
     assert torch.allclose(one, many, atol=1e-4, rtol=1e-4)
 
 
-def test_the_thread_chooser_takes_the_count_whose_probed_steps_are_faster():
+def test_the_thread_chooser_takes_the_count_whose_probed_steps_are_faster(monkeypatch):
     """native/threads.py: ThreadChooser, on made-up step times: every EVERY steps (the first after
     FIRST) it probes PROBE steps on the other count; it switches only when their median beats the
-    chosen count's by the margin, and sets the library's count only when it changes."""
+    chosen count's by the margin, and sets the library's count only when it changes. (The machine
+    is made quiet: a process busy beside the test would start probes of its own, as it should.)"""
+    from minillama.native import threads
     from minillama.native.threads import ThreadChooser
+
+    monkeypatch.setattr(threads, "others_running", lambda: 0.0)
 
     class Lib:
         def __init__(self):
