@@ -40,8 +40,8 @@ def write_gguf(out: Path, kind: str) -> None:
     import gguf
 
     from minillama.app.default_model import find_gguf
+    from minillama.model.gguf_file import GGUFFile
     from minillama.weights.blocks import quantize
-    from minillama.weights.gguf_file import GGUFFile
 
     source = GGUFFile(find_gguf(install=False))
     writer = gguf.GGUFWriter(str(out), "llama")

@@ -115,9 +115,9 @@ def test_the_default_model_runs_from_its_own_gguf_on_a_cpu(gguf_path):
 
 
 def test_the_header_reader_reads_what_the_gguf_package_reads(gguf_path):
-    """weights/gguf_file.py parses the header itself (the gguf package's reader is slow and large
+    """model/gguf_file.py parses the header itself (the gguf package's reader is slow and large
     on a big vocabulary): the same fields, the same tensors, the same bytes."""
-    from minillama.weights.gguf_file import GGUFFile
+    from minillama.model.gguf_file import GGUFFile
 
     ours, theirs = GGUFFile(gguf_path), gguf.GGUFReader(str(gguf_path))
     assert set(ours.fields) == {k for k in theirs.fields if not k.startswith("GGUF.")}

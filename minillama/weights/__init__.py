@@ -1,6 +1,6 @@
 """Weights as people ship them: llama.cpp's blocks of 32 (q8_0, q4_0, q4_1) kept as stored.
 
 ``blocks`` (the layouts, pure quantize/dequantize) -> ``layers`` (``BlockLinear``,
-``BlockEmbedding``, the ``quantize_model`` transform) -> ``gguf_file`` (a GGUF's header, its
-tensors mapped) -> ``gguf`` (a llama GGUF loaded with its blocks in place). A wing over the core
-model; the compiled wing above it multiplies the blocks (native/linear.cpp)."""
+``BlockEmbedding``, the ``quantize_model`` transform) -> ``gguf`` (a llama GGUF loaded with its
+blocks in place, its header read by model/gguf_file.py). A wing over the core model; the
+compiled wing above it multiplies the blocks (native/linear.cpp)."""

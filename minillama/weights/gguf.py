@@ -3,7 +3,8 @@ become ``BlockLinear`` / ``BlockEmbedding`` layers over the file's own blocks (l
 4-bit download stays 4-bit in memory and in every decode step.
 
 The file is memory-mapped (model/gguf.py: open_gguf) and checked before anything is allocated:
-every tensor's bytes must be the blocks its shape needs. Tensors in other types (F16, F32
+every tensor's bytes must be the blocks its shape needs (model/gguf_file.py), and every tensor
+the one the config expects (``check_tensors``). Tensors in other types (F16, F32
 matrices, the k-quants) are dequantized to the model's dtype, each kind named once in
 ``LoadedModel.notes``; the norms (F32) are small and read as floats. The config and tokenizer
 come from the file's metadata, written to a temporary folder and read by the core's loaders.
@@ -19,39 +20,15 @@ import torch
 
 from minillama.errors import UserError
 from minillama.model.config import LlamaConfig
-from minillama.model.gguf import _field, hf_name, hf_rows, write_model_files
+from minillama.model.gguf import hf_name, hf_rows, open_gguf, write_model_files
 from minillama.model.llama import Llama
 from minillama.model.loader import DTYPES, LoadedModel, check_device
 from minillama.model.rope import inverse_frequencies
 from minillama.model.tokenizer import load_tokenizer, read_json
 from minillama.weights.blocks import BLOCK_BYTES, QK
-from minillama.weights.gguf_file import GGUFFile
 from minillama.weights.layers import BlockEmbedding, BlockLinear
 
 GGML_KINDS = {8: "q8_0", 2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values kept as blocks
-
-
-def open_file(path: Path) -> GGUFFile:
-    """The GGUF's header, its tensors mapped; one line when it is not a llama GGUF this can read."""
-    try:
-        reader = GGUFFile(path)
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not a readable GGUF file ({str(e).strip().splitlines()[0][:160]})") from None
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise UserError(f"{path} holds a {arch!r} model; only llama GGUF files can be read")
-    return reader
-
-
-def block_rows(t, kind: str) -> torch.Tensor:
-    """A GGUF tensor's blocks as rows (out, in / 32 * bytes) uint8, checked against its shape."""
-    cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:]))  # GGUF lists the fastest dimension first
-    data = np.asarray(t.data)
-    if cols % QK or data.nbytes != rows * cols // QK * BLOCK_BYTES[kind]:
-        raise UserError(
-            f"{t.name}: {data.nbytes} bytes are not {rows} rows of {cols} {kind} weights: the GGUF is damaged"
-        )
-    return torch.from_numpy(data.reshape(rows, -1).copy())  # (out, in / 32 * bytes)
 
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
@@ -63,7 +40,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: st
     if str(device) != "cpu":
         raise UserError("a GGUF's block weights run on the CPU: use --device cpu (or convert it to a folder)")
     path = Path(path)
-    reader = open_file(path)
+    reader = open_gguf(path)
     with tempfile.TemporaryDirectory() as tmp:
         tied = not any(t.name == "output.weight" for t in reader.tensors)
         write_model_files(reader, Path(tmp), tied)
@@ -77,12 +54,13 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: st
     for t in reader.tensors:
         name, kind = hf_name(t.name), GGML_KINDS.get(int(t.tensor_type))
         if kind and len(t.shape) == 2:
-            blocks[name] = (torch.from_numpy(hf_rows(reader, t.name, block_rows(t, kind).numpy())), kind)
+            blocks[name] = (torch.from_numpy(hf_rows(reader, t.name, t.data).copy()), kind)  # (out, in / 32 * bytes)
         else:
             w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
             state[name] = torch.from_numpy(hf_rows(reader, t.name, w).copy()).to(dtype)
             if len(t.shape) == 2 and t.tensor_type.name != "F32":
-                notes.add(f"note: {t.tensor_type.name} tensors are dequantized to {str(dtype)[6:]} (blocks are read as stored "
+                to = str(dtype).removeprefix("torch.")
+                notes.add(f"note: {t.tensor_type.name} tensors are dequantized to {to} (blocks are read as stored "
                           "for Q8_0, Q4_0 and Q4_1 only)")  # fmt: skip
     check_tensors(model, state, blocks)
     model.load_state_dict(state, strict=False, assign=True)

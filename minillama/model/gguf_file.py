@@ -6,8 +6,8 @@ This reads the same header (llama.cpp's gguf.md: magic, version, tensor and key 
 key-value pairs, the tensor infos, data aligned to ``general.alignment``) into plain Python
 values, and gives each tensor as a numpy view of the mapped file: rows of blocks (uint8) for the
 block types, typed arrays for F32/F16. It has the two attributes the loaders use, ``fields``
-(name -> value, with ``contents()``) and ``tensors``, so model/gguf.py's readers of the metadata
-take either. Anything that does not parse -- truncated, a tensor past the end -- is a ValueError.
+(name -> value, with ``contents()``) and ``tensors``, as the ``gguf`` package's reader has them
+(a test holds the two equal). Anything that does not parse -- truncated, a tensor past the end -- is a ValueError.
 """
 
 from __future__ import annotations
