@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import click
@@ -106,11 +107,14 @@ def load_transformers(model_name: str | None, dtype: str, device: str, names: li
 
 
 @contextmanager
-def progress_bars():
-    """A maker of labelled progress bars on stderr, (label, total) -> update, closed on exit."""
+def progress_bars(first_line: Callable[[str, int], str] | None = None):
+    """A maker of labelled progress bars on stderr, (label, total) -> update, closed on exit;
+    `first_line(label, total)`, when given, is said once before the first bar (the job's size)."""
     bars = []
 
     def progress(label: str, total: int):
+        if first_line and not bars:
+            click.echo(first_line(label, total), err=True)
         bar = click.progressbar(length=total, label=f"{label:<24}", file=sys.stderr, show_eta=True, show_pos=True)
         bar.__enter__()
         bars.append(bar)

@@ -148,27 +148,19 @@ def ppl(
         shipped = (parse_kv(m) for m in maps())
         specs += [m for m in shipped if len(m.layer_codecs) == lm.config.num_hidden_layers]
     ids = lm.tokenizer.encode(text)
-    told = []
 
-    def first_told(progress):
-        def start(label, total):
-            if not told:  # the text held the windows: say how big the job is before it starts
-                click.echo(
-                    f"ppl: {label} x {windows} window(s): {total} decode steps after a prefill of {prefill} "
-                    f"(the schemes decode together as one batch unless --ctx streams)",
-                    err=True,
-                )
-                told.append(label)
-            return progress(label, total)
+    def first_line(label: str, total: int) -> str:  # the text held the windows: the job's size, before it starts
+        return (
+            f"ppl: {label} x {windows} window(s): {total} decode steps after a prefill of {prefill} "
+            "(the schemes decode together as one batch unless --ctx streams)"
+        )
 
-        return start
-
-    with progress_bars() as progress:
+    with progress_bars(first_line) as progress:
         if sensitivity:
             from minillama.eval.sensitivity import format_map, plot_map
             from minillama.eval.sensitivity import sensitivity as sensitivity_map
 
-            rows = sensitivity_map(lm, ids, specs[0], n, prefill, offset, windows, dtype, first_told(progress))
+            rows = sensitivity_map(lm, ids, specs[0], n, prefill, offset, windows, dtype, progress)
         else:
             results = evaluate(
                 lm,
@@ -181,7 +173,7 @@ def ppl(
                 chunk,
                 not no_blind,
                 dtype,
-                first_told(progress),
+                progress,
                 ctx,
                 bucket,
             )
