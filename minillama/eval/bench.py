@@ -247,8 +247,9 @@ def projection_ms(model, repeats: int = 10) -> float:
         if lib is None:
             for layer in layers:
                 layer(xs[layer.in_features])
-        for w, kind, n in mats if lib is not None else ():
-            ops.gemm_rows(lib, xs[n], w, kind)
+        else:
+            for w, kind, n in mats:
+                ops.gemm_rows(lib, xs[n], w, kind)
 
     return median_ms(one_pass, repeats, warmup=2)
 

@@ -16,6 +16,7 @@ needs ``optimum-quanto``), all read by the same ruler in one run.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import statistics
@@ -119,11 +120,15 @@ class HFTokens:
 
 
 def forward(model, ids: torch.Tensor, cache):
-    """One forward of ids (B, T) over `cache`, which reads the past and keeps the new tokens; the
-    cache goes in as ``cache=`` where the model's forward names it so (newer transformers), else as
-    ``past_key_values=``."""
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return model(ids.to(first_device(model)), use_cache=True, **{key: cache})
+    """One forward of ids (B, T) over `cache`, which reads the past and keeps the new tokens."""
+    return model(ids.to(first_device(model)), use_cache=True, **{cache_keyword(type(model)): cache})
+
+
+@functools.cache
+def cache_keyword(model_class) -> str:
+    """``cache`` where the model's forward names its cache so (newer transformers), else
+    ``past_key_values``: looked up once per model class, not every decode step."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def first_device(model) -> torch.device:
@@ -169,7 +174,7 @@ def evaluate_hf(
     dtype: str = "float32",
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
 ) -> list[PplResult]:
-    """The cached-path table of each cache named in `names` (--kv specs, hf-quanto4/2) on the same
+    """The cached-path table of each cache named in `names` (--kv specs, HF_CACHES) on the same
     windows of a transformers model, the blind (no-cache) perplexity beside it."""
     check_window(n, prefill, 1, None, None)
     device = first_device(model)
