@@ -146,10 +146,8 @@ extern "C" int decode_step(const LayerStep* steps, int n, StepEnds* ends) {
             std::memcpy((char*)first.x + b * row, e, row);
             continue;
         }
-        for (int k = 0; k < E; k += 32) {  // a row of blocks, dequantized and rounded to dt
-            const Block v = block_at(e + k / 32 * block_bytes(edt), edt);
-            for (int j = 0; j < 32; j++) put_rounded(block_weight(v, edt, j), dt, first.x, (int64_t)b * E + k + j);
-        }
+        // a row of blocks, widened and rounded to dt as the weights a prompt's chunk multiplies are
+        if (int st = dequantize_rows(e, edt, 1, E, (char*)first.x + b * row, dt)) return st;
     }
     for (int i = 0; i < n; i++) {
         LayerStep layer = steps[i];  // this step's angles
