@@ -15,7 +15,7 @@ from minillama.kv.spec import parse_kv
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 from minillama.native.fast import load_model
-from minillama.weights.blocks import KINDS, dequantize, quantize
+from minillama.weights.blocks import KINDS, dequantize, quantize, round_activations, rounding_bound
 from minillama.weights.layers import BlockLinear, quantize_linears
 from tests.conftest import make_tiny
 
@@ -52,6 +52,33 @@ def test_the_native_block_product_equals_the_dequantized_one(lib, kind, n_out, n
     fast = ops.gemm_rows(lib, x, blocks, kind)  # (rows, n_out) float32
     reference = x @ dequantize(blocks, kind).T
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5 * n_in**0.5)  # float sums in another order
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n_out,n_in,rows", [(7, 576, 1), (576, 1536, 3), (1029, 96, 5), (64, 4096, 16), (3, 32, 21)])
+def test_the_int8_block_product_is_the_product_of_the_rounded_activations(lib, kind, n_out, n_in, rows):
+    """With int8 activations (the kernels backend) every build target multiplies the weights with x
+    rounded per block (blocks.round_activations), and stays within the stated bound of x's own
+    product (float64 here, so the bound is tested, not float rounding)."""
+    g = torch.Generator().manual_seed(n_out + rows)
+    blocks = quantize(torch.randn(n_out, n_in, generator=g) * 0.1, kind)
+    x = torch.randn(rows, n_in, generator=g)
+    x[0, :32] = 0  # a block of zeros: scale 0
+    x[-1, 5] = 40.0  # an outlier that coarsens its block
+    fast = ops.gemm_rows(lib, x, blocks, kind, int8=True)  # (rows, n_out) float32
+    w = dequantize(blocks, kind)  # (n_out, n_in)
+    rounded = round_activations(x) @ w.T
+    assert torch.allclose(fast, rounded, rtol=1e-5, atol=1e-5 * n_in**0.5)
+    exact = x.double() @ w.double().T
+    assert ((fast.double() - exact).abs() <= rounding_bound(x, w).double() * 1.001 + 1e-5 * n_in**0.5).all()
+    assert not torch.allclose(fast, x @ w.T, rtol=1e-6, atol=1e-6)  # the rounding is real: not the float path
+
+
+def test_rounded_activations_are_int8_codes_times_a_block_scale():
+    x = torch.tensor([[0.0] * 32 + [127.0, -63.5, 0.5, 1.5] + [0.0] * 28])  # (1, 64): ties to even
+    r = round_activations(x)
+    assert torch.equal(r[0, :32], torch.zeros(32))
+    assert r[0, 32:36].tolist() == [127.0, -64.0, 0.0, 2.0]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -104,6 +131,9 @@ def test_the_native_step_reads_block_weights_as_the_layers_do(model_dir, kind):
     assert (backend.tally() - before)["block product"] == 1
     assert torch.allclose(native, reference, atol=1e-4, rtol=1e-4)
     assert torch.equal(native.argmax(-1), reference.argmax(-1))
+    rounded = decode("kernels")  # the activations rounded to int8 per block (the default backend)
+    moved = (rounded - reference).abs().max()
+    assert 0 < moved < 0.1 * reference.std()
 
 
 def test_projections_that_are_not_whole_blocks_are_refused_in_one_line(tmp_path):

@@ -1,4 +1,4 @@
-"""Where the milliseconds of one decode step go (default model unless --model; bf16 weights).
+"""Where the milliseconds of one decode step go (default model unless --model).
 
     python tools/step_profile.py --context 512 --kv fp16
     python tools/step_profile.py --context 8192 --kv hadv2 --fill synthetic
@@ -30,10 +30,9 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from minillama.app.default_model import resolve_model
-from minillama.eval.bench import measure_bandwidth, median_ms, projection_ms, weight_bytes_per_token
+from minillama.eval.bench import measure_bandwidth, median_ms, projection_ms, weight_bytes_per_token, weight_kinds
 from minillama.eval.datasets import load as load_text
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
@@ -113,8 +112,10 @@ def main() -> None:
     parts = {k: v / args.steps * 1000 for k, v in acc.items()}
     proj_in, attn_in, rest_in, head_in, write_in = (float(v) / args.steps * 1000 for v in phases)
     proj = projection_ms(lm.model)
-    lm_head = projection_ms_of(lm.model.lm_head.weight)
-    print(f"{lm.name}, bf16 weights, kv {args.kv} at {args.context} tokens ({args.fill}); backend {backend.describe()}")
+    lm_head = projection_ms_of(lm.model.lm_head)
+    print(
+        f"{lm.name}, {weight_kinds(lm.model)} weights, kv {args.kv} at {args.context} tokens ({args.fill}); backend {backend.describe()}"
+    )
     print(
         f"step {plain:.2f} ms without timers ({timed_total:.2f} ms with); {read / 1e6:.1f} MB read per token "
         f"({weights / 1e6:.1f} MB weights): floor {read / bandwidth * 1000:.2f} ms at the measured "
@@ -145,11 +146,14 @@ def main() -> None:
         print(f"  {name:48s} {ms:7.2f} ms")
 
 
-def projection_ms_of(weight: torch.Tensor) -> float:
-    """Median ms of one product of one row with `weight` (the kernel a step uses)."""
-    lib = backend.library()
-    x = torch.randn(1, weight.shape[1]).to(weight.dtype)  # (1, in)
-    return median_ms(lambda: ops.gemm_rows(lib, x, weight) if lib is not None else F.linear(x, weight), 20)
+def projection_ms_of(layer) -> float:
+    """Median ms of one product of one row with `layer`'s weight (the kernel a step uses)."""
+    lib, kind = backend.library(), getattr(layer, "kind", None)
+    x = torch.randn(1, layer.in_features)  # (1, in)
+    if lib is None:
+        return median_ms(lambda: layer(x.to(layer.weight.dtype if kind is None else x.dtype)), 20)
+    int8 = kind is not None and not backend.exact_arithmetic()
+    return median_ms(lambda: ops.gemm_rows(lib, x, layer.weight, kind, int8), 20)
 
 
 if __name__ == "__main__":

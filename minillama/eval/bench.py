@@ -249,7 +249,7 @@ def projection_ms(model, repeats: int = 10) -> float:
                 layer(xs[layer.in_features])
         else:
             for w, kind, n in mats:
-                ops.gemm_rows(lib, xs[n], w, kind)
+                ops.gemm_rows(lib, xs[n], w, kind, kind is not None and not backend.exact_arithmetic())
 
     return median_ms(one_pass, repeats, warmup=2)
 

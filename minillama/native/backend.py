@@ -5,7 +5,8 @@
                     and small ops, cache writes, decode attention straight over packed codes
                     (integer-domain dot products where a codec allows), causal attention
                     for prefill chunks (PyTorch's fused attention where no kernel applies)
-    kernels-exact   the same, with decode attention in exact float arithmetic
+                    and blocks of weights against activations rounded to int8 per block
+    kernels-exact   the same, with decode attention and block products in exact float arithmetic
 
 Set it from Python (``set_backend("reference")``, or ``with using("kernels-exact"): ...``),
 from the command line (``minillama --backend reference ...``) or with MINILLAMA_BACKEND in
@@ -133,8 +134,9 @@ def library(device: torch.device | str | None = None) -> ctypes.CDLL | None:
     return lib
 
 
-def exact_attention() -> bool:
-    """Decode attention in exact float arithmetic (kernels-exact) instead of the integer domain."""
+def exact_arithmetic() -> bool:
+    """Decode attention and block-weight products in exact float arithmetic (kernels-exact) instead
+    of the integer domain."""
     return name() == "kernels-exact"
 
 
@@ -166,5 +168,5 @@ def describe() -> str:
     lib, why = _load(_state["target"])
     if lib is None:
         return f"reference (kernels unavailable: {why})"
-    attention = "exact" if exact_attention() else "integer"
-    return f"{name()} ({_state['target']} build: {' '.join(abi.features(lib)) or 'portable'}; {attention} attention)"
+    arithmetic = "exact" if exact_arithmetic() else "integer"
+    return f"{name()} ({_state['target']} build: {' '.join(abi.features(lib)) or 'portable'}; {arithmetic} attention)"

@@ -22,6 +22,10 @@ static inline int dtype_bytes(int dtype) { return dtype == 0 ? 4 : 2; }  // one 
 // the reference): dtype codes for matrices only, never for activations.
 enum BlockDtype { DTYPE_Q8_0 = 8, DTYPE_Q4_0 = 9, DTYPE_Q4_1 = 10 };
 static inline bool is_block_dtype(int dtype) { return dtype >= DTYPE_Q8_0 && dtype <= DTYPE_Q4_1; }
+// A block dtype | INT8_ACTIVATIONS: the product rounds the activations to int8 per block of 32
+// (native/linear.cpp: gemm_rows), as llama.cpp does; without it the activations stay float.
+constexpr int INT8_ACTIVATIONS = 256;
+static inline bool is_int8_block(int dtype) { return (dtype & INT8_ACTIVATIONS) && is_block_dtype(dtype & ~INT8_ACTIVATIONS); }
 static inline int block_bytes(int dtype) { return dtype == DTYPE_Q8_0 ? 34 : dtype == DTYPE_Q4_0 ? 18 : 20; }
 // The bytes of one weight row of K columns (K a multiple of 32 for the block dtypes).
 static inline int64_t row_bytes(int dtype, int64_t K) {

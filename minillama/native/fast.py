@@ -65,7 +65,8 @@ class KernelCache:
 
 class FastBlockLinear(BlockLinear):
     """A ``BlockLinear`` (weights/layers.py) whose product asks the backend: on the kernels, a few
-    rows go through the block kernel (gemm_rows: every block read once), a prompt's chunk through
+    rows go through the block kernel (gemm_rows: every block read once; the rows rounded to int8 per
+    block unless the backend is kernels-exact), a prompt's chunk through
     the weights widened natively and torch's product (model/linear.py: project); the reference
     (dequantize in PyTorch, then multiply) otherwise."""
 
@@ -75,7 +76,8 @@ class FastBlockLinear(BlockLinear):
             return super().forward(x)
         rows = x.reshape(-1, self.in_features)  # (M, in)
         if rows.shape[0] <= SKINNY_ROWS:
-            y = ops.gemm_rows(lib, rows, self.weight, self.kind)  # (M, out) float32, rounded once below
+            int8 = not backend.exact_arithmetic()  # x rounded to int8 per block, as llama.cpp does
+            y = ops.gemm_rows(lib, rows, self.weight, self.kind, int8)  # (M, out) float32, rounded once below
             y = (y + self.bias.float() if self.bias is not None else y).to(x.dtype)
             backend.ran("block product")
         else:

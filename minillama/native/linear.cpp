@@ -200,6 +200,107 @@ static inline void row_blocks(const float* x, const float* sums, const void* W, 
 }
 #endif
 
+// ---- Blocks against activations rounded to int8 (the "kernels" backend; "kernels-exact" and the
+// PyTorch layers keep the float product above) ----
+// As llama.cpp multiplies its blocks against Q8_0 activations: each block of 32 of x becomes
+// int8 codes c_j and a float scale s (amax / 127, c_j = round(x_j 127 / amax)), and a block costs
+// one integer dot product of the weight codes with c (vpdpbusd, or vpmaddubsw + vpmaddwd):
+//   sum_j w_j (s c_j) = (d s) * (sum_j q_j c_j) + o * (s sum_j c_j)
+// The result is the exact product of the weights with the rounded activations x^ = s c
+// (weights/blocks.py: round_activations, the specification); |x_j - x^_j| <= s / 2, so each
+// output moves by at most sum over blocks of (amax_b / 254) * sum_j |w_j| from the float product.
+
+// The plain loop: reference for the vector path and the product on CPUs without it.
+// c (M, K) int8 codes of x, s (M, K / 32) their scales, cs (M, K / 32) s * sum of the block's codes.
+static void rows_int8_scalar(const int8_t* c, const float* s, const float* cs, const void* W, int dt, int M, int n0, int n1,
+                             int N, int K, float* y) {
+    const int nb = K / 32, bb = block_bytes(dt);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t* w = (const uint8_t*)W + n * row_bytes(dt, K);
+        for (int m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int b = 0; b < nb; b++) {
+                const Block v = block_at(w + b * bb, dt);
+                int32_t dot = 0;
+                for (int j = 0; j < 32; j++) dot += (int32_t)block_code(v, dt, j) * c[(int64_t)m * K + 32 * b + j];
+                acc += v.d * s[(int64_t)m * nb + b] * (float)dot + v.o * cs[(int64_t)m * nb + b];
+            }
+            y[(int64_t)m * N + n] = acc;
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LIN_INT8 1
+// acc + the sums of 4 adjacent products u8 x s8, per 32-bit lane. Without VNNI the pairs are
+// summed in int16 first (vpmaddubsw saturates above 32767: the codes here reach 2 * 128 * 127).
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Row n of W (blocks of type DT) against M rows of rounded x: each block's codes made unsigned once
+// for all M rows (4-bit codes are; q8_0's signs move onto x's codes). Blocks go in pairs, one
+// accumulator each, so no multiply-add waits on the one before it.
+template <int M, int DT>
+static inline void row_int8(const int8_t* c, const float* s, const float* cs, const void* W, int n, int N, int K, float* y) {
+    const int nb = K / 32, bb = block_bytes(DT);
+    const uint8_t* w = (const uint8_t*)W + n * row_bytes(DT, K);
+    __m256 acc0[M], acc1[M];
+    float off[M];
+    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = _mm256_setzero_ps(), off[m] = 0.f;
+    auto block = [&](const uint8_t* at, int b, __m256* acc) {
+        const Block v = block_at(at, DT);
+        __m256i u, sign;
+        if (DT == DTYPE_Q8_0) {
+            sign = _mm256_loadu_si256((const __m256i*)v.q);
+            u = _mm256_abs_epi8(sign);
+        } else {  // byte j: weight j low, weight j + 16 high
+            const __m128i p = _mm_loadu_si128((const __m128i*)v.q), nibble = _mm_set1_epi8(15);
+            u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), nibble), _mm_and_si128(p, nibble));
+        }
+        for (int m = 0; m < M; m++) {
+            const int64_t i = (int64_t)m * nb + b;
+            __m256i x = _mm256_loadu_si256((const __m256i*)(c + (int64_t)m * K + 32 * b));
+            if (DT == DTYPE_Q8_0) x = _mm256_sign_epi8(x, sign);
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(_mm256_setzero_si256(), u, x));
+            acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(v.d * s[i]), acc[m]);
+            if (DT != DTYPE_Q8_0) off[m] += v.o * cs[i];
+        }
+    };
+    int b = 0;
+    for (; b + 2 <= nb; b += 2, w += 2 * bb) {
+        __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
+        block(w, b, acc0);
+        block(w + bb, b + 1, acc1);
+    }
+    if (b < nb) block(w, b, acc0);
+    for (int m = 0; m < M; m++) {
+        const __m256 t = _mm256_add_ps(acc0[m], acc1[m]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[(int64_t)m * N + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))) + off[m];
+    }
+}
+
+template <int M>
+static void rows_int8(const int8_t* c, const float* s, const float* cs, const void* W, int dt, int n0, int n1, int N, int K,
+                      float* y) {
+    for (int n = n0; n < n1; n++) {
+        if (dt == DTYPE_Q8_0) row_int8<M, DTYPE_Q8_0>(c, s, cs, W, n, N, K, y);
+        else if (dt == DTYPE_Q4_0) row_int8<M, DTYPE_Q4_0>(c, s, cs, W, n, N, K, y);
+        else row_int8<M, DTYPE_Q4_1>(c, s, cs, W, n, N, K, y);
+    }
+}
+#else
+#define LIN_INT8 0
+#endif
+
 // One row of W at a time, read front to back, so each thread's share of W is one sequential
 // stream. (Reading TILE = 4 adjacent rows interleaved, one vector of each in turn, kept more
 // weights in flight per x load but streamed slower than one row at a time, which reaches the
@@ -296,12 +397,29 @@ struct PreparedX {
     const void* x;            // as given, (M, K)
     std::vector<float> a, b;  // float32 copies: x, or its even / odd channels (M, K/2) for bf16 weights
     std::vector<float> sums;  // block weights: the sums of x's blocks of 32 (M, K/32)
+    bool int8;                // block weights against x rounded to int8 per block:
+    std::vector<int8_t> c;    //   x's codes (M, K)
+    std::vector<float> s;     //   their scales and the scale times their sum (M, K/32) (sums holds the latter)
     bool vector;              // a vector path applies (K a multiple of the vector width)
     bool dpbf16;              // bf16 x bf16 on vdpbf16ps
 };
 
 static void prepare_x(PreparedX& p) {
     p.dpbf16 = false;
+    if (is_block_dtype(p.wdt) && p.int8) {  // x's blocks as int8 codes and a scale
+        const int M = p.M, K = p.K;
+        p.c.resize((size_t)M * K), p.s.resize((size_t)M * K / 32), p.sums.resize((size_t)M * K / 32);
+        for (int64_t b = 0; b < (int64_t)M * K / 32; b++) {
+            float x[32], amax = 0.f;
+            for (int j = 0; j < 32; j++) x[j] = element(p.x, 32 * b + j, p.xdt), amax = std::max(amax, std::fabs(x[j]));
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) sum += p.c[32 * b + j] = (int8_t)std::nearbyint(x[j] * inv);  // ties to even
+            p.s[b] = amax / 127.f, p.sums[b] = p.s[b] * (float)sum;
+        }
+        p.vector = LIN_INT8;
+        return;
+    }
     if (is_block_dtype(p.wdt)) {  // x as float32, and the sum of each of its blocks
         const int M = p.M, K = p.K;
         p.a.resize((size_t)M * K), p.sums.assign((size_t)M * K / 32, 0.f);
@@ -342,6 +460,14 @@ static void prepare_x(PreparedX& p) {
 template <int MB>
 static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1, int N, float* y) {
     y += (int64_t)m0 * N;
+#if LIN_INT8
+    if (p.int8) {
+        const int64_t nb = p.K / 32;
+        const int8_t* c = p.c.data() + (int64_t)m0 * p.K;
+        const float *s = p.s.data() + m0 * nb, *cs = p.sums.data() + m0 * nb;
+        return rows_int8<MB>(c, s, cs, W, p.wdt, n0, n1, N, p.K, y);
+    }
+#endif
 #if LIN_W
     if (is_block_dtype(p.wdt)) {
         const float *x = p.a.data() + (int64_t)m0 * p.K, *sums = p.sums.data() + (int64_t)m0 * (p.K / 32);
@@ -367,6 +493,8 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
 // bound by arithmetic, not bytes: taking the blocks inside the loop over W's rows, so each row
 // is read from memory once, measured no faster.
 static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float* y) {
+    if (!p.vector && p.int8)
+        return rows_int8_scalar(p.c.data(), p.s.data(), p.sums.data(), W, p.wdt, p.M, n0, n1, N, p.K, y);
     if (!p.vector && is_block_dtype(p.wdt))
         return rows_blocks_scalar(p.a.data(), p.sums.data(), W, p.wdt, p.M, n0, n1, N, p.K, y);
     if (!p.vector) return rows_scalar(p.x, p.xdt, W, p.wdt, p.M, n0, n1, N, p.K, y);
@@ -385,7 +513,7 @@ static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float
 // At most 16 rows of x against all of W. Each thread takes a contiguous share of W's rows (a
 // multiple of 4), so each streams one region.
 static void gemm16(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
-    PreparedX p{M, K, xdtype, dtype, x, {}, {}, {}, false, false};
+    PreparedX p{M, K, xdtype, dtype & ~INT8_ACTIVATIONS, x, {}, {}, {}, is_int8_block(dtype), {}, {}, false, false};
     prepare_x(p);
 #pragma omp parallel
     {
@@ -403,8 +531,9 @@ static void gemm16(const void* x, int xdtype, const void* W, int dtype, int M, i
 // Any number of rows, 16 at a time (the weights stream once per 16 rows: a decode step's batch,
 // or the windows and schemes of a perplexity run decoded together).
 extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
-    if ((dtype != 0 && dtype != 2 && !is_block_dtype(dtype)) || (xdtype != 0 && xdtype != 2)) return MINILLAMA_E_DTYPE;
-    if (M < 1 || N < 1 || K < 1 || (is_block_dtype(dtype) && K % 32)) return MINILLAMA_E_SHAPE;
+    const int wdt = dtype & ~INT8_ACTIVATIONS;
+    if ((dtype != 0 && dtype != 2 && !is_block_dtype(wdt)) || (xdtype != 0 && xdtype != 2)) return MINILLAMA_E_DTYPE;
+    if (M < 1 || N < 1 || K < 1 || (is_block_dtype(wdt) && K % 32)) return MINILLAMA_E_SHAPE;
     for (int m = 0; m < M; m += 16)
         gemm16((const char*)x + (size_t)m * K * dtype_bytes(xdtype), xdtype, W, dtype, std::min(16, M - m), N, K, y + (size_t)m * N);
     return MINILLAMA_OK;

@@ -12,7 +12,16 @@ import ctypes
 
 import torch
 
-from minillama.native.abi import BLOCK_CODE, DTYPE_CODE, LayerPlan, NotSupported, RowSource, StepEnds, check
+from minillama.native.abi import (
+    BLOCK_CODE,
+    DTYPE_CODE,
+    INT8_ACTIVATIONS,
+    LayerPlan,
+    NotSupported,
+    RowSource,
+    StepEnds,
+    check,
+)
 
 
 def _p(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -25,12 +34,13 @@ def _code(t: torch.Tensor, what: str, allowed=(torch.float32, torch.bfloat16)) -
     return DTYPE_CODE[t.dtype]
 
 
-def gemm_rows(lib, x: torch.Tensor, weight: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+def gemm_rows(lib, x: torch.Tensor, weight: torch.Tensor, kind: str | None = None, int8: bool = False) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T -> (M, N) float32 (``F.linear`` without bias, before rounding), x
     float32 or bfloat16, any M: the weights stream once per 16 rows (native/linear.cpp). weight
     float32 or bfloat16, or with `kind` rows of blocks (N, K / 32 * bytes) uint8 whose product is
-    ``x @ weights.blocks.dequantize(weight, kind).T``."""
-    code = BLOCK_CODE[kind] if kind else _code(weight, "gemm_rows")
+    ``x @ weights.blocks.dequantize(weight, kind).T``; with `int8` too, x is first rounded to int8
+    per block of 32 (``weights.blocks.round_activations(x)``)."""
+    code = BLOCK_CODE[kind] | (INT8_ACTIVATIONS if int8 else 0) if kind else _code(weight, "gemm_rows")
     if not weight.is_contiguous():
         raise NotSupported("gemm_rows: weights must be contiguous")
     x = x.contiguous() if x.dtype in (torch.float32, torch.bfloat16) else x.float().contiguous()

@@ -113,7 +113,7 @@ def route(lib, values: bool, part: PartView, src: RowSource, r: int, d: int) -> 
     elif kind == RowKind.FLOAT:
         chosen = Route.FLOAT
     elif (
-        not backend.exact_attention()
+        not backend.exact_arithmetic()
         and not ops.exact_is_faster(lib, values, src, d)
         and ops.route_supported(lib, Route.INTEGER, values, src, r, d) == 0
     ):
@@ -253,7 +253,7 @@ class CachePlans:
         if rope is not None and cache.held:
             tables = rope(cache.position)  # (cos, sin): every held key's position is below the next token's
             tables = (tables[0].data_ptr(), tables[1].data_ptr())
-        exact = backend.exact_attention()
+        exact = backend.exact_arithmetic()
         lives, shapes, stale = [], [], set()
         for g, (shared, cursors) in enumerate(zip(cache.stores, self.cursors)):
             live = []  # (n, start, scale start, first position) of each held part, in order

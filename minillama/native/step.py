@@ -32,7 +32,17 @@ from minillama.kv.interface import Cache
 from minillama.model.attention import sdpa
 from minillama.model.rope import rope_tables
 from minillama.native import backend, ops
-from minillama.native.abi import BLOCK_CODE, DTYPE_CODE, STATUS, STATUS_OK, LayerPlan, LayerStep, NotSupported, StepEnds
+from minillama.native.abi import (
+    BLOCK_CODE,
+    DTYPE_CODE,
+    INT8_ACTIVATIONS,
+    STATUS,
+    STATUS_OK,
+    LayerPlan,
+    LayerStep,
+    NotSupported,
+    StepEnds,
+)
 from minillama.native.plans import CachePlans
 from minillama.native.threads import ThreadChooser
 from minillama.native.token_write import CacheWrites
@@ -91,6 +101,7 @@ class NativeStep:
         self.head = _ptr(head)
         self.steps = (LayerStep * n)()  # one contiguous array: the whole step is one native call
         self.pre_rope = False
+        self.int8 = False  # block weights against activations rounded to int8 (the kernels backend)
         self.plans: list[list[LayerPlan]] = []  # [cache of the batch][layer]: the plans the layers point at now
         self.plan_ids: list[int] = []
         self.pointers: list = [None] * n  # each layer's array of plan pointers
@@ -170,6 +181,9 @@ class NativeStep:
             for step in self.steps:
                 step.pre_rope = int(pre)
             self.pre_rope = pre
+        int8 = not backend.exact_arithmetic()
+        if int8 != self.int8:
+            self._round_activations(int8)
         if tokens.dtype != torch.int64 or not tokens.is_contiguous():
             tokens = tokens.to(torch.int64).contiguous()  # (B, 1): B consecutive ids
         out = torch.empty(self.batch, 1, self.vocab if logits else self.hidden, dtype=self.dtype)
@@ -204,6 +218,19 @@ class NativeStep:
                 member.count_full_read()
             cache.append(list(zip(self.new_k, self.new_v)), self.writer)
         return out
+
+    def _round_activations(self, int8: bool) -> None:
+        """Every block-weight product (projections and head) with activations rounded to int8 per
+        block, or in float (kernels-exact): the flag INT8_ACTIVATIONS on their weight codes."""
+        flag = INT8_ACTIVATIONS if int8 else 0
+        blocks = set(BLOCK_CODE.values())
+        for step in self.steps:
+            for i in range(4):
+                if (step.wdtype[i] & ~INT8_ACTIVATIONS) in blocks:
+                    step.wdtype[i] = (step.wdtype[i] & ~INT8_ACTIVATIONS) | flag
+        if (self.ends.head_dtype & ~INT8_ACTIVATIONS) in blocks:
+            self.ends.head_dtype = (self.ends.head_dtype & ~INT8_ACTIVATIONS) | flag
+        self.int8 = int8
 
     def _chooser(self) -> ThreadChooser | None:
         """The thread chooser where the backend lets steps adapt (``backend.adaptive``), else None

@@ -11,6 +11,10 @@ In the 4-bit blocks byte j holds weight j in its low nibble and weight j + 16 in
 ``quantize`` rounds as ggml's reference quantizers do (``quantize_row_*_ref``), so a row
 quantized here is the row llama.cpp would write; ``dequantize`` is the specification every
 kernel that reads blocks is held to (tests: both equal the ``gguf`` package's, bit for bit).
+
+The compiled block product may also round its activations to int8 per block of 32, as llama.cpp
+multiplies its blocks against Q8_0 activations: ``round_activations`` is that rounding, and
+``rounding_bound`` how far it can move a product.
 """
 
 from __future__ import annotations
@@ -71,6 +75,24 @@ def quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
         q = ((x - lo) * inv + 0.5).to(torch.int8).clamp(max=15).to(torch.uint8)
         return _pack(rows, [_half(d), _half(lo), q[..., :16] | (q[..., 16:] << 4)])
     raise ValueError(f"unknown block kind {kind!r}: choose {', '.join(KINDS)}")
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """Rows (M, K) -> the same rows rounded to int8 codes per block of 32, each block's scale
+    s = amax / 127 (float32): s * round(x * 127 / amax), ties to even (native/linear.cpp rounds so)."""
+    b = x.float().reshape(*x.shape[:-1], -1, QK)  # (M, K / 32, 32)
+    amax = b.abs().amax(-1, keepdim=True)  # (M, K / 32, 1)
+    inv = torch.where(amax > 0, 127 / amax, 0.0)
+    return ((amax / 127) * torch.round(b * inv)).reshape(x.shape)  # (M, K)
+
+
+def rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """How far rounding x (M, K) per block can move x @ w.T (w (N, K) the weights): each element
+    moves by at most half its block's step (amax / 254), so an output by at most the sum over
+    blocks of amax / 254 times the block's sum of |w|. -> (M, N)"""
+    half_step = x.float().reshape(x.shape[0], -1, QK).abs().amax(-1) / 254  # (M, K / 32)
+    l1 = w.float().abs().reshape(w.shape[0], -1, QK).sum(-1)  # (N, K / 32)
+    return half_step @ l1.T  # (M, N)
 
 
 def _half(x: torch.Tensor) -> torch.Tensor:
