@@ -79,6 +79,10 @@ def test_rounded_activations_are_int8_codes_times_a_block_scale():
     r = round_activations(x)
     assert torch.equal(r[0, :32], torch.zeros(32))
     assert r[0, 32:36].tolist() == [127.0, -64.0, 0.0, 2.0]
+    # x * (127 / amax) with 127 / amax rounded once, as in C: -1.5000001 here (torch's `127 / t`
+    # multiplies by a rounded reciprocal and lands on -1.4999999, which rounds to -1)
+    y = torch.tensor([[0.9066752791404724, -0.010708763264119625] + [0.0] * 30])  # (1, 32)
+    assert round_activations(y)[0, 1] / (0.9066752791404724 / 127) == pytest.approx(-2.0)
 
 
 @pytest.mark.parametrize("kind", KINDS)

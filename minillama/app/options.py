@@ -36,7 +36,7 @@ def model_options(device: bool = True):
                 default=None,
                 type=click.Choice(BACKENDS),
                 help="reference: plain PyTorch; kernels: the compiled kernels (default; "
-                "MINILLAMA_BACKEND sets it too); kernels-exact: exact float attention.",
+                "MINILLAMA_BACKEND sets it too); kernels-exact: exact float attention and block-weight products.",
             )(f)
             f = click.option(
                 "--device", default="cpu", show_default=True, callback=check_device, help="cpu, cuda (or cuda:N)."
@@ -127,10 +127,18 @@ def progress_bars(first_line: Callable[[str, int], str] | None = None):
             bar.__exit__(None, None, None)
 
 
-def load(model_name: str | None, dtype: str, device: str, backend: str | None = None, weights: str | None = None):
+def load(
+    model_name: str | None,
+    dtype: str,
+    device: str,
+    backend: str | None = None,
+    weights: str | None = None,
+    int8_activations: bool = True,
+):
     """The model named on the command line (the offline default when None), loaded; `backend`
     (from --backend) is set for the whole run; `weights` (--weights) keeps the projections in
-    blocks of 32 (minillama/weights)."""
+    blocks of 32 (minillama/weights); without `int8_activations` their products keep the
+    activations in float (native/fast.py: FastLlama.round_activations; the rulers ask so)."""
     from minillama.app.default_model import resolve_weights
     from minillama.native.backend import set_backend
     from minillama.native.fast import load_model
@@ -141,6 +149,7 @@ def load(model_name: str | None, dtype: str, device: str, backend: str | None = 
         set_backend(backend)
     note_missing_kernels(device)
     lm = load_model(resolve_weights(model_name, device, weights), dtype, device, weights=weights)
+    lm.model.round_activations(int8_activations)
     for note in lm.notes:
         click.echo(note, err=True)
     return lm

@@ -31,6 +31,7 @@ from minillama.native.step import chunk_attention, decode
 from minillama.native.threads import prefill_threads
 from minillama.native.weights import fuse
 from minillama.native.write import KernelWriter, writer
+from minillama.weights.blocks import round_activations
 from minillama.weights.gguf import load_gguf
 from minillama.weights.layers import BlockLinear, quantize_model
 
@@ -65,22 +66,28 @@ class KernelCache:
 
 class FastBlockLinear(BlockLinear):
     """A ``BlockLinear`` (weights/layers.py) whose product asks the backend: on the kernels, a few
-    rows go through the block kernel (gemm_rows: every block read once; the rows rounded to int8 per
-    block unless the backend is kernels-exact), a prompt's chunk through
+    rows go through the block kernel (gemm_rows: every block read once), a prompt's chunk through
     the weights widened natively and torch's product (model/linear.py: project); the reference
-    (dequantize in PyTorch, then multiply) otherwise."""
+    (dequantize in PyTorch, then multiply) otherwise. On the kernels backend both round x to int8
+    per block first (weights/blocks.py: round_activations), as llama.cpp does: a prompt and a decode
+    step compute the same product; kernels-exact, and a model told ``round_activations(False)``,
+    keep x in float."""
+
+    int8 = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lib = backend.library(x.device)
         if lib is None:
             return super().forward(x)
         rows = x.reshape(-1, self.in_features)  # (M, in)
+        int8 = self.int8 and not backend.exact_arithmetic()  # x rounded to int8 per block, as llama.cpp does
         if rows.shape[0] <= SKINNY_ROWS:
-            int8 = not backend.exact_arithmetic()  # x rounded to int8 per block, as llama.cpp does
             y = ops.gemm_rows(lib, rows, self.weight, self.kind, int8)  # (M, out) float32, rounded once below
             y = (y + self.bias.float() if self.bias is not None else y).to(x.dtype)
             backend.ran("block product")
         else:
+            if int8:  # the kernel's rounding (float order still differs: a code may flip between the two)
+                rows = round_activations(rows).to(x.dtype)  # (M, in)
             y = project(rows, ops.dequantize_rows(lib, self.weight, self.kind, self.in_features, x.dtype), self.bias)
             backend.ran("block widening")
         return y.view(*x.shape[:-1], self.out_features)  # (..., out)
@@ -102,9 +109,20 @@ class FastLlama(Llama):
         for module in model.modules():
             if isinstance(module, BlockLinear):
                 module.__class__ = FastBlockLinear
+        model.round_activations(True)
         if model.device.type == "cpu":
             model.fuse()  # now, as part of loading, rather than in the first decode step
         return model
+
+    def round_activations(self, on: bool) -> None:
+        """Whether block-weight products round their activations to int8 per block on the kernels
+        backend (the default: faster decoding, as llama.cpp). The rulers (ppl, needle) turn it off:
+        a code that flips between a prompt's product and a decode step's (their float sums differ
+        in order) would add its own noise to what the cache costs."""
+        self.int8_activations = on
+        for module in self.modules():
+            if isinstance(module, FastBlockLinear):
+                module.int8 = on
 
     def fuse(self) -> None:
         """Lay the weights out as the native step reads them (once; again after they move)."""

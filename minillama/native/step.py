@@ -161,11 +161,13 @@ class NativeStep:
         for step in self.steps:
             step.timing = ptr
 
-    def run(self, tokens: torch.Tensor, position: int, cache: Cache | None, rotary=None, logits=True) -> torch.Tensor:
+    def run(
+        self, tokens: torch.Tensor, position: int, cache: Cache | None, rotary=None, logits=True, int8=False
+    ) -> torch.Tensor:
         """tokens (B, 1) at `position` -> logits (B, 1, vocab), or without `logits` the final norm of
         the last layer's output (B, 1, hidden), in the model's dtype; the cache gets every layer's
         new keys and values. NotSupported before anything runs when a layer's cache has a part no
-        kernel reads."""
+        kernel reads. `int8`: block-weight products round their activations to int8 per block."""
         pre = cache is not None and cache.pre_rope
         rope = rotary.halves if pre else None
         plans = self._plans(cache, rope)  # [cache of the batch][layer]: every plan before any layer runs
@@ -181,7 +183,6 @@ class NativeStep:
             for step in self.steps:
                 step.pre_rope = int(pre)
             self.pre_rope = pre
-        int8 = not backend.exact_arithmetic()
         if int8 != self.int8:
             self._round_activations(int8)
         if tokens.dtype != torch.int64 or not tokens.is_contiguous():
@@ -313,7 +314,8 @@ def decode(model, lib, tokens: torch.Tensor, cache: Cache | None, logits: bool =
     position = cache.next_position if cache is not None else 0
     rotary = model.rotary_table(position + 1) if cache is not None and cache.pre_rope else None
     try:
-        return native_step(model, lib, tokens.shape[0]).run(tokens, position, cache, rotary, logits)
+        int8 = getattr(model, "int8_activations", False) and not backend.exact_arithmetic()
+        return native_step(model, lib, tokens.shape[0]).run(tokens, position, cache, rotary, logits, int8)
     except NotSupported as e:
         backend.fallback(f"decode step: {e}")
         return None

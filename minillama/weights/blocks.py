@@ -82,7 +82,7 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     s = amax / 127 (float32): s * round(x * 127 / amax), ties to even (native/linear.cpp rounds so)."""
     b = x.float().reshape(*x.shape[:-1], -1, QK)  # (M, K / 32, 32)
     amax = b.abs().amax(-1, keepdim=True)  # (M, K / 32, 1)
-    inv = torch.where(amax > 0, 127 / amax, 0.0)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0.0)  # (`127 / amax` rounds twice)
     return ((amax / 127) * torch.round(b * inv)).reshape(x.shape)  # (M, K)
 
 

@@ -101,7 +101,7 @@ def needle(
         model, tokenizer, _ = load_transformers(model_name, dtype, device, names)
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     else:
-        lm = load(model_name, dtype, device, backend, weights)
+        lm = load(model_name, dtype, device, backend, weights, int8_activations=False)
         limit = lm.config.max_position_embeddings
     if limit and max(lengths_) > limit:
         click.echo(f"note: {max(lengths_)} tokens is beyond the model's trained context ({limit})", err=True)

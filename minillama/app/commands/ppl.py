@@ -143,7 +143,7 @@ def ppl(
         )
         transformers_table(model_name, text, names, n, prefill, offset, windows, dtype, device, as_json)
         return
-    lm = load(model_name, dtype, device, backend, weights)
+    lm = load(model_name, dtype, device, backend, weights, int8_activations=False)  # the cache's noise alone
     if frontier:  # the per-layer maps made for a model with this many layers
         shipped = (parse_kv(m) for m in maps())
         specs += [m for m in shipped if len(m.layer_codecs) == lm.config.num_hidden_layers]
