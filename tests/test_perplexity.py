@@ -519,3 +519,20 @@ def test_a_window_longer_than_the_model_context_streams_with_ctx(tiny_dir, tmp_p
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.stdout)
     assert row["evicted"] >= 600 - 128 and math.isfinite(row["ppl"])
+
+
+def test_ppl_keeps_block_products_in_float_so_an_exact_cache_scores_no_divergence(tiny_dir, tmp_path):
+    """Decoding rounds a block product's activations to int8 (native/fast.py); ppl turns that off:
+    a code that flips between the no-cache forward and a decode step would show up as KLD of its
+    own. The same run with int8 activations left on does diverge (the test can fail)."""
+    from minillama.eval.perplexity import evaluate
+    from minillama.native.fast import load_model
+
+    args = ["--text", write_text(tmp_path), "--tokens", "64", "--prefill", "16", "--kv", "fp16", "--json"]
+    result = CliRunner().invoke(cli, ["ppl", "--model", str(tiny_dir), "--weights", "q4_0", *args])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)[0]["kld_mean"] < 1e-6
+    lm = load_model(str(tiny_dir), "float32", weights="q4_0")  # int8 activations: the decoding default
+    ids = lm.tokenizer.encode(TEXT)
+    (r,) = evaluate(lm, ids, [parse_kv("fp16")], n=64, prefill=16, offset=0, blind=False)
+    assert r.kld_mean > 1e-6
