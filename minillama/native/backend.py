@@ -169,4 +169,4 @@ def describe() -> str:
     if lib is None:
         return f"reference (kernels unavailable: {why})"
     arithmetic = "exact" if exact_arithmetic() else "integer"
-    return f"{name()} ({_state['target']} build: {' '.join(abi.features(lib)) or 'portable'}; {arithmetic} attention)"
+    return f"{name()} ({_state['target']} build: {' '.join(abi.features(lib)) or 'portable'}; {arithmetic} attention and block products)"
