@@ -15,13 +15,14 @@ from minillama.kv.spec import parse_kv
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 from minillama.native.fast import load_model
-from minillama.weights.blocks import KINDS, dequantize, quantize, round_activations, rounding_bound
+from minillama.weights.blocks import BLOCK_BYTES, KINDS, dequantize, quantize, round_activations, rounding_bound
 from minillama.weights.layers import BlockLinear, quantize_linears
 from tests.conftest import make_tiny
 
 gguf = pytest.importorskip("gguf")
 GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
         "q4_1": gguf.GGMLQuantizationType.Q4_1}  # fmt: skip
+GGML_K = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
 
 
 def awkward_rows() -> torch.Tensor:
@@ -83,6 +84,42 @@ def test_rounded_activations_are_int8_codes_times_a_block_scale():
     # multiplies by a rounded reciprocal and lands on -1.4999999, which rounds to -1)
     y = torch.tensor([[0.9066752791404724, -0.010708763264119625] + [0.0] * 30])  # (1, 32)
     assert round_activations(y)[0, 1] / (0.9066752791404724 / 127) == pytest.approx(-2.0)
+
+
+def k_blocks(rows: int, cols: int, kind: str, seed: int = 0) -> torch.Tensor:
+    """Random k-quant blocks (rows, cols / 256 * bytes) with small fp16 scales (weights ~0.01-0.1):
+    any bytes are valid codes, scales and mins."""
+    g = np.random.default_rng(seed)
+    b = g.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
+    half = g.uniform(2e-5, 1e-4, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)  # (.., 4) bytes
+    if kind == "q4_k":
+        b[..., 0:4] = half  # d, dmin
+    else:
+        b[..., 208:210] = half[..., :2]  # d
+    return torch.from_numpy(b.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+def test_k_quant_blocks_read_as_llama_cpp_reads_them(kind):
+    blocks = k_blocks(5, 512, kind)
+    theirs = gguf.quants.dequantize(blocks.numpy(), GGML_K[kind])
+    assert np.array_equal(dequantize(blocks, kind).numpy(), theirs)
+
+
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("n_out,n_in,rows", [(7, 256, 1), (300, 1536, 3), (65, 512, 16), (3, 256, 21)])
+def test_the_native_k_quant_products_equal_the_reference(lib, kind, n_out, n_in, rows):
+    """Every build target: float activations (the plain loop) and int8 ones (the SIMD kernels)."""
+    blocks = k_blocks(n_out, n_in, kind, seed=n_out)
+    x = torch.randn(rows, n_in, generator=torch.Generator().manual_seed(rows))
+    w = dequantize(blocks, kind)  # (n_out, n_in)
+    tol = {"rtol": 1e-5, "atol": 1e-5 * n_in**0.5 * w.abs().max().item()}
+    assert torch.allclose(ops.gemm_rows(lib, x, blocks, kind), x @ w.T, **tol)
+    assert torch.allclose(ops.gemm_rows(lib, x, blocks, kind, int8=True), round_activations(x) @ w.T, **tol)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(ops.dequantize_rows(lib, blocks, kind, n_in, dtype), w.to(dtype))
+    with pytest.raises(NotSupported, match="gemm_rows"):  # rows of 256 weights only
+        ops.gemm_rows(lib, torch.randn(1, 224), torch.zeros(2, BLOCK_BYTES[kind], dtype=torch.uint8), kind)
 
 
 @pytest.mark.parametrize("kind", KINDS)

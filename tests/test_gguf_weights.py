@@ -84,7 +84,7 @@ def test_a_tensor_type_not_kept_as_blocks_is_dequantized_with_a_note(gguf_path, 
     rewrite(gguf_path, tmp_path / "f16.gguf", to_f16)
     lm = load_model(str(tmp_path / "f16.gguf"), "bfloat16")
     assert lm.notes == [
-        "note: F16 tensors are dequantized to bfloat16 (blocks are read as stored for Q8_0, Q4_0 and Q4_1 only)"
+        "note: F16 tensors are dequantized to bfloat16 (blocks are read as stored for Q8_0, Q4_0, Q4_1, Q4_K and Q6_K only)"
     ]
     down = lm.model.model.layers[0].mlp.down_proj
     assert not isinstance(down, BlockLinear) and down.weight.dtype == torch.bfloat16
@@ -126,3 +126,38 @@ def test_the_header_reader_reads_what_the_gguf_package_reads(gguf_path):
     for a, b in zip(ours.tensors, theirs.tensors, strict=True):
         assert (a.name, a.shape, a.tensor_type) == (b.name, b.shape.tolist(), b.tensor_type)
         assert np.array_equal(a.data.reshape(b.data.shape), b.data), a.name
+
+
+def test_k_quant_tensors_are_kept_as_blocks_and_decode_natively(gguf_path, tmp_path):
+    """Q4_K and Q6_K (the types of a Q4_K_M download) stay blocks, with no note, and the native step
+    multiplies them in place as the reference does (random blocks: the test is of the arithmetic)."""
+    from tests.test_block_weights import k_blocks
+
+    kinds = {"blk.0.ffn_down.weight": "q4_k", "blk.1.ffn_down.weight": "q6_k"}
+
+    def to_k(t):
+        if t.name in kinds:
+            rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF shapes are (in, out)
+            data = k_blocks(rows, cols, kinds[t.name]).numpy()
+            return data, getattr(gguf.GGMLQuantizationType, kinds[t.name].upper())
+        return t.data, t.tensor_type
+
+    rewrite(gguf_path, tmp_path / "k.gguf", to_k)
+    lm = load_model(str(tmp_path / "k.gguf"), "float32")
+    assert lm.notes == []
+    assert [lm.model.model.layers[i].mlp.down_proj.kind for i in (0, 1)] == ["q4_k", "q6_k"]
+    ids = torch.tensor([lm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])
+
+    def decode(name: str) -> torch.Tensor:
+        cache = KVCache.for_model(lm.config, parse_kv("fp16"), 64)
+        with backend.using(name), torch.inference_mode():
+            lm.model(ids[:, :-4], cache)
+            return torch.stack(
+                [lm.model(ids[:, t : t + 1], cache)[:, -1] for t in range(ids.shape[1] - 4, ids.shape[1])]
+            )
+
+    reference = decode("reference")
+    before = backend.tally()
+    native = decode("kernels-exact")
+    assert (backend.tally() - before)["decode step"] == 4
+    assert (native - reference).abs().max() < 1e-2

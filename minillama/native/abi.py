@@ -13,7 +13,13 @@ from enum import IntEnum
 import torch
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the one table of dtype codes
-BLOCK_CODE = {"q8_0": 8, "q4_0": 9, "q4_1": 10}  # weights in blocks of 32 (native/dtypes.h: BlockDtype)
+BLOCK_CODE = {
+    "q8_0": 8,
+    "q4_0": 9,
+    "q4_1": 10,
+    "q4_k": 11,
+    "q6_k": 12,
+}  # weights in blocks (native/dtypes.h: BlockDtype)
 INT8_ACTIVATIONS = 256  # | a block code: the product rounds the activations to int8 per block (native/dtypes.h)
 
 

@@ -20,16 +20,20 @@ static inline int dtype_bytes(int dtype) { return dtype == 0 ? 4 : 2; }  // one 
 
 // Weights in blocks of 32 with their own scale (minillama/weights/blocks.py has the layouts and
 // the reference): dtype codes for matrices only, never for activations.
-enum BlockDtype { DTYPE_Q8_0 = 8, DTYPE_Q4_0 = 9, DTYPE_Q4_1 = 10 };
-static inline bool is_block_dtype(int dtype) { return dtype >= DTYPE_Q8_0 && dtype <= DTYPE_Q4_1; }
+enum BlockDtype { DTYPE_Q8_0 = 8, DTYPE_Q4_0 = 9, DTYPE_Q4_1 = 10, DTYPE_Q4_K = 11, DTYPE_Q6_K = 12 };
+static inline bool is_block_dtype(int dtype) { return dtype >= DTYPE_Q8_0 && dtype <= DTYPE_Q6_K; }
+static inline bool is_k_quant(int dtype) { return dtype == DTYPE_Q4_K || dtype == DTYPE_Q6_K; }
+static inline int block_weights(int dtype) { return is_k_quant(dtype) ? 256 : 32; }  // weights per block
 // A block dtype | INT8_ACTIVATIONS: the product rounds the activations to int8 per block of 32
 // (native/linear.cpp: gemm_rows), as llama.cpp does; without it the activations stay float.
 constexpr int INT8_ACTIVATIONS = 256;
 static inline bool is_int8_block(int dtype) { return (dtype & INT8_ACTIVATIONS) && is_block_dtype(dtype & ~INT8_ACTIVATIONS); }
-static inline int block_bytes(int dtype) { return dtype == DTYPE_Q8_0 ? 34 : dtype == DTYPE_Q4_0 ? 18 : 20; }
-// The bytes of one weight row of K columns (K a multiple of 32 for the block dtypes).
+static inline int block_bytes(int dtype) {
+    return dtype == DTYPE_Q8_0 ? 34 : dtype == DTYPE_Q4_0 ? 18 : dtype == DTYPE_Q4_1 ? 20 : dtype == DTYPE_Q4_K ? 144 : 210;
+}
+// The bytes of one weight row of K columns (K a multiple of block_weights for the block dtypes).
 static inline int64_t row_bytes(int dtype, int64_t K) {
-    return is_block_dtype(dtype) ? K / 32 * block_bytes(dtype) : K * dtype_bytes(dtype);
+    return is_block_dtype(dtype) ? K / block_weights(dtype) * block_bytes(dtype) : K * dtype_bytes(dtype);
 }
 
 static inline float half_to_float(uint16_t h) {
@@ -118,4 +122,41 @@ static inline float block_code(const Block& v, int dt, int j) {
 static inline float block_weight(const Block& v, int dt, int j) {
     const float q = block_code(v, dt, j);
     return dt == DTYPE_Q4_0 ? v.d * (q - 8.f) : dt == DTYPE_Q8_0 ? v.d * q : v.d * q + v.o;
+}
+
+// Sub-block j (0-7) of 32 weights of a k-quant block (minillama/weights/blocks.py: _q4_k, _q6_k):
+// weight i = d[i / 16] q_i + o, codes q 0..15 (q4_k, o = -dmin m) or -32..31 (q6_k, o = 0, a
+// scale per 16 weights), each multiplied as blocks.py multiplies (dequantize_rows is bit for bit).
+struct SubBlock {
+    float d[2], o;
+    int8_t q[32];
+};
+
+static inline SubBlock k_sub_block(const uint8_t* b, int dt, int j) {
+    SubBlock v;
+    if (dt == DTYPE_Q4_K) {
+        uint16_t h[2];
+        std::memcpy(h, b, 4);
+        const uint8_t* s = b + 4;
+        const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        v.d[0] = v.d[1] = half_to_float(h[0]) * (float)sc, v.o = -(half_to_float(h[1]) * (float)m);
+        const uint8_t* q = b + 16 + 32 * (j / 2);  // the 32 bytes of this sub-block's group of 64
+        for (int i = 0; i < 32; i++) v.q[i] = (int8_t)(j % 2 ? q[i] >> 4 : q[i] & 15);
+        return v;
+    }
+    uint16_t hd;
+    std::memcpy(&hd, b + 208, 2);
+    const float d = half_to_float(hd);
+    const int half = j / 4, k = j % 4;  // 128 weights a half: sub-blocks 4 half + k
+    const uint8_t *ql = b + 64 * half + 32 * (k % 2), *qh = b + 128 + 32 * half;
+    for (int i = 0; i < 32; i++) v.q[i] = (int8_t)(((k < 2 ? ql[i] & 15 : ql[i] >> 4) | (((qh[i] >> (2 * k)) & 3) << 4)) - 32);
+    v.d[0] = d * (float)(int8_t)b[192 + 2 * j], v.d[1] = d * (float)(int8_t)b[192 + 2 * j + 1], v.o = 0.f;
+    return v;
+}
+
+// Weight i of a sub-block exactly as blocks.py computes it.
+static inline float sub_weight(const SubBlock& v, int dt, int i) {
+    const float w = v.d[i / 16] * (float)v.q[i];
+    return dt == DTYPE_Q4_K ? w + v.o : w;
 }

@@ -122,18 +122,29 @@ static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
 
 // The plain loop over blocks: reference for the vector path and the product on CPUs without it.
 // x (M, K) float32, sums (M, K / 32) the sums of x's blocks.
+// The 32 weights at position b of a row: a block of 32, or sub-block b % 8 of a k-quant's block.
+static inline SubBlock unit_at(const uint8_t* row, int dt, int b) {
+    if (is_k_quant(dt)) return k_sub_block(row + (b / 8) * block_bytes(dt), dt, b % 8);
+    const Block v = block_at(row + b * block_bytes(dt), dt);
+    SubBlock u;
+    u.d[0] = u.d[1] = v.d, u.o = v.o;
+    for (int i = 0; i < 32; i++) u.q[i] = (int8_t)block_code(v, dt, i);
+    return u;
+}
+
 static void rows_blocks_scalar(const float* x, const float* sums, const void* W, int dt, int M, int n0, int n1, int N, int K,
                                float* y) {
-    const int nb = K / 32, bb = block_bytes(dt);
+    const int nb = K / 32;
     for (int n = n0; n < n1; n++) {
         const uint8_t* w = (const uint8_t*)W + n * row_bytes(dt, K);
         for (int m = 0; m < M; m++) {
             float acc = 0.f;
             for (int b = 0; b < nb; b++) {
-                const Block v = block_at(w + b * bb, dt);
-                float dot = 0.f;
-                for (int j = 0; j < 32; j++) dot += block_code(v, dt, j) * x[(int64_t)m * K + 32 * b + j];
-                acc += v.d * dot + v.o * sums[(int64_t)m * nb + b];
+                const SubBlock v = unit_at(w, dt, b);
+                const float* xb = x + (int64_t)m * K + 32 * b;
+                float dot[2] = {0.f, 0.f};
+                for (int j = 0; j < 32; j++) dot[j / 16] += v.q[j] * xb[j];
+                acc += v.d[0] * dot[0] + v.d[1] * dot[1] + v.o * sums[(int64_t)m * nb + b];
             }
             y[(int64_t)m * N + n] = acc;
         }
@@ -214,16 +225,18 @@ static inline void row_blocks(const float* x, const float* sums, const void* W, 
 // c (M, K) int8 codes of x, s (M, K / 32) their scales, cs (M, K / 32) s * sum of the block's codes.
 static void rows_int8_scalar(const int8_t* c, const float* s, const float* cs, const void* W, int dt, int M, int n0, int n1,
                              int N, int K, float* y) {
-    const int nb = K / 32, bb = block_bytes(dt);
+    const int nb = K / 32;
     for (int n = n0; n < n1; n++) {
         const uint8_t* w = (const uint8_t*)W + n * row_bytes(dt, K);
         for (int m = 0; m < M; m++) {
             float acc = 0.f;
             for (int b = 0; b < nb; b++) {
-                const Block v = block_at(w + b * bb, dt);
-                int32_t dot = 0;
-                for (int j = 0; j < 32; j++) dot += (int32_t)block_code(v, dt, j) * c[(int64_t)m * K + 32 * b + j];
-                acc += v.d * s[(int64_t)m * nb + b] * (float)dot + v.o * cs[(int64_t)m * nb + b];
+                const SubBlock v = unit_at(w, dt, b);
+                const int8_t* cb = c + (int64_t)m * K + 32 * b;
+                int32_t dot[2] = {0, 0};
+                for (int j = 0; j < 32; j++) dot[j / 16] += (int32_t)v.q[j] * cb[j];
+                const float sb = s[(int64_t)m * nb + b];
+                acc += (v.d[0] * sb) * (float)dot[0] + (v.d[1] * sb) * (float)dot[1] + v.o * cs[(int64_t)m * nb + b];
             }
             y[(int64_t)m * N + n] = acc;
         }
@@ -288,13 +301,100 @@ static inline void row_int8(const int8_t* c, const float* s, const float* cs, co
     }
 }
 
+// Row n of k-quant blocks against M rows of rounded x, 256 weights a block. A block's scales are
+// decoded once into vectors: q4_k's 6-bit scales and mins by 32-bit masks and shifts (12 bytes ->
+// 8 + 8), times d and dmin; q6_k's 16 int8 scales times d. Its 8 sub-blocks' codes become unsigned
+// bytes (q4_k: low and high nibbles of 4 loads of 32 bytes; q6_k: low nibbles or'ed with high
+// pairs, 0..63). q6_k's codes stand for q - 32, so its dots start from -32 times each lane's sum
+// of x's codes (`lanes`), and each 16 weights (4 lanes) have their own scale. x's scales for the
+// block's 8 sub-blocks are one vector (s and cs are contiguous along a row of x).
+template <int M, int DT>
+static inline void row_int8_k(const int8_t* c, const float* s, const float* cs, const int32_t* lanes, const void* W, int n,
+                              int N, int K, float* y) {
+    const int nb = K / 256, nx = K / 32;
+    const uint8_t* w = (const uint8_t*)W + n * row_bytes(DT, K);
+    __m256 acc0[M], acc1[M], off[M];
+    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = off[m] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(0x30);
+    for (int b = 0; b < nb; b++, w += block_bytes(DT)) {
+        for (int at = 0; at < block_bytes(DT); at += 64) __builtin_prefetch(w + PREFETCH_BYTES + at, 0, 0);
+        __m256i u[8];
+        __m256 scale[2], mins;  // d sc per sub-block (q6_k: per 16 weights, two vectors); -dmin m
+        if (DT == DTYPE_Q4_K) {
+            uint16_t h[2];
+            uint32_t t[3];
+            std::memcpy(h, w, 4), std::memcpy(t, w + 4, 12);
+            const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+            const uint32_t sc[2] = {t[0] & six, (t[2] & four) | (((t[0] >> 6) & two) << 4)};  // sub-blocks 0-3, 4-7
+            const uint32_t mn[2] = {t[1] & six, ((t[2] >> 4) & four) | (((t[1] >> 6) & two) << 4)};
+            const __m256 widened = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
+            scale[0] = _mm256_mul_ps(widened, _mm256_set1_ps(half_to_float(h[0])));
+            mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]))),
+                                 _mm256_set1_ps(-half_to_float(h[1])));
+            for (int g = 0; g < 4; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 + 32 * g));
+                u[2 * g] = _mm256_and_si256(v, low), u[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+        } else {
+            uint16_t h;
+            std::memcpy(&h, w + 208, 2);
+            const __m256 d = _mm256_set1_ps(half_to_float(h));
+            const __m128i sc = _mm_loadu_si128((const __m128i*)(w + 192));
+            scale[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+            scale[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+            for (int half = 0; half < 2; half++) {
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(w + 64 * half)),
+                              ql1 = _mm256_loadu_si256((const __m256i*)(w + 64 * half + 32)),
+                              qh = _mm256_loadu_si256((const __m256i*)(w + 128 + 32 * half));
+                __m256i* uh = u + 4 * half;  // bits 2k, 2k + 1 of qh are sub-block k's high pair
+                uh[0] = _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), pair));
+                uh[1] = _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), pair));
+                uh[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, pair));
+                uh[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), pair));
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            const int64_t i = (int64_t)m * nx + 8 * b;  // x's sub-block 0 of this block
+            const int8_t* x = c + (int64_t)m * K + 256 * b;
+            const __m256 xs = _mm256_loadu_ps(s + i);  // x's 8 scales
+            if (DT == DTYPE_Q4_K) off[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(cs + i), off[m]);
+            const __m256 ds = DT == DTYPE_Q4_K ? _mm256_mul_ps(scale[0], xs) : xs;
+            for (int j = 0; j < 8; j++) {
+                const __m256i xj = _mm256_loadu_si256((const __m256i*)(x + 32 * j));
+                const __m256i start =
+                    DT == DTYPE_Q6_K ? _mm256_loadu_si256((const __m256i*)(lanes + 8 * (i + j))) : _mm256_setzero_si256();
+                const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(start, u[j], xj));
+                __m256 f;  // this sub-block's factor in every lane (q6_k: two, by half)
+                if (DT == DTYPE_Q4_K) {
+                    f = _mm256_permutevar8x32_ps(ds, _mm256_set1_epi32(j));
+                } else {
+                    const __m256i at = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+                    f = _mm256_mul_ps(_mm256_permutevar8x32_ps(scale[j / 4], _mm256_and_si256(at, _mm256_set1_epi32(7))),
+                                      _mm256_permutevar8x32_ps(xs, _mm256_set1_epi32(j)));
+                }
+                if (j & 1) acc1[m] = _mm256_fmadd_ps(dot, f, acc1[m]);
+                else acc0[m] = _mm256_fmadd_ps(dot, f, acc0[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        const __m256 t = _mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), off[m]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[(int64_t)m * N + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+}
+
 template <int M>
-static void rows_int8(const int8_t* c, const float* s, const float* cs, const void* W, int dt, int n0, int n1, int N, int K,
-                      float* y) {
+static void rows_int8(const int8_t* c, const float* s, const float* cs, const int32_t* lanes, const void* W, int dt, int n0,
+                      int n1, int N, int K, float* y) {
     for (int n = n0; n < n1; n++) {
         if (dt == DTYPE_Q8_0) row_int8<M, DTYPE_Q8_0>(c, s, cs, W, n, N, K, y);
         else if (dt == DTYPE_Q4_0) row_int8<M, DTYPE_Q4_0>(c, s, cs, W, n, N, K, y);
-        else row_int8<M, DTYPE_Q4_1>(c, s, cs, W, n, N, K, y);
+        else if (dt == DTYPE_Q4_1) row_int8<M, DTYPE_Q4_1>(c, s, cs, W, n, N, K, y);
+        else if (dt == DTYPE_Q4_K) row_int8_k<M, DTYPE_Q4_K>(c, s, cs, lanes, W, n, N, K, y);
+        else row_int8_k<M, DTYPE_Q6_K>(c, s, cs, lanes, W, n, N, K, y);
     }
 }
 #else
@@ -400,6 +500,7 @@ struct PreparedX {
     bool int8;                // block weights against x rounded to int8 per block:
     std::vector<int8_t> c;    //   x's codes (M, K)
     std::vector<float> s;     //   their scales and the scale times their sum (M, K/32) (sums holds the latter)
+    std::vector<int32_t> lanes;  // q6_k: -32 times the sum of each 4 codes of c (M, K/4)
     bool vector;              // a vector path applies (K a multiple of the vector width)
     bool dpbf16;              // bf16 x bf16 on vdpbf16ps
 };
@@ -417,6 +518,11 @@ static void prepare_x(PreparedX& p) {
             for (int j = 0; j < 32; j++) sum += p.c[32 * b + j] = (int8_t)std::nearbyint(x[j] * inv);  // ties to even
             p.s[b] = amax / 127.f, p.sums[b] = p.s[b] * (float)sum;
         }
+        if (p.wdt == DTYPE_Q6_K) {
+            p.lanes.resize((size_t)M * K / 4);
+            for (int64_t i = 0; i < (int64_t)M * K / 4; i++)
+                p.lanes[i] = -32 * (p.c[4 * i] + p.c[4 * i + 1] + p.c[4 * i + 2] + p.c[4 * i + 3]);
+        }
         p.vector = LIN_INT8;
         return;
     }
@@ -424,7 +530,7 @@ static void prepare_x(PreparedX& p) {
         const int M = p.M, K = p.K;
         p.a.resize((size_t)M * K), p.sums.assign((size_t)M * K / 32, 0.f);
         for (int64_t i = 0; i < (int64_t)M * K; i++) p.sums[i / 32] += p.a[i] = element(p.x, i, p.xdt);
-        p.vector = LIN_W > 0;
+        p.vector = LIN_W > 0 && !is_k_quant(p.wdt);  // the k-quants' float product: the plain loop
         return;
     }
 #if LIN_DPBF16 || LIN_W
@@ -465,7 +571,8 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
         const int64_t nb = p.K / 32;
         const int8_t* c = p.c.data() + (int64_t)m0 * p.K;
         const float *s = p.s.data() + m0 * nb, *cs = p.sums.data() + m0 * nb;
-        return rows_int8<MB>(c, s, cs, W, p.wdt, n0, n1, N, p.K, y);
+        const int32_t* lanes = p.lanes.empty() ? nullptr : p.lanes.data() + m0 * nb * 8;
+        return rows_int8<MB>(c, s, cs, lanes, W, p.wdt, n0, n1, N, p.K, y);
     }
 #endif
 #if LIN_W
@@ -513,7 +620,7 @@ static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float
 // At most 16 rows of x against all of W. Each thread takes a contiguous share of W's rows (a
 // multiple of 4), so each streams one region.
 static void gemm16(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
-    PreparedX p{M, K, xdtype, dtype & ~INT8_ACTIVATIONS, x, {}, {}, {}, is_int8_block(dtype), {}, {}, false, false};
+    PreparedX p{M, K, xdtype, dtype & ~INT8_ACTIVATIONS, x, {}, {}, {}, is_int8_block(dtype), {}, {}, {}, false, false};
     prepare_x(p);
 #pragma omp parallel
     {
@@ -533,7 +640,7 @@ static void gemm16(const void* x, int xdtype, const void* W, int dtype, int M, i
 extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, int M, int N, int K, float* y) {
     const int wdt = dtype & ~INT8_ACTIVATIONS;
     if ((dtype != 0 && dtype != 2 && !is_block_dtype(wdt)) || (xdtype != 0 && xdtype != 2)) return MINILLAMA_E_DTYPE;
-    if (M < 1 || N < 1 || K < 1 || (is_block_dtype(wdt) && K % 32)) return MINILLAMA_E_SHAPE;
+    if (M < 1 || N < 1 || K < 1 || (is_block_dtype(wdt) && K % block_weights(wdt))) return MINILLAMA_E_SHAPE;
     for (int m = 0; m < M; m += 16)
         gemm16((const char*)x + (size_t)m * K * dtype_bytes(xdtype), xdtype, W, dtype, std::min(16, M - m), N, K, y + (size_t)m * N);
     return MINILLAMA_OK;
@@ -545,17 +652,19 @@ extern "C" int gemm_rows(const void* x, int xdtype, const void* W, int dtype, in
 // kernel above; widening the blocks here costs a fraction of doing it in PyTorch.
 extern "C" int dequantize_rows(const void* W, int dtype, int N, int K, void* out, int out_dtype) {
     if (!is_block_dtype(dtype) || (out_dtype != 0 && out_dtype != 2)) return MINILLAMA_E_DTYPE;
-    if (N < 1 || K < 32 || K % 32) return MINILLAMA_E_SHAPE;
+    if (N < 1 || K < 32 || K % block_weights(dtype)) return MINILLAMA_E_SHAPE;
     const int64_t wrow = row_bytes(dtype, K);
     const int bb = block_bytes(dtype);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const uint8_t* w = (const uint8_t*)W + n * wrow;
         for (int b = 0; b < K / 32; b++) {
-            const Block v = block_at(w + b * bb, dtype);
+            const bool k = is_k_quant(dtype);
+            const Block v = k ? Block{} : block_at(w + b * bb, dtype);
+            const SubBlock sb = k ? k_sub_block(w + (b / 8) * bb, dtype, b % 8) : SubBlock{};
             const int64_t at = (int64_t)n * K + 32 * b;
             for (int j = 0; j < 32; j++) {
-                const float x = block_weight(v, dtype, j);
+                const float x = k ? sub_weight(sb, dtype, j) : block_weight(v, dtype, j);
                 if (out_dtype == 0) {
                     ((float*)out)[at + j] = x;
                 } else {

@@ -1,13 +1,21 @@
-"""Weights in blocks of 32, as llama.cpp's GGUF files store them (ggml-common.h's block_q8_0,
-block_q4_0, block_q4_1): pure functions from float rows to blocks and back.
+"""Weights in blocks, as llama.cpp's GGUF files store them (ggml-common.h's block_q8_0,
+block_q4_0, block_q4_1, and the k-quants' block_q4_K and block_q6_K): pure functions from float
+rows to blocks and back.
 
-A row of K weights (K a multiple of 32) is K / 32 blocks, each its own scale:
+A row of K weights is K / QK blocks (QK = WEIGHTS[kind]: 32, or 256 for the k-quants), each its
+own scale:
 
     q8_0  fp16 d, 32 int8 q             w = d q            34 bytes / 32 weights = 8.5 bits
     q4_0  fp16 d, 16 bytes of nibbles   w = d (q - 8)      18 bytes / 32 weights = 4.5 bits
     q4_1  fp16 d, fp16 m, 16 bytes      w = d q + m        20 bytes / 32 weights = 5.0 bits
+    q4_k  fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) for 8 sub-blocks of 32, 128 bytes of
+          nibbles                       w = (d sc) q - (dmin m)       144 / 256 = 4.5 bits
+    q6_k  128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 weights),
+          fp16 d                        w = (d sc) (q - 32)           210 / 256 = 6.56 bits
 
-In the 4-bit blocks byte j holds weight j in its low nibble and weight j + 16 in its high one.
+In q4_0/q4_1 byte j holds weight j in its low nibble and weight j + 16 in its high one; in q4_k
+byte j of each 32 holds weight j of a 64-weight group low and weight j + 32 high (the layouts of
+q6_k: ``_q6_k``).
 ``quantize`` rounds as ggml's reference quantizers do (``quantize_row_*_ref``), so a row
 quantized here is the row llama.cpp would write; ``dequantize`` is the specification every
 kernel that reads blocks is held to (tests: both equal the ``gguf`` package's, bit for bit).
@@ -21,9 +29,10 @@ from __future__ import annotations
 
 import torch
 
-QK = 32  # weights per block
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-KINDS = tuple(BLOCK_BYTES)
+QK = 32  # weights per block (per sub-block of the k-quants)
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210}
+WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q6_k": 256}  # weights per block
+KINDS = ("q8_0", "q4_0", "q4_1")  # what `quantize` writes (the k-quants are read, never written here)
 
 
 def _halves(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -37,9 +46,13 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """Rows of blocks (N, K / 32 * bytes) uint8 -> weights (N, K) float32."""
+    """Rows of blocks (N, K / QK * bytes) uint8 -> weights (N, K) float32."""
     rows = blocks.shape[0]
-    b = blocks.view(rows, -1, BLOCK_BYTES[kind])  # (N, K / 32, bytes)
+    b = blocks.view(rows, -1, BLOCK_BYTES[kind])  # (N, K / QK, bytes)
+    if kind == "q4_k":
+        return _q4_k(b).reshape(rows, -1)  # (N, K)
+    if kind == "q6_k":
+        return _q6_k(b).reshape(rows, -1)
     d = _halves(b, 0)  # (N, K / 32, 1)
     if kind == "q8_0":
         w = d * b[..., 2:].view(torch.int8).float()
@@ -48,6 +61,32 @@ def dequantize(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     else:
         w = d * _nibbles(b[..., 4:]).float() + _halves(b, 2)
     return w.reshape(rows, -1)  # (N, K)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    """q4_k blocks (N, n, 144) -> weights (N, n, 256)."""
+    d, dmin = _halves(b, 0), _halves(b, 2)  # (N, n, 1)
+    s = b[..., 4:16].long()  # 12 bytes: 6-bit scales and mins of 8 sub-blocks
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], -1).float()  # (N, n, 8)
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], -1).float()
+    qs = b[..., 16:].reshape(*b.shape[:-1], 4, 32)  # (N, n, 4 groups of 64 weights, 32 bytes)
+    q = torch.stack([qs & 15, qs >> 4], -2).reshape(*b.shape[:-1], 8, 32).float()  # (N, n, 8, 32)
+    return ((d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)).flatten(-2)  # (N, n, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    """q6_k blocks (N, n, 210) -> weights (N, n, 256). Per half of 128 weights: 64 bytes of low
+    nibbles (weights 0-63 low, 64-127 high) and 32 bytes of high pairs (bits 2i, 2i+1 of byte l
+    are weight l + 32 i's)."""
+    ql = b[..., :128].reshape(*b.shape[:-1], 2, 1, 64)  # (N, n, half, 1, 64)
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], -2).reshape(*b.shape[:-1], 2, 4, 32)  # (N, n, half, 4, 32)
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], -2)  # (N, n, half, 4, 32)
+    q = ((low | (high << 4)).to(torch.int16) - 32).reshape(*b.shape[:-1], 16, 16).float()  # (N, n, 16, 16)
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()  # (N, n, 16)
+    d = _halves(b, 208)  # (N, n, 1)
+    return ((d * sc).unsqueeze(-1) * q).flatten(-2)  # (N, n, 256)
 
 
 def quantize(w: torch.Tensor, kind: str) -> torch.Tensor:

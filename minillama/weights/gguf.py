@@ -1,11 +1,11 @@
-"""A llama GGUF file loaded with its weights as stored: llama.cpp's q8_0, q4_0 and q4_1 tensors
+"""A llama GGUF file loaded with its weights as stored: llama.cpp's q8_0, q4_0, q4_1, q4_K and q6_K tensors
 become ``BlockLinear`` / ``BlockEmbedding`` layers over the file's own blocks (layers.py), so a
 4-bit download stays 4-bit in memory and in every decode step.
 
 The file is memory-mapped (model/gguf.py: open_gguf) and checked before anything is allocated:
 every tensor's bytes must be the blocks its shape needs (model/gguf_file.py), and every tensor
 the one the config expects (``check_tensors``). Tensors in other types (F16, F32
-matrices, the k-quants) are dequantized to the model's dtype, each kind named once in
+matrices, q5_0, q5_K...) are dequantized to the model's dtype, each kind named once in
 ``LoadedModel.notes``; the norms (F32) are small and read as floats. The config and tokenizer
 come from the file's metadata, written to a temporary folder and read by the core's loaders.
 """
@@ -25,14 +25,14 @@ from minillama.model.llama import Llama
 from minillama.model.loader import DTYPES, LoadedModel, check_device
 from minillama.model.rope import inverse_frequencies
 from minillama.model.tokenizer import load_tokenizer, read_json
-from minillama.weights.blocks import BLOCK_BYTES, QK
+from minillama.weights.blocks import BLOCK_BYTES, WEIGHTS
 from minillama.weights.layers import BlockEmbedding, BlockLinear
 
-GGML_KINDS = {8: "q8_0", 2: "q4_0", 3: "q4_1"}  # GGMLQuantizationType values kept as blocks
+GGML_KINDS = {8: "q8_0", 2: "q4_0", 3: "q4_1", 12: "q4_k", 14: "q6_k"}  # GGMLQuantizationType values kept as blocks
 
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
-    """The llama model in a GGUF file, its q8_0 / q4_0 / q4_1 weights kept as blocks."""
+    """The llama model in a GGUF file, its q8_0 / q4_0 / q4_1 / q4_K / q6_K weights kept as blocks."""
     from gguf import quants
 
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -61,7 +61,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "float32", device: st
             if len(t.shape) == 2 and t.tensor_type.name != "F32":
                 to = str(dtype).removeprefix("torch.")
                 notes.add(f"note: {t.tensor_type.name} tensors are dequantized to {to} (blocks are read as stored "
-                          "for Q8_0, Q4_0 and Q4_1 only)")  # fmt: skip
+                          "for Q8_0, Q4_0, Q4_1, Q4_K and Q6_K only)")  # fmt: skip
     check_tensors(model, state, blocks)
     model.load_state_dict(state, strict=False, assign=True)
     place_blocks(model, blocks, dtype)
@@ -82,7 +82,7 @@ def check_tensors(model: Llama, state: dict, blocks: dict) -> None:
     for key, shape in expected.items():
         if key in blocks:
             rows, kind = blocks[key]
-            got, want = tuple(rows.shape), (shape[0], shape[1] // QK * BLOCK_BYTES[kind])
+            got, want = tuple(rows.shape), (shape[0], shape[1] // WEIGHTS[kind] * BLOCK_BYTES[kind])
         else:
             got, want = tuple(state[key].shape), shape
         if got != want:

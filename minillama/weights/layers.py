@@ -16,17 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillama.errors import UserError
-from minillama.weights.blocks import BLOCK_BYTES, KINDS, QK, dequantize, quantize
+from minillama.weights.blocks import BLOCK_BYTES, KINDS, QK, WEIGHTS, dequantize, quantize
 
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
 class BlockLinear(nn.Module):
-    """y = x W^T + b with W (out, in) kept as rows of blocks: ``weight`` (out, in / 32 * bytes) uint8."""
+    """y = x W^T + b with W (out, in) kept as rows of blocks: ``weight`` (out, in / QK * bytes) uint8."""
 
     def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
-        if blocks.shape[1] != in_features // QK * BLOCK_BYTES[kind]:
+        if in_features % WEIGHTS[kind] or blocks.shape[1] != in_features // WEIGHTS[kind] * BLOCK_BYTES[kind]:
             raise ValueError(f"{tuple(blocks.shape)} bytes are not rows of {in_features} weights in {kind} blocks")
         self.kind, self.in_features, self.out_features = kind, in_features, blocks.shape[0]
         self.weight = nn.Parameter(blocks, requires_grad=False)  # (out, in / 32 * bytes) uint8
