@@ -257,47 +257,77 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// Row n of W (blocks of type DT) against M rows of rounded x: each block's codes made unsigned once
-// for all M rows (4-bit codes are; q8_0's signs move onto x's codes). Blocks go in pairs, one
-// accumulator each, so no multiply-add waits on the one before it.
+// Row n of W (blocks of type DT) against M rows of rounded x, 8 blocks at a time: their scales
+// (and q4_1's mins) gathered into one vector and converted at once, each block's codes made
+// unsigned once for all M rows (4-bit codes are; q8_0's signs move onto x's codes). Blocks
+// alternate between two accumulators, so no multiply-add waits on the one before it.
 template <int M, int DT>
 static inline void row_int8(const int8_t* c, const float* s, const float* cs, const void* W, int n, int N, int K, float* y) {
     const int nb = K / 32, bb = block_bytes(DT);
     const uint8_t* w = (const uint8_t*)W + n * row_bytes(DT, K);
-    __m256 acc0[M], acc1[M];
-    float off[M];
-    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = _mm256_setzero_ps(), off[m] = 0.f;
-    auto block = [&](const uint8_t* at, int b, __m256* acc) {
-        const Block v = block_at(at, DT);
-        __m256i u, sign;
+    __m256 acc0[M], acc1[M], off[M];
+    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = off[m] = _mm256_setzero_ps();
+    float tail[M];  // the offsets of the blocks after the last 8
+    for (int m = 0; m < M; m++) tail[m] = 0.f;
+    const __m256i nibble = _mm256_set1_epi8(15), halves = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    auto codes = [&](const uint8_t* q, __m256i& u, __m256i& sign) {
         if (DT == DTYPE_Q8_0) {
-            sign = _mm256_loadu_si256((const __m256i*)v.q);
+            sign = _mm256_loadu_si256((const __m256i*)q);
             u = _mm256_abs_epi8(sign);
-        } else {  // byte j: weight j low, weight j + 16 high
-            const __m128i p = _mm_loadu_si128((const __m128i*)v.q), nibble = _mm_set1_epi8(15);
-            u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), nibble), _mm_and_si128(p, nibble));
-        }
-        for (int m = 0; m < M; m++) {
-            const int64_t i = (int64_t)m * nb + b;
-            __m256i x = _mm256_loadu_si256((const __m256i*)(c + (int64_t)m * K + 32 * b));
-            if (DT == DTYPE_Q8_0) x = _mm256_sign_epi8(x, sign);
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(_mm256_setzero_si256(), u, x));
-            acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(v.d * s[i]), acc[m]);
-            if (DT != DTYPE_Q8_0) off[m] += v.o * cs[i];
+        } else {  // byte j: weight j low, weight j + 16 high: the 16 bytes twice, the second shifted
+            const __m256i p = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)q));
+            u = _mm256_and_si256(_mm256_srlv_epi32(p, halves), nibble);
         }
     };
+    auto dot = [&](const __m256i& u, const __m256i& sign, int m, int b) {
+        __m256i x = _mm256_loadu_si256((const __m256i*)(c + (int64_t)m * K + 32 * b));
+        if (DT == DTYPE_Q8_0) x = _mm256_sign_epi8(x, sign);
+        return _mm256_cvtepi32_ps(dot_u8s8(_mm256_setzero_si256(), u, x));
+    };
     int b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * bb) {
-        __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
-        block(w, b, acc0);
-        block(w + bb, b + 1, acc1);
+    for (; b + 8 <= nb; b += 8, w += 8 * bb) {
+        for (int at = 0; at < 8 * bb; at += 64) __builtin_prefetch(w + PREFETCH_BYTES + at, 0, 0);
+        __m128i hd = _mm_setzero_si128(), hm = _mm_setzero_si128();
+        for (int k = 0; k < 8; k++) {
+            uint16_t h[2];
+            std::memcpy(h, w + k * bb, 4);
+            hd = _mm_insert_epi16(hd, h[0], k);
+            if (DT == DTYPE_Q4_1) hm = _mm_insert_epi16(hm, h[1], k);
+        }
+        const __m256 d = _mm256_cvtph_ps(hd);  // the 8 blocks' scales
+        // w = d q + o: o = -8 d (q4_0), m (q4_1), 0 (q8_0)
+        const __m256 o = DT == DTYPE_Q4_1 ? _mm256_cvtph_ps(hm) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+        alignas(32) float ds[M][8];  // d times x's scale, per block: broadcast from memory, not shuffled
+        for (int m = 0; m < M; m++) {
+            const int64_t i = (int64_t)m * nb + b;
+            _mm256_store_ps(ds[m], _mm256_mul_ps(d, _mm256_loadu_ps(s + i)));
+            if (DT != DTYPE_Q8_0) off[m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(cs + i), off[m]);
+        }
+        for (int k = 0; k < 8; k++) {
+            __m256i u, sign;
+            codes(w + k * bb + (DT == DTYPE_Q4_1 ? 4 : 2), u, sign);
+            for (int m = 0; m < M; m++) {
+                const __m256 f = _mm256_broadcast_ss(&ds[m][k]);
+                if (k & 1) acc1[m] = _mm256_fmadd_ps(dot(u, sign, m, b + k), f, acc1[m]);
+                else acc0[m] = _mm256_fmadd_ps(dot(u, sign, m, b + k), f, acc0[m]);
+            }
+        }
     }
-    if (b < nb) block(w, b, acc0);
+    for (; b < nb; b++, w += bb) {  // the last blocks, one at a time
+        const Block v = block_at(w, DT);
+        __m256i u, sign;
+        codes(v.q, u, sign);
+        for (int m = 0; m < M; m++) {
+            const int64_t i = (int64_t)m * nb + b;
+            acc0[m] = _mm256_fmadd_ps(dot(u, sign, m, b), _mm256_set1_ps(v.d * s[i]), acc0[m]);
+            tail[m] += v.o * cs[i];
+        }
+    }
     for (int m = 0; m < M; m++) {
-        const __m256 t = _mm256_add_ps(acc0[m], acc1[m]);
+        const __m256 t = _mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), off[m]);
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        y[(int64_t)m * N + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))) + off[m];
+        y[(int64_t)m * N + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))) + tail[m];
     }
 }
 
