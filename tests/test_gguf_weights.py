@@ -161,3 +161,34 @@ def test_k_quant_tensors_are_kept_as_blocks_and_decode_natively(gguf_path, tmp_p
     native = decode("kernels-exact")
     assert (backend.tally() - before)["decode step"] == 4
     assert (native - reference).abs().max() < 1e-2
+
+
+def test_a_layer_whose_projections_differ_in_type_decodes_through_the_pytorch_layers(gguf_path, tmp_path):
+    """As a Q4_K_M file keeps some layers' v rows in Q6_K: gate stays Q4_1, up becomes Q8_0. The
+    model loads, the native step says why it does not take it, and decoding is the reference's."""
+
+    def up_to_q8_0(t):
+        if t.name == "blk.0.ffn_up.weight":
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        return t.data, t.tensor_type
+
+    rewrite(gguf_path, tmp_path / "mixed.gguf", up_to_q8_0)
+    lm = load_model(str(tmp_path / "mixed.gguf"), "float32")
+    mlp = lm.model.model.layers[0].mlp
+    assert (mlp.gate_proj.kind, mlp.up_proj.kind) == ("q4_1", "q8_0")
+    ids = torch.tensor([lm.tokenizer.encode("The capital of France is")])
+
+    def decode(name: str) -> torch.Tensor:
+        cache = KVCache.for_model(lm.config, parse_kv("fp16"), 32)
+        with backend.using(name), torch.inference_mode():
+            lm.model(ids[:, :-2], cache)
+            return torch.stack([lm.model(ids[:, t : t + 1], cache)[:, -1] for t in range(ids.shape[1] - 2, ids.shape[1])])
+
+    reference = decode("reference")
+    before = backend.tally()
+    native = decode("kernels-exact")
+    ran = backend.tally() - before
+    assert ran["decode step"] == 0 and ran["block product"] > 0
+    assert any("stored differently" in k for k in ran)
+    assert (native - reference).abs().max() < 1e-2

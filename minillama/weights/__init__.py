@@ -1,4 +1,4 @@
-"""Weights as people ship them: llama.cpp's blocks of 32 (q8_0, q4_0, q4_1) kept as stored.
+"""Weights as people ship them: llama.cpp's blocks (q8_0, q4_0, q4_1, q4_K, q6_K) kept as stored.
 
 ``blocks`` (the layouts, pure quantize/dequantize) -> ``layers`` (``BlockLinear``,
 ``BlockEmbedding``, the ``quantize_model`` transform) -> ``gguf`` (a llama GGUF loaded with its

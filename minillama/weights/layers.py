@@ -1,4 +1,4 @@
-"""Layers whose weights stay in blocks of 32 (blocks.py), and the transform that makes them.
+"""Layers whose weights stay in llama.cpp's blocks (blocks.py), and the transform that makes them.
 
 As gpt-fast's weight-only quantization, a transform the model never knows about:
 ``quantize_model(model, "q4_0")`` replaces the projections of every layer (q/k/v, o, gate/up,
