@@ -183,7 +183,9 @@ def test_a_layer_whose_projections_differ_in_type_decodes_through_the_pytorch_la
         cache = KVCache.for_model(lm.config, parse_kv("fp16"), 32)
         with backend.using(name), torch.inference_mode():
             lm.model(ids[:, :-2], cache)
-            return torch.stack([lm.model(ids[:, t : t + 1], cache)[:, -1] for t in range(ids.shape[1] - 2, ids.shape[1])])
+            return torch.stack(
+                [lm.model(ids[:, t : t + 1], cache)[:, -1] for t in range(ids.shape[1] - 2, ids.shape[1])]
+            )
 
     reference = decode("reference")
     before = backend.tally()
