@@ -24,6 +24,7 @@ import time
 import torch
 
 from minillama.app.default_model import resolve_model
+from minillama.eval.bench import weight_kinds
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
 from minillama.kv.spec import parse_kv
@@ -70,7 +71,7 @@ def main() -> None:
             if r:
                 ms[spec].append(elapsed)
                 phases[spec].append([float(t) / STEPS * 1000 for t in timing])
-    print(f"{lm.name}, bf16 weights, {context} tokens (synthetic fill), {rounds} rounds; {backend.describe()}")
+    print(f"{lm.name}, {weight_kinds(lm.model)} weights, {context} tokens (synthetic fill), {rounds} rounds; {backend.describe()}")
     cols = ("proj", "attn", "rest", "head", "write")
     print(f"{'kv':12s} {'ms/step':>8} {'ratio':>6}  " + " ".join(f"{c:>6}" for c in cols) + f" {'outside':>8}")
     for spec in specs:
