@@ -71,7 +71,9 @@ def main() -> None:
             if r:
                 ms[spec].append(elapsed)
                 phases[spec].append([float(t) / STEPS * 1000 for t in timing])
-    print(f"{lm.name}, {weight_kinds(lm.model)} weights, {context} tokens (synthetic fill), {rounds} rounds; {backend.describe()}")
+    print(
+        f"{lm.name}, {weight_kinds(lm.model)} weights, {context} tokens (synthetic fill), {rounds} rounds; {backend.describe()}"
+    )
     cols = ("proj", "attn", "rest", "head", "write")
     print(f"{'kv':12s} {'ms/step':>8} {'ratio':>6}  " + " ".join(f"{c:>6}" for c in cols) + f" {'outside':>8}")
     for spec in specs:

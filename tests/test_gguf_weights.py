@@ -194,3 +194,34 @@ def test_a_layer_whose_projections_differ_in_type_decodes_through_the_pytorch_la
     assert ran["decode step"] == 0 and ran["block product"] > 0
     assert any("stored differently" in k for k in ran)
     assert (native - reference).abs().max() < 1e-2
+
+
+def test_q_k_and_v_stored_in_different_types_decode_in_one_native_step(gguf_path, tmp_path):
+    """Q4_K_M keeps some layers' v rows in Q6_K beside Q4_K q and k: here v becomes Q8_0 beside
+    Q4_1 q and k. The step multiplies the three apart, into one row, as the reference does."""
+
+    def v_to_q8_0(t):
+        if t.name == "blk.0.attn_v.weight":
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        return t.data, t.tensor_type
+
+    rewrite(gguf_path, tmp_path / "v8.gguf", v_to_q8_0)
+    lm = load_model(str(tmp_path / "v8.gguf"), "float32")
+    attn = lm.model.model.layers[0].self_attn
+    assert (attn.q_proj.kind, attn.v_proj.kind) == ("q4_1", "q8_0")
+    ids = torch.tensor([lm.tokenizer.encode("The capital of France is")])
+
+    def decode(name: str, batch: int = 1) -> torch.Tensor:
+        cache = KVCache.for_model(lm.config, parse_kv("fp16"), 32, batch=batch)
+        x = ids.repeat(batch, 1)
+        with backend.using(name), torch.inference_mode():
+            lm.model(x[:, :-2], cache)
+            return torch.stack([lm.model(x[:, t : t + 1], cache)[:, -1] for t in range(x.shape[1] - 2, x.shape[1])])
+
+    reference = decode("reference")
+    before = backend.tally()
+    native = decode("kernels-exact")
+    assert (backend.tally() - before)["decode step"] == 2
+    assert (native - reference).abs().max() < 1e-2
+    assert (decode("kernels-exact", batch=2) - reference).abs().max() < 1e-2  # two rows: y's columns strided

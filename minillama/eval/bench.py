@@ -237,7 +237,10 @@ def projection_ms(model, repeats: int = 10) -> float:
     mats = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        mats += [_fused(a.q_proj, a.k_proj, a.v_proj), _fused(a.o_proj), _fused(m.gate_proj, m.up_proj)]
+        qkv = (a.q_proj, a.k_proj, a.v_proj)
+        same = len({getattr(p, "kind", None) for p in qkv}) == 1  # else three products (native/step.cpp)
+        mats += [_fused(*qkv)] if same else [_fused(p) for p in qkv]
+        mats += [_fused(a.o_proj), _fused(m.gate_proj, m.up_proj)]
         mats.append(_fused(m.down_proj))
     mats.append(_fused(model.lm_head))
     xs = {n: torch.randn(1, n).to(model.dtype) for _, _, n in mats}  # (1, in) per input size

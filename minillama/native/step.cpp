@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <vector>
 
 // Adds the wall time since the last lap to one phase of s.timing (when profiling; else nothing).
 struct Laps {
@@ -88,7 +89,17 @@ static int decode_layer(const LayerStep* step) {
     Laps t{s.timing};
     if (int st = add_rms_norm(s.x, nullptr, s.w_in, dt, B, E, s.eps, nullptr, normed)) return st;
     t.lap(STEP_REST);
-    if (int st = gemm_rows(normed, dt, s.w_qkv, s.wdtype[0], B, QKV, E, y)) return st;
+    if (!s.w_kv[0]) {
+        if (int st = gemm_rows(normed, dt, s.w_qkv, s.wdtype[0], B, QKV, E, y)) return st;
+    } else {  // q, k and v stored in different types: three products, into y's columns
+        const void* w[3] = {s.w_qkv, s.w_kv[0], s.w_kv[1]};
+        const int wd[3] = {s.wdtype[0], s.kv_dtype[0], s.kv_dtype[1]}, n[3] = {Hq * D, Hkv * D, Hkv * D};
+        std::vector<float> part((size_t)B * Hq * D);
+        for (int i = 0, at = 0; i < 3; at += n[i], i++) {
+            if (int st = gemm_rows(normed, dt, w[i], wd[i], B, n[i], E, part.data())) return st;
+            for (int r = 0; r < B; r++) std::memcpy(y + (size_t)r * QKV + at, part.data() + (size_t)r * n[i], (size_t)n[i] * 4);
+        }
+    }
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_qkv, dt, B, QKV, qkv);
     for (int bb = 0; bb < B; bb++) {  // q, k, v out of the fused row; the stored key (and v) for the cache

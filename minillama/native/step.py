@@ -120,8 +120,17 @@ class NativeStep:
                 kinds = block_kinds(layer)
             except ValueError as e:
                 raise NotSupported(f"layer {i}: {e}") from None
-            wdtype = [BLOCK_CODE[k] if k else DTYPE_CODE[self.dtype] for k in kinds]
-            w_qkv, b_qkv = fused_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # (Hq D + 2 Hkv D, hidden)
+            code = [BLOCK_CODE[k] if k else DTYPE_CODE[self.dtype] for k in (*kinds[0], *kinds[1:])]  # q k v o gu down
+            wdtype, w_kv, kv_dtype = [code[0], *code[3:]], (None, None), (0, 0)
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            if len(set(kinds[0])) == 1:
+                w_qkv, b_qkv = fused_rows(qkv)  # (Hq D + 2 Hkv D, hidden)
+            else:  # stored in different types: three products (native/step.cpp), one bias
+                if not all(m.weight.is_contiguous() for m in qkv):
+                    raise NotSupported(f"layer {i}: q/k/v weights not contiguous")
+                w_qkv, w_kv, kv_dtype = qkv[0].weight, (qkv[1].weight, qkv[2].weight), code[1:3]
+                b_qkv = torch.cat([m.bias for m in qkv]) if qkv[0].bias is not None else None  # (Hq D + 2 Hkv D)
+                self.weights += list(w_kv)
             w_gu, b_gu = fused_rows([mlp.gate_proj, mlp.up_proj])  # (2 I, hidden)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             self.weights += [t for t in (*norms, w_qkv, b_qkv, attn.o_proj.weight, attn.o_proj.bias) if t is not None]
@@ -135,6 +144,8 @@ class NativeStep:
                 I=cfg.intermediate_size,
                 dtype=DTYPE_CODE[self.dtype],
                 wdtype=(ctypes.c_int * 4)(*wdtype),
+                w_kv=(ctypes.c_void_p * 2)(*(_ptr(t) for t in w_kv)),
+                kv_dtype=(ctypes.c_int * 2)(*kv_dtype),
                 eps=layer.input_layernorm.eps,
                 w_in=_ptr(layer.input_layernorm.weight),
                 w_post=_ptr(layer.post_attention_layernorm.weight),
@@ -226,9 +237,10 @@ class NativeStep:
         flag = INT8_ACTIVATIONS if int8 else 0
         blocks = set(BLOCK_CODE.values())
         for step in self.steps:
-            for i in range(4):
-                if (step.wdtype[i] & ~INT8_ACTIVATIONS) in blocks:
-                    step.wdtype[i] = (step.wdtype[i] & ~INT8_ACTIVATIONS) | flag
+            for codes in (step.wdtype, step.kv_dtype):
+                for i in range(len(codes)):
+                    if (codes[i] & ~INT8_ACTIVATIONS) in blocks:
+                        codes[i] = (codes[i] & ~INT8_ACTIVATIONS) | flag
         if (self.ends.head_dtype & ~INT8_ACTIVATIONS) in blocks:
             self.ends.head_dtype = (self.ends.head_dtype & ~INT8_ACTIVATIONS) | flag
         self.int8 = int8
