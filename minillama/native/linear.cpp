@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -132,8 +133,14 @@ static inline SubBlock unit_at(const uint8_t* row, int dt, int b) {
     return u;
 }
 
-static void rows_blocks_scalar(const float* x, const float* sums, const void* W, int dt, int M, int n0, int n1, int N, int K,
-                               float* y) {
+// The plain loop over 32-weight units (blocks of 32, or a k-quant's sub-blocks): the reference
+// for the vector paths and the product on CPUs without them. x (M, K) float32, with `sums` the
+// sums of its blocks (M, K / 32); or x's int8 codes (the int8 path below), with `scale` their
+// scales and `sums` each scale times the sum of its block's codes.
+template <typename X>
+static void rows_units_scalar(const X* x, const float* scale, const float* sums, const void* W, int dt, int M, int n0, int n1,
+                              int N, int K, float* y) {
+    using Dot = std::conditional_t<std::is_same_v<X, float>, float, int32_t>;
     const int nb = K / 32;
     for (int n = n0; n < n1; n++) {
         const uint8_t* w = (const uint8_t*)W + n * row_bytes(dt, K);
@@ -141,10 +148,11 @@ static void rows_blocks_scalar(const float* x, const float* sums, const void* W,
             float acc = 0.f;
             for (int b = 0; b < nb; b++) {
                 const SubBlock v = unit_at(w, dt, b);
-                const float* xb = x + (int64_t)m * K + 32 * b;
-                float dot[2] = {0.f, 0.f};
-                for (int j = 0; j < 32; j++) dot[j / 16] += v.q[j] * xb[j];
-                acc += v.d[0] * dot[0] + v.d[1] * dot[1] + v.o * sums[(int64_t)m * nb + b];
+                const X* xb = x + (int64_t)m * K + 32 * b;
+                Dot dot[2] = {0, 0};
+                for (int j = 0; j < 32; j++) dot[j / 16] += (Dot)v.q[j] * xb[j];
+                const float sb = scale ? scale[(int64_t)m * nb + b] : 1.f;
+                acc += (v.d[0] * sb) * (float)dot[0] + (v.d[1] * sb) * (float)dot[1] + v.o * sums[(int64_t)m * nb + b];
             }
             y[(int64_t)m * N + n] = acc;
         }
@@ -220,28 +228,6 @@ static inline void row_blocks(const float* x, const float* sums, const void* W, 
 // The result is the exact product of the weights with the rounded activations x^ = s c
 // (weights/blocks.py: round_activations, the specification); |x_j - x^_j| <= s / 2, so each
 // output moves by at most sum over blocks of (amax_b / 254) * sum_j |w_j| from the float product.
-
-// The plain loop: reference for the vector path and the product on CPUs without it.
-// c (M, K) int8 codes of x, s (M, K / 32) their scales, cs (M, K / 32) s * sum of the block's codes.
-static void rows_int8_scalar(const int8_t* c, const float* s, const float* cs, const void* W, int dt, int M, int n0, int n1,
-                             int N, int K, float* y) {
-    const int nb = K / 32;
-    for (int n = n0; n < n1; n++) {
-        const uint8_t* w = (const uint8_t*)W + n * row_bytes(dt, K);
-        for (int m = 0; m < M; m++) {
-            float acc = 0.f;
-            for (int b = 0; b < nb; b++) {
-                const SubBlock v = unit_at(w, dt, b);
-                const int8_t* cb = c + (int64_t)m * K + 32 * b;
-                int32_t dot[2] = {0, 0};
-                for (int j = 0; j < 32; j++) dot[j / 16] += (int32_t)v.q[j] * cb[j];
-                const float sb = s[(int64_t)m * nb + b];
-                acc += (v.d[0] * sb) * (float)dot[0] + (v.d[1] * sb) * (float)dot[1] + v.o * cs[(int64_t)m * nb + b];
-            }
-            y[(int64_t)m * N + n] = acc;
-        }
-    }
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define LIN_INT8 1
@@ -631,9 +617,9 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
 // is read from memory once, measured no faster.
 static void rows(const PreparedX& p, const void* W, int n0, int n1, int N, float* y) {
     if (!p.vector && p.int8)
-        return rows_int8_scalar(p.c.data(), p.s.data(), p.sums.data(), W, p.wdt, p.M, n0, n1, N, p.K, y);
+        return rows_units_scalar(p.c.data(), p.s.data(), p.sums.data(), W, p.wdt, p.M, n0, n1, N, p.K, y);
     if (!p.vector && is_block_dtype(p.wdt))
-        return rows_blocks_scalar(p.a.data(), p.sums.data(), W, p.wdt, p.M, n0, n1, N, p.K, y);
+        return rows_units_scalar(p.a.data(), nullptr, p.sums.data(), W, p.wdt, p.M, n0, n1, N, p.K, y);
     if (!p.vector) return rows_scalar(p.x, p.xdt, W, p.wdt, p.M, n0, n1, N, p.K, y);
     const char* first = (const char*)W + n0 * row_bytes(p.wdt, p.K);  // the share's first bytes, asked at once
     for (int b = 0; b < PREFETCH_BYTES; b += 64) __builtin_prefetch(first + b, 0, 0);
