@@ -43,6 +43,28 @@ def rewrite(src, dst, change) -> None:
     writer.close()
 
 
+def to_q8_0(name: str):
+    """A `rewrite` change: tensor `name` requantized to Q8_0, every other tensor as it is."""
+
+    def change(t):
+        if t.name == name:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+        return t.data, t.tensor_type
+
+    return change
+
+
+def last_steps(lm, ids: torch.Tensor, name: str, steps: int, batch: int = 1) -> torch.Tensor:
+    """The logits of the last `steps` tokens of ids (1, T), decoded one at a time after a prefill of
+    the rest, on backend `name`, for `batch` copies of the sequence -> (steps, batch, vocab)."""
+    x = ids.repeat(batch, 1)  # (batch, T)
+    cache = KVCache.for_model(lm.config, parse_kv("fp16"), x.shape[1] + 4, batch=batch)
+    with backend.using(name), torch.inference_mode():
+        lm.model(x[:, :-steps], cache)
+        return torch.stack([lm.model(x[:, t : t + 1], cache)[:, -1] for t in range(x.shape[1] - steps, x.shape[1])])
+
+
 @pytest.mark.slow
 def test_the_default_models_q4_1_file_reads_as_its_dequantized_folder(gguf_path, smollm):
     """Its blocks stay blocks (the projections Q4_1, the tied embedding and head Q8_0); the PyTorch
@@ -147,49 +169,25 @@ def test_k_quant_tensors_are_kept_as_blocks_and_decode_natively(gguf_path, tmp_p
     assert lm.notes == []
     assert [lm.model.model.layers[i].mlp.down_proj.kind for i in (0, 1)] == ["q4_k", "q6_k"]
     ids = torch.tensor([lm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")])
-
-    def decode(name: str) -> torch.Tensor:
-        cache = KVCache.for_model(lm.config, parse_kv("fp16"), 64)
-        with backend.using(name), torch.inference_mode():
-            lm.model(ids[:, :-4], cache)
-            return torch.stack(
-                [lm.model(ids[:, t : t + 1], cache)[:, -1] for t in range(ids.shape[1] - 4, ids.shape[1])]
-            )
-
-    reference = decode("reference")
+    reference = last_steps(lm, ids, "reference", 4)
     before = backend.tally()
-    native = decode("kernels-exact")
+    native = last_steps(lm, ids, "kernels-exact", 4)
     assert (backend.tally() - before)["decode step"] == 4
     assert (native - reference).abs().max() < 1e-2
 
 
 def test_a_layer_whose_projections_differ_in_type_decodes_through_the_pytorch_layers(gguf_path, tmp_path):
-    """As a Q4_K_M file keeps some layers' v rows in Q6_K: gate stays Q4_1, up becomes Q8_0. The
-    model loads, the native step says why it does not take it, and decoding is the reference's."""
+    """Gate Q4_1 beside up Q8_0 (the step multiplies gate and up as one matrix): the model loads,
+    the native step says why it does not take it, and decoding is the reference's."""
 
-    def up_to_q8_0(t):
-        if t.name == "blk.0.ffn_up.weight":
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-            return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
-        return t.data, t.tensor_type
-
-    rewrite(gguf_path, tmp_path / "mixed.gguf", up_to_q8_0)
+    rewrite(gguf_path, tmp_path / "mixed.gguf", to_q8_0("blk.0.ffn_up.weight"))
     lm = load_model(str(tmp_path / "mixed.gguf"), "float32")
     mlp = lm.model.model.layers[0].mlp
     assert (mlp.gate_proj.kind, mlp.up_proj.kind) == ("q4_1", "q8_0")
     ids = torch.tensor([lm.tokenizer.encode("The capital of France is")])
-
-    def decode(name: str) -> torch.Tensor:
-        cache = KVCache.for_model(lm.config, parse_kv("fp16"), 32)
-        with backend.using(name), torch.inference_mode():
-            lm.model(ids[:, :-2], cache)
-            return torch.stack(
-                [lm.model(ids[:, t : t + 1], cache)[:, -1] for t in range(ids.shape[1] - 2, ids.shape[1])]
-            )
-
-    reference = decode("reference")
+    reference = last_steps(lm, ids, "reference", 2)
     before = backend.tally()
-    native = decode("kernels-exact")
+    native = last_steps(lm, ids, "kernels-exact", 2)
     ran = backend.tally() - before
     assert ran["decode step"] == 0 and ran["block product"] > 0
     assert any("stored differently" in k for k in ran)
@@ -200,28 +198,14 @@ def test_q_k_and_v_stored_in_different_types_decode_in_one_native_step(gguf_path
     """Q4_K_M keeps some layers' v rows in Q6_K beside Q4_K q and k: here v becomes Q8_0 beside
     Q4_1 q and k. The step multiplies the three apart, into one row, as the reference does."""
 
-    def v_to_q8_0(t):
-        if t.name == "blk.0.attn_v.weight":
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-            return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
-        return t.data, t.tensor_type
-
-    rewrite(gguf_path, tmp_path / "v8.gguf", v_to_q8_0)
+    rewrite(gguf_path, tmp_path / "v8.gguf", to_q8_0("blk.0.attn_v.weight"))
     lm = load_model(str(tmp_path / "v8.gguf"), "float32")
     attn = lm.model.model.layers[0].self_attn
     assert (attn.q_proj.kind, attn.v_proj.kind) == ("q4_1", "q8_0")
     ids = torch.tensor([lm.tokenizer.encode("The capital of France is")])
-
-    def decode(name: str, batch: int = 1) -> torch.Tensor:
-        cache = KVCache.for_model(lm.config, parse_kv("fp16"), 32, batch=batch)
-        x = ids.repeat(batch, 1)
-        with backend.using(name), torch.inference_mode():
-            lm.model(x[:, :-2], cache)
-            return torch.stack([lm.model(x[:, t : t + 1], cache)[:, -1] for t in range(x.shape[1] - 2, x.shape[1])])
-
-    reference = decode("reference")
+    reference = last_steps(lm, ids, "reference", 2)
     before = backend.tally()
-    native = decode("kernels-exact")
+    native = last_steps(lm, ids, "kernels-exact", 2)
     assert (backend.tally() - before)["decode step"] == 2
     assert (native - reference).abs().max() < 1e-2
-    assert (decode("kernels-exact", batch=2) - reference).abs().max() < 1e-2  # two rows: y's columns strided
+    assert (last_steps(lm, ids, "kernels-exact", 2, batch=2) - reference).abs().max() < 1e-2  # y's columns strided
