@@ -4,6 +4,7 @@
     minillama bench --model weights/tinyllama-shape --kv fp16 --kv hadv2 --context 512 --context 8192 --fill synthetic
     python bench/tinyllama_shape.py weights/tinyllama-q4_0.gguf  # a GGUF: projections q4_0 (or q8_0), rest q8_0
     python bench/peers.py --rounds 5 --gguf weights/tinyllama-q4_0.gguf --context 512   # both engines, that file
+    python bench/tinyllama_shape.py weights/tinyllama-q4_k_m.gguf  # Q4_K_M's layout: q4_K, some q6_K
 
 TinyLlama-1.1B: 22 layers, hidden 2048, 32 query heads and 4 KV heads of 64, MLP 5632 (the
 Hadamard-value method this project reproduces was reported on it). The weights are seeded
@@ -36,12 +37,15 @@ SHAPE = {
 def write_gguf(out: Path, kind: str) -> None:
     """The same shape as a llama GGUF that llama.cpp and minillama both read: the projections in
     `kind` blocks, the embedding and the head q8_0, the norms F32, the default model's tokenizer
-    metadata. Random rows need no q/k permutation: their order means nothing."""
+    metadata. Random rows need no q/k permutation: their order means nothing. Kind "q4_k_m" lays
+    the file out as llama.cpp's Q4_K_M does: q4_K everywhere but the head and, in every other
+    layer, attn_v and ffn_down in q6_K (random codes and small scales: minillama writes no
+    k-quants)."""
     import gguf
 
     from minillama.app.default_model import find_gguf
     from minillama.model.gguf_file import GGUFFile
-    from minillama.weights.blocks import quantize
+    from minillama.weights.blocks import BLOCK_BYTES, quantize
 
     source = GGUFFile(find_gguf(install=False))
     writer = gguf.GGUFWriter(str(out), "llama")
@@ -57,10 +61,18 @@ def write_gguf(out: Path, kind: str) -> None:
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub)
     g = torch.Generator().manual_seed(0)
-    code = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+    code = {k: getattr(gguf.GGMLQuantizationType, k.upper()) for k in ("q4_0", "q8_0", "q4_k", "q6_k")}
+    rng = np.random.default_rng(0)
 
     def blocks(name: str, rows: int, cols: int, as_kind: str) -> None:
-        data = quantize(torch.randn(rows, cols, generator=g) * 0.02, as_kind).numpy()  # (rows, bytes)
+        if as_kind in ("q4_k", "q6_k"):  # any codes; fp16 scales small enough for weights ~0.01-0.1
+            data = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[as_kind]), dtype=np.uint8)
+            scales = rng.uniform(2e-5, 1e-4, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+            at = 0 if as_kind == "q4_k" else 208  # d and dmin, or q6_k's d (and its 2 bytes only)
+            data[..., at : at + 4 - 2 * (as_kind == "q6_k")] = scales[..., : 4 - 2 * (as_kind == "q6_k")]
+            data = data.reshape(rows, -1)
+        else:
+            data = quantize(torch.randn(rows, cols, generator=g) * 0.02, as_kind).numpy()  # (rows, bytes)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=code[as_kind])
 
     h, i, d = SHAPE["hidden_size"], SHAPE["intermediate_size"], 64
@@ -69,26 +81,28 @@ def write_gguf(out: Path, kind: str) -> None:
         SHAPE["num_key_value_heads"],
         len(source.fields["tokenizer.ggml.tokens"].contents()),
     )
-    blocks("token_embd.weight", vocab, h, "q8_0")
+    k_m = kind == "q4_k_m"
+    blocks("token_embd.weight", vocab, h, "q4_k" if k_m else "q8_0")
     writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
-    blocks("output.weight", vocab, h, "q8_0")
+    blocks("output.weight", vocab, h, "q6_k" if k_m else "q8_0")
     for n in range(SHAPE["num_hidden_layers"]):
         for part, rows, cols in (("attn_q", hq * d, h), ("attn_k", hkv * d, h), ("attn_v", hkv * d, h),
                                  ("attn_output", h, hq * d), ("ffn_gate", i, h), ("ffn_up", i, h), ("ffn_down", h, i)):  # fmt: skip
-            blocks(f"blk.{n}.{part}.weight", rows, cols, kind)
+            more = part in ("attn_v", "ffn_down") and n % 2 == 0
+            blocks(f"blk.{n}.{part}.weight", rows, cols, ("q6_k" if more else "q4_k") if k_m else kind)
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{n}.{norm}.weight", np.ones(h, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    print(f"wrote {out}: {kind} projections, q8_0 embedding and head, random (speed only)")
+    print(f"wrote {out}: {kind} layout, random (speed only)")
 
 
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "weights/tinyllama-shape")
     if out.suffix == ".gguf":
-        return write_gguf(out, "q8_0" if "q8_0" in out.name else "q4_0")
+        return write_gguf(out, next((k for k in ("q8_0", "q4_k_m") if k in out.name), "q4_0"))
     source = Path(resolve_model(None))  # the default model's folder: its tokenizer and config keys
     cfg = json.loads((source / "config.json").read_text())
     cfg.update(SHAPE, head_dim=64, tie_word_embeddings=False, torch_dtype="bfloat16")

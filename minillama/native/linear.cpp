@@ -317,13 +317,54 @@ static inline void row_int8(const int8_t* c, const float* s, const float* cs, co
     }
 }
 
-// Row n of k-quant blocks against M rows of rounded x, 256 weights a block. A block's scales are
-// decoded once into vectors: q4_k's 6-bit scales and mins by 32-bit masks and shifts (12 bytes ->
-// 8 + 8), times d and dmin; q6_k's 16 int8 scales times d. Its 8 sub-blocks' codes become unsigned
-// bytes (q4_k: low and high nibbles of 4 loads of 32 bytes; q6_k: low nibbles or'ed with high
-// pairs, 0..63). q6_k's codes stand for q - 32, so its dots start from -32 times each lane's sum
-// of x's codes (`lanes`), and each 16 weights (4 lanes) have their own scale. x's scales for the
-// block's 8 sub-blocks are one vector (s and cs are contiguous along a row of x).
+// A k-quant block (256 weights) unpacked once for every row of x: its 8 sub-blocks' codes as
+// unsigned bytes u (q4_k: low and high nibbles of 4 loads of 32 bytes; q6_k: low nibbles or'ed
+// with high pairs, 0..63, standing for q - 32), its scales d sc as vectors (q4_k's 6-bit scales
+// and mins by 32-bit masks and shifts, 12 bytes -> 8 + 8: one per sub-block in scale[0]; q6_k's
+// 16 int8 scales, one per 16 weights, in scale[0..1]) and q4_k's -dmin m per sub-block (mins).
+template <int DT>
+static inline void k_block(const uint8_t* w, __m256i* u, __m256* scale, __m256& mins) {
+    const __m256i low = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(0x30);
+    if (DT == DTYPE_Q4_K) {
+        uint16_t h[2];
+        uint32_t t[3];
+        std::memcpy(h, w, 4), std::memcpy(t, w + 4, 12);
+        const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+        const uint32_t sc[2] = {t[0] & six, (t[2] & four) | (((t[0] >> 6) & two) << 4)};  // sub-blocks 0-3, 4-7
+        const uint32_t mn[2] = {t[1] & six, ((t[2] >> 4) & four) | (((t[1] >> 6) & two) << 4)};
+        const __m256 widened = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
+        scale[0] = _mm256_mul_ps(widened, _mm256_set1_ps(half_to_float(h[0])));
+        mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]))),
+                             _mm256_set1_ps(-half_to_float(h[1])));
+        for (int g = 0; g < 4; g++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 + 32 * g));
+            u[2 * g] = _mm256_and_si256(v, low), u[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+    } else {
+        uint16_t h;
+        std::memcpy(&h, w + 208, 2);
+        const __m256 d = _mm256_set1_ps(half_to_float(h));
+        const __m128i sc = _mm_loadu_si128((const __m128i*)(w + 192));
+        mins = _mm256_setzero_ps();
+        scale[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+        scale[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+        for (int half = 0; half < 2; half++) {
+            const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(w + 64 * half)),
+                          ql1 = _mm256_loadu_si256((const __m256i*)(w + 64 * half + 32)),
+                          qh = _mm256_loadu_si256((const __m256i*)(w + 128 + 32 * half));
+            __m256i* uh = u + 4 * half;  // bits 2k, 2k + 1 of qh are sub-block k's high pair
+            uh[0] = _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), pair));
+            uh[1] = _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), pair));
+            uh[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, pair));
+            uh[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), pair));
+        }
+    }
+}
+
+// Row n of k-quant blocks against M rows of rounded x. q6_k's dots start from -32 times each
+// lane's sum of x's codes (`lanes`), and each 16 weights (4 lanes) have their own scale; x's
+// scales for a block's 8 sub-blocks are one vector (s and cs are contiguous along a row of x).
 template <int M, int DT>
 static inline void row_int8_k(const int8_t* c, const float* s, const float* cs, const int32_t* lanes, const void* W, int n,
                               int N, int K, float* y) {
@@ -331,45 +372,11 @@ static inline void row_int8_k(const int8_t* c, const float* s, const float* cs, 
     const uint8_t* w = (const uint8_t*)W + n * row_bytes(DT, K);
     __m256 acc0[M], acc1[M], off[M];
     for (int m = 0; m < M; m++) acc0[m] = acc1[m] = off[m] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(0x30);
     for (int b = 0; b < nb; b++, w += block_bytes(DT)) {
         for (int at = 0; at < block_bytes(DT); at += 64) __builtin_prefetch(w + PREFETCH_BYTES + at, 0, 0);
         __m256i u[8];
         __m256 scale[2], mins;  // d sc per sub-block (q6_k: per 16 weights, two vectors); -dmin m
-        if (DT == DTYPE_Q4_K) {
-            uint16_t h[2];
-            uint32_t t[3];
-            std::memcpy(h, w, 4), std::memcpy(t, w + 4, 12);
-            const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
-            const uint32_t sc[2] = {t[0] & six, (t[2] & four) | (((t[0] >> 6) & two) << 4)};  // sub-blocks 0-3, 4-7
-            const uint32_t mn[2] = {t[1] & six, ((t[2] >> 4) & four) | (((t[1] >> 6) & two) << 4)};
-            const __m256 widened = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc[1], (int)sc[0])));
-            scale[0] = _mm256_mul_ps(widened, _mm256_set1_ps(half_to_float(h[0])));
-            mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn[1], (int)mn[0]))),
-                                 _mm256_set1_ps(-half_to_float(h[1])));
-            for (int g = 0; g < 4; g++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 + 32 * g));
-                u[2 * g] = _mm256_and_si256(v, low), u[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            }
-        } else {
-            uint16_t h;
-            std::memcpy(&h, w + 208, 2);
-            const __m256 d = _mm256_set1_ps(half_to_float(h));
-            const __m128i sc = _mm_loadu_si128((const __m128i*)(w + 192));
-            scale[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
-            scale[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
-            for (int half = 0; half < 2; half++) {
-                const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(w + 64 * half)),
-                              ql1 = _mm256_loadu_si256((const __m256i*)(w + 64 * half + 32)),
-                              qh = _mm256_loadu_si256((const __m256i*)(w + 128 + 32 * half));
-                __m256i* uh = u + 4 * half;  // bits 2k, 2k + 1 of qh are sub-block k's high pair
-                uh[0] = _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), pair));
-                uh[1] = _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), pair));
-                uh[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, pair));
-                uh[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
-                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), pair));
-            }
-        }
+        k_block<DT>(w, u, scale, mins);
         for (int m = 0; m < M; m++) {
             const int64_t i = (int64_t)m * nx + 8 * b;  // x's sub-block 0 of this block
             const int8_t* x = c + (int64_t)m * K + 256 * b;
@@ -396,6 +403,50 @@ static inline void row_int8_k(const int8_t* c, const float* s, const float* cs, 
     }
     for (int m = 0; m < M; m++) {
         const __m256 t = _mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), off[m]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[(int64_t)m * N + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
+}
+
+// The same blocks against float x (kernels-exact, and the rulers): each sub-block's codes widened
+// to floats (q6_k's less 32 first), 16 weights a scale; q4_k's mins times the sums of x's blocks.
+template <int M, int DT>
+static inline void row_float_k(const float* x, const float* sums, const void* W, int n, int N, int K, float* y) {
+    const int nb = K / 256, nx = K / 32;
+    const uint8_t* w = (const uint8_t*)W + n * row_bytes(DT, K);
+    __m256 acc[M], off[M];
+    for (int m = 0; m < M; m++) acc[m] = off[m] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += block_bytes(DT)) {
+        for (int at = 0; at < block_bytes(DT); at += 64) __builtin_prefetch(w + PREFETCH_BYTES + at, 0, 0);
+        __m256i u[8];
+        __m256 scale[2], mins;
+        k_block<DT>(w, u, scale, mins);
+        alignas(32) float sc[16];
+        _mm256_store_ps(sc, scale[0]);
+        if (DT == DTYPE_Q6_K) _mm256_store_ps(sc + 8, scale[1]);
+        for (int j = 0; j < 8; j++) {
+            const __m256i q = DT == DTYPE_Q6_K ? _mm256_sub_epi8(u[j], _mm256_set1_epi8(32)) : u[j];
+            const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+            __m256 c[4];  // weights 8i .. 8i + 7 of the sub-block, as floats
+            for (int i = 0; i < 4; i++) {
+                const __m128i eight = i % 2 ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
+                c[i] = _mm256_cvtepi32_ps(DT == DTYPE_Q6_K ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+            }
+            const __m256 d0 = _mm256_set1_ps(DT == DTYPE_Q6_K ? sc[2 * j] : sc[j]),
+                         d1 = _mm256_set1_ps(DT == DTYPE_Q6_K ? sc[2 * j + 1] : sc[j]);
+            for (int m = 0; m < M; m++) {
+                const float* xm = x + (int64_t)m * K + 256 * b + 32 * j;
+                const __m256 lo = _mm256_fmadd_ps(c[1], _mm256_loadu_ps(xm + 8), _mm256_mul_ps(c[0], _mm256_loadu_ps(xm)));
+                const __m256 hi = _mm256_fmadd_ps(c[3], _mm256_loadu_ps(xm + 24), _mm256_mul_ps(c[2], _mm256_loadu_ps(xm + 16)));
+                acc[m] = _mm256_fmadd_ps(d1, hi, _mm256_fmadd_ps(d0, lo, acc[m]));
+            }
+        }
+        if (DT == DTYPE_Q4_K)
+            for (int m = 0; m < M; m++) off[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(sums + (int64_t)m * nx + 8 * b), off[m]);
+    }
+    for (int m = 0; m < M; m++) {
+        const __m256 t = _mm256_add_ps(acc[m], off[m]);
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         y[(int64_t)m * N + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
@@ -546,7 +597,7 @@ static void prepare_x(PreparedX& p) {
         const int M = p.M, K = p.K;
         p.a.resize((size_t)M * K), p.sums.assign((size_t)M * K / 32, 0.f);
         for (int64_t i = 0; i < (int64_t)M * K; i++) p.sums[i / 32] += p.a[i] = element(p.x, i, p.xdt);
-        p.vector = LIN_W > 0 && !is_k_quant(p.wdt);  // the k-quants' float product: the plain loop
+        p.vector = is_k_quant(p.wdt) ? LIN_INT8 : LIN_W > 0;  // the k-quants' vector path needs AVX2
         return;
     }
 #if LIN_DPBF16 || LIN_W
@@ -583,6 +634,14 @@ template <int MB>
 static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1, int N, float* y) {
     y += (int64_t)m0 * N;
 #if LIN_INT8
+    if (!p.int8 && is_k_quant(p.wdt)) {
+        const float *x = p.a.data() + (int64_t)m0 * p.K, *sums = p.sums.data() + (int64_t)m0 * (p.K / 32);
+        for (int n = n0; n < n1; n++) {
+            if (p.wdt == DTYPE_Q4_K) row_float_k<MB, DTYPE_Q4_K>(x, sums, W, n, N, p.K, y);
+            else row_float_k<MB, DTYPE_Q6_K>(x, sums, W, n, N, p.K, y);
+        }
+        return;
+    }
     if (p.int8) {
         const int64_t nb = p.K / 32;
         const int8_t* c = p.c.data() + (int64_t)m0 * p.K;
