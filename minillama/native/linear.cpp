@@ -1,5 +1,6 @@
 // Skinny matrix products for decode steps: a few rows of activations against float32 or
-// bfloat16 weights, or weights in blocks of 32 with their own scales (q8_0, q4_0, q4_1: below).
+// bfloat16 weights, or weights in llama.cpp's blocks with their own scales (q8_0, q4_0, q4_1,
+// q4_k, q6_k: below; against float activations, or against activations rounded to int8).
 //
 //   y[m, n] = sum_k x[m, k] * W[n, k]      x (M, K) float32 or bfloat16, W (N, K) row-major, y float32 (M, N)
 //
@@ -78,6 +79,15 @@ static void rows_scalar(const void* x, int xdt, const void* W, int wdt, int M, i
 // of 2, 4, 8 and 16 KB (tools/step_ab.py; docs/archive/speed-history.md has the runs).
 constexpr int PREFETCH_BYTES = 8192;
 
+#if LIN_W
+// The sum of a vector's 8 floats (AVX2 vectors; the int8 block kernels' too).
+static inline float sum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 #if LIN_W == 16
 typedef __m512 vf;
 static inline vf vzero() { return _mm512_setzero_ps(); }
@@ -101,11 +111,7 @@ static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vset1(float a) { return _mm256_set1_ps(a); }
-static inline float vsum(vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+static inline float vsum(vf v) { return sum8(v); }
 static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)w);
     even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -121,8 +127,6 @@ static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
 // codes (widened to floats) with x, and two multiply-adds. Activations stay float32, so the
 // product is exact up to float summation order (minillama/weights/blocks.py: the specification).
 
-// The plain loop over blocks: reference for the vector path and the product on CPUs without it.
-// x (M, K) float32, sums (M, K / 32) the sums of x's blocks.
 // The 32 weights at position b of a row: a block of 32, or sub-block b % 8 of a k-quant's block.
 static inline SubBlock unit_at(const uint8_t* row, int dt, int b) {
     if (is_k_quant(dt)) return k_sub_block(row + (b / 8) * block_bytes(dt), dt, b % 8);
@@ -309,12 +313,7 @@ static inline void row_int8(const int8_t* c, const float* s, const float* cs, co
             tail[m] += v.o * cs[i];
         }
     }
-    for (int m = 0; m < M; m++) {
-        const __m256 t = _mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), off[m]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        y[(int64_t)m * N + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))) + tail[m];
-    }
+    for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = sum8(_mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), off[m])) + tail[m];
 }
 
 // A k-quant block (256 weights) unpacked once for every row of x: its 8 sub-blocks' codes as
@@ -401,12 +400,7 @@ static inline void row_int8_k(const int8_t* c, const float* s, const float* cs, 
             }
         }
     }
-    for (int m = 0; m < M; m++) {
-        const __m256 t = _mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), off[m]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        y[(int64_t)m * N + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
+    for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = sum8(_mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), off[m]));
 }
 
 // The same blocks against float x (kernels-exact, and the rulers): each sub-block's codes widened
@@ -445,12 +439,7 @@ static inline void row_float_k(const float* x, const float* sums, const void* W,
         if (DT == DTYPE_Q4_K)
             for (int m = 0; m < M; m++) off[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(sums + (int64_t)m * nx + 8 * b), off[m]);
     }
-    for (int m = 0; m < M; m++) {
-        const __m256 t = _mm256_add_ps(acc[m], off[m]);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        y[(int64_t)m * N + n] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
+    for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = sum8(_mm256_add_ps(acc[m], off[m]));
 }
 
 template <int M>
