@@ -67,9 +67,10 @@ def write_gguf(out: Path, kind: str) -> None:
     def blocks(name: str, rows: int, cols: int, as_kind: str) -> None:
         if as_kind in ("q4_k", "q6_k"):  # any codes; fp16 scales small enough for weights ~0.01-0.1
             data = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[as_kind]), dtype=np.uint8)
-            scales = rng.uniform(2e-5, 1e-4, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
-            at = 0 if as_kind == "q4_k" else 208  # d and dmin, or q6_k's d (and its 2 bytes only)
-            data[..., at : at + 4 - 2 * (as_kind == "q6_k")] = scales[..., : 4 - 2 * (as_kind == "q6_k")]
+            halves = 2 if as_kind == "q4_k" else 1  # d and dmin at byte 0, or q6_k's d at byte 208
+            at = 0 if as_kind == "q4_k" else 208
+            scales = rng.uniform(2e-5, 1e-4, (rows, cols // 256, halves)).astype(np.float16).view(np.uint8)
+            data[..., at : at + 2 * halves] = scales
             data = data.reshape(rows, -1)
         else:
             data = quantize(torch.randn(rows, cols, generator=g) * 0.02, as_kind).numpy()  # (rows, bytes)

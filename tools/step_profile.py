@@ -152,7 +152,7 @@ def projection_ms_of(layer) -> float:
     x = torch.randn(1, layer.in_features)  # (1, in)
     if lib is None:
         return median_ms(lambda: layer(x.to(layer.weight.dtype if kind is None else x.dtype)), 20)
-    int8 = kind is not None and not backend.exact_arithmetic()
+    int8 = kind is not None and layer.int8 and not backend.exact_arithmetic()  # as FastBlockLinear decides
     return median_ms(lambda: ops.gemm_rows(lib, x, layer.weight, kind, int8), 20)
 
 

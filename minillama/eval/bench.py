@@ -29,6 +29,7 @@ from minillama.model.loader import LoadedModel
 from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 from minillama.native.plans import decode_plan
+from minillama.native.step import int8_products
 from minillama.native.weights import fused_rows
 from minillama.native.write import writer
 
@@ -245,6 +246,7 @@ def projection_ms(model, repeats: int = 10) -> float:
     mats.append(_fused(model.lm_head))
     xs = {n: torch.randn(1, n).to(model.dtype) for _, _, n in mats}  # (1, in) per input size
     layers = [m for m in model.modules() if hasattr(m, "in_features")]  # the reference's own products
+    int8 = int8_products(model)
 
     def one_pass():
         if lib is None:
@@ -252,7 +254,7 @@ def projection_ms(model, repeats: int = 10) -> float:
                 layer(xs[layer.in_features])
         else:
             for w, kind, n in mats:
-                ops.gemm_rows(lib, xs[n], w, kind, kind is not None and not backend.exact_arithmetic())
+                ops.gemm_rows(lib, xs[n], w, kind, kind is not None and int8)
 
     return median_ms(one_pass, repeats, warmup=2)
 

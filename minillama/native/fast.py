@@ -69,9 +69,9 @@ class FastBlockLinear(BlockLinear):
     rows go through the block kernel (gemm_rows: every block read once), a prompt's chunk through
     the weights widened natively and torch's product (model/linear.py: project); the reference
     (dequantize in PyTorch, then multiply) otherwise. On the kernels backend both round x to int8
-    per block first (weights/blocks.py: round_activations), as llama.cpp does: a prompt and a decode
-    step compute the same product; kernels-exact, and a model told ``round_activations(False)``,
-    keep x in float."""
+    per block first (weights/blocks.py: round_activations), as llama.cpp does, so a prompt and a
+    decode step round alike; kernels-exact, and a model told ``round_activations(False)``, keep x
+    in float."""
 
     int8 = True
 

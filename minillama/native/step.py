@@ -326,11 +326,18 @@ def decode(model, lib, tokens: torch.Tensor, cache: Cache | None, logits: bool =
     position = cache.next_position if cache is not None else 0
     rotary = model.rotary_table(position + 1) if cache is not None and cache.pre_rope else None
     try:
-        int8 = getattr(model, "int8_activations", False) and not backend.exact_arithmetic()
-        return native_step(model, lib, tokens.shape[0]).run(tokens, position, cache, rotary, logits, int8)
+        return native_step(model, lib, tokens.shape[0]).run(
+            tokens, position, cache, rotary, logits, int8_products(model)
+        )
     except NotSupported as e:
         backend.fallback(f"decode step: {e}")
         return None
+
+
+def int8_products(model) -> bool:
+    """Whether `model`'s block-weight products round their activations to int8 now: the model
+    asks for it (native/fast.py: FastLlama.round_activations) and the backend is not kernels-exact."""
+    return getattr(model, "int8_activations", False) and not backend.exact_arithmetic()
 
 
 def native_step(model, lib, batch: int) -> NativeStep:
