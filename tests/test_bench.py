@@ -118,6 +118,26 @@ def test_weight_bytes_count_what_a_decode_step_reads(tmp_path, tied):
     assert weight_bytes_per_token(model) == 4 * floats
 
 
+def test_the_bandwidth_probe_reads_on_the_kernels_threads_and_gives_the_count_back(monkeypatch):
+    # A decode step's thread chooser may leave OpenMP (shared with PyTorch) on one core: the probe
+    # must still stream on the threads the kernels run on, then leave the count as it found it.
+    import torch
+
+    from minillama.eval.bench import measure_bandwidth
+
+    counts = []
+    monkeypatch.setattr(backend, "threads", lambda: 2)
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self: counts.append(torch.get_num_threads()) or self[0])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert measure_bandwidth(mb=8, repeats=3) > 0
+        assert counts == [2] * 4  # a warm-up read, then 3 timed ones
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bench_prefill_reads_a_text_file(tiny_dir, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("A short text to prefill. " * 20)

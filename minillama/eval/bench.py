@@ -22,6 +22,7 @@ import torch
 from minillama.eval.pyplot import pyplot
 from minillama.eval.synthetic import fill_synthetic
 from minillama.kv.cache import KVCache
+from minillama.kv.memory import huge_page_zeros
 from minillama.kv.spec import KVSpec
 from minillama.model.attention import attend_cache
 from minillama.model.generate import decode_step, prefill
@@ -109,15 +110,23 @@ def peak_rss_mb() -> float:
 
 
 def measure_bandwidth(mb: int = 512, repeats: int = 7) -> float:
-    """Memory read bandwidth in bytes/s: the median time to sum a large float32 tensor."""
-    x = torch.ones(mb * 2**20 // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    """Memory read bandwidth in bytes/s: what the kernels' threads (``backend.threads()``: --threads,
+    else every core) stream, summing a float32 tensor in huge pages as the step's weights are --
+    the fastest of `repeats` reads, since the floor it sets is the least time a token's bytes can
+    take. The count is set for the probe: a decode step's chooser may have left OpenMP on fewer."""
+    x = huge_page_zeros((mb * 2**20 // 4,), torch.float32, "cpu").fill_(1.0)  # (mb MiB / 4,)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(backend.threads())
+    try:
         x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return x.numel() * 4 / min(times)
 
 
 def weight_kinds(model) -> str:

@@ -255,8 +255,12 @@ template <int M, int DT>
 static inline void row_int8(const int8_t* c, const float* s, const float* cs, const void* W, int n, int N, int K, float* y) {
     const int nb = K / 32, bb = block_bytes(DT);
     const uint8_t* w = (const uint8_t*)W + n * row_bytes(DT, K);
-    __m256 acc0[M], acc1[M], off[M];
-    for (int m = 0; m < M; m++) acc0[m] = acc1[m] = off[m] = _mm256_setzero_ps();
+    constexpr int A = M == 1 ? 4 : 2;  // accumulators per row of x: blocks take turns
+    __m256 acc[A][M], off[M];
+    for (int m = 0; m < M; m++) {
+        off[m] = _mm256_setzero_ps();
+        for (int a = 0; a < A; a++) acc[a][m] = off[m];
+    }
     float tail[M];  // the offsets of the blocks after the last 8
     for (int m = 0; m < M; m++) tail[m] = 0.f;
     const __m256i nibble = _mm256_set1_epi8(15), halves = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
@@ -287,19 +291,18 @@ static inline void row_int8(const int8_t* c, const float* s, const float* cs, co
         const __m256 d = _mm256_cvtph_ps(hd);  // the 8 blocks' scales
         // w = d q + o: o = -8 d (q4_0), m (q4_1), 0 (q8_0)
         const __m256 o = DT == DTYPE_Q4_1 ? _mm256_cvtph_ps(hm) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-        alignas(32) float ds[M][8];  // d times x's scale, per block: broadcast from memory, not shuffled
+        __m256 ds[M];  // d times x's scale, per block
         for (int m = 0; m < M; m++) {
             const int64_t i = (int64_t)m * nb + b;
-            _mm256_store_ps(ds[m], _mm256_mul_ps(d, _mm256_loadu_ps(s + i)));
+            ds[m] = _mm256_mul_ps(d, _mm256_loadu_ps(s + i));
             if (DT != DTYPE_Q8_0) off[m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(cs + i), off[m]);
         }
         for (int k = 0; k < 8; k++) {
             __m256i u, sign;
             codes(w + k * bb + (DT == DTYPE_Q4_1 ? 4 : 2), u, sign);
             for (int m = 0; m < M; m++) {
-                const __m256 f = _mm256_broadcast_ss(&ds[m][k]);
-                if (k & 1) acc1[m] = _mm256_fmadd_ps(dot(u, sign, m, b + k), f, acc1[m]);
-                else acc0[m] = _mm256_fmadd_ps(dot(u, sign, m, b + k), f, acc0[m]);
+                const __m256 f = _mm256_permutevar8x32_ps(ds[m], _mm256_set1_epi32(k));
+                acc[k % A][m] = _mm256_fmadd_ps(dot(u, sign, m, b + k), f, acc[k % A][m]);
             }
         }
     }
@@ -309,11 +312,14 @@ static inline void row_int8(const int8_t* c, const float* s, const float* cs, co
         codes(v.q, u, sign);
         for (int m = 0; m < M; m++) {
             const int64_t i = (int64_t)m * nb + b;
-            acc0[m] = _mm256_fmadd_ps(dot(u, sign, m, b), _mm256_set1_ps(v.d * s[i]), acc0[m]);
+            acc[0][m] = _mm256_fmadd_ps(dot(u, sign, m, b), _mm256_set1_ps(v.d * s[i]), acc[0][m]);
             tail[m] += v.o * cs[i];
         }
     }
-    for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = sum8(_mm256_add_ps(_mm256_add_ps(acc0[m], acc1[m]), off[m])) + tail[m];
+    for (int m = 0; m < M; m++) {
+        for (int a = 0; a < A; a++) off[m] = _mm256_add_ps(off[m], acc[a][m]);
+        y[(int64_t)m * N + n] = sum8(off[m]) + tail[m];
+    }
 }
 
 // A k-quant block (256 weights) unpacked once for every row of x: its 8 sub-blocks' codes as
