@@ -16,7 +16,7 @@ from minillama.native import backend, ops
 from minillama.native.abi import NotSupported
 from minillama.native.fast import load_model
 from minillama.weights.blocks import BLOCK_BYTES, KINDS, dequantize, quantize, round_activations, rounding_bound
-from minillama.weights.layers import BlockLinear, quantize_linears
+from minillama.weights.layers import BlockLinear, quantize_linears, quantize_model
 from tests.conftest import make_tiny
 
 gguf = pytest.importorskip("gguf")
@@ -104,6 +104,55 @@ def test_k_quant_blocks_read_as_llama_cpp_reads_them(kind):
     blocks = k_blocks(5, 512, kind)
     theirs = gguf.quants.dequantize(blocks.numpy(), GGML_K[kind])
     assert np.array_equal(dequantize(blocks, kind).numpy(), theirs)
+
+
+def test_q6_k_blocks_written_here_are_read_as_llama_cpp_reads_them_within_a_step_of_each_weight():
+    w = torch.randn(9, 768, generator=torch.Generator().manual_seed(4)) * torch.logspace(-1, 0, 768)  # (9, 768)
+    blocks = quantize(w, "q6_k")
+    got = dequantize(blocks, "q6_k")
+    assert np.array_equal(got.numpy(), gguf.quants.dequantize(blocks.numpy(), GGML_K["q6_k"]))
+    sc = blocks.view(9, 3, 210)[..., 192:208].contiguous().view(torch.int8).float()  # (9, 3, 16): one per 16 weights
+    d = blocks.view(9, 3, 210)[..., 208:210].contiguous().view(torch.float16).float()  # (9, 3, 1)
+    step = (d * sc).repeat_interleave(16, -1).reshape(9, 768)  # each weight's step (signed)
+    ends = torch.minimum(-32 * step, 31 * step), torch.maximum(-32 * step, 31 * step)  # codes -32 .. 31
+    beyond = (w - w.clamp(*ends)).abs()  # how far a weight lies outside what its codes reach
+    assert ((got - w).abs() <= beyond + step.abs() / 2 * (1 + 1e-5)).all()  # the nearest code
+    assert (got - w).norm() / w.norm() < 0.03  # 6 bits: about 2% of the weights' norm
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize(torch.randn(2, 288), "q6_k")
+
+
+@pytest.mark.parametrize("kind,head", [("q4_0", "q6_k"), ("q4_1", "q6_k"), ("q8_0", "q8_0")])
+@pytest.mark.parametrize("tied", [False, True])
+def test_weights_quantized_at_load_give_the_head_and_embedding_llama_cpps_types(tmp_path, kind, head, tied):
+    """llama.cpp's quantizer: a 4-bit model's head in Q6_K (Q8_0 where rows are not whole 256-weight
+    blocks: the 192-wide model), a Q8_0 model's in Q8_0; an untied embedding in the model's kind, a
+    tied one is the head. The native step reads the Q6_K head as the PyTorch layers do."""
+    from minillama.model.loader import load_model as load_reference
+
+    lm = load_model(str(make_tiny(tmp_path, tie_word_embeddings=tied)), "float32", weights=kind)
+    assert lm.model.lm_head.kind == head
+    assert lm.model.model.embed_tokens.kind == (head if tied else kind)
+    assert (lm.model.lm_head.weight is lm.model.model.embed_tokens.weight) == tied
+    narrow = load_reference(str(make_tiny(tmp_path / "narrow", hidden_size=192)), "float32")
+    quantize_model(narrow.model, kind)
+    assert narrow.model.lm_head.kind == "q8_0"
+    if backend.library() is None:
+        return
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(2))  # (1, T)
+
+    def decode(name: str) -> torch.Tensor:
+        cache = KVCache.for_model(lm.config, parse_kv("fp16"), 16)
+        with backend.using(name), torch.inference_mode():
+            lm.model(ids[:, :8], cache)
+            return torch.stack([lm.model(ids[:, t : t + 1], cache)[0, -1] for t in range(8, 12)])  # (4, V)
+
+    reference = decode("reference")
+    before = backend.tally()
+    native = decode("kernels-exact")
+    ran = backend.tally() - before
+    assert ran["decode step"] == 4 and not [k for k in ran if k.startswith("fallback")]
+    assert torch.allclose(native, reference, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])

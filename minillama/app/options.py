@@ -46,7 +46,8 @@ def model_options(device: bool = True):
                 type=click.Choice(["q8_0", "q4_0", "q4_1"]),
                 default=None,
                 help="Keep the layers' projections in llama.cpp's blocks of 32 (quantized at load, "
-                "weight-only): fewer bytes a token. Default: the --dtype weights.",
+                "weight-only; the head and embedding as llama.cpp picks for the type): fewer bytes a "
+                "token. Default: the --dtype weights.",
             )(f)
         return click.option(
             "-m",

@@ -32,7 +32,7 @@ import torch
 QK = 32  # weights per block (per sub-block of the k-quants)
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q6_k": 210}
 WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q6_k": 256}  # weights per block
-KINDS = ("q8_0", "q4_0", "q4_1")  # what `quantize` writes (the k-quants are read, never written here)
+KINDS = ("q8_0", "q4_0", "q4_1")  # what --weights quantizes a model to (`quantize` writes q6_k too: heads)
 
 
 def _halves(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -90,7 +90,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """Weights (N, K) -> rows of blocks (N, K / 32 * bytes) uint8, rounded as ggml rounds."""
+    """Weights (N, K) -> rows of blocks (N, K / QK * bytes) uint8, rounded as ggml rounds (q6_k:
+    ``_quantize_q6_k``)."""
     rows, k = w.shape
     if k % QK:
         raise ValueError(f"{k} columns is not a multiple of {QK}: {kind} blocks need whole blocks")
@@ -113,7 +114,33 @@ def quantize(w: torch.Tensor, kind: str) -> torch.Tensor:
         inv = torch.where(d != 0, 1 / d, 0.0)
         q = ((x - lo) * inv + 0.5).to(torch.int8).clamp(max=15).to(torch.uint8)
         return _pack(rows, [_half(d), _half(lo), q[..., :16] | (q[..., 16:] << 4)])
+    if kind == "q6_k":
+        return _quantize_q6_k(w.float())
     raise ValueError(f"unknown block kind {kind!r}: choose {', '.join(KINDS)}")
+
+
+def _quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
+    """Weights (N, K) -> q6_k blocks (N, K / 256 * 210), K a multiple of 256: ggml's reference
+    layout and scale rounding without its search for the scale of least error -- each 16 weights'
+    scale puts its largest weight on code -32 (as q4_0 does on -8), d puts the largest of a block's
+    16 scales on -128, and every weight takes the nearest code of its rounded scale."""
+    rows, k = w.shape
+    if k % 256:
+        raise ValueError(f"{k} columns is not a multiple of 256: q6_k blocks need whole blocks")
+    x = w.reshape(rows, k // 256, 16, 16)  # (N, n, 16 scales, 16 weights)
+    scale = x.gather(-1, x.abs().argmax(-1, keepdim=True)) / -32  # (N, n, 16, 1)
+    d = scale.gather(-2, scale.abs().argmax(-2, keepdim=True)) / -128  # (N, n, 1, 1)
+    d = d.to(torch.float16).float()  # as stored
+    sc = torch.round(torch.where(d != 0, scale / d, 0.0)).clamp(-128, 127)  # (N, n, 16, 1)
+    step = d * sc
+    q = (torch.round(torch.where(step != 0, x / step, 0.0)).clamp(-32, 31) + 32).to(torch.uint8)  # (N, n, 16, 16)
+    q = q.reshape(rows, k // 256, 2, 4, 32)  # (N, n, half, 4 groups of 32, 32)
+    ql = (q[..., 0:2, :] & 15).flatten(-2) | ((q[..., 2:4, :] & 15).flatten(-2) << 4)  # (N, n, half, 64)
+    hi = q >> 4  # (N, n, half, 4, 32): 2 bits each
+    qh = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)  # (N, n, half, 32)
+    scales = sc.squeeze(-1).to(torch.int8).view(torch.uint8)  # (N, n, 16)
+    fields = [ql.flatten(-2), qh.flatten(-2), scales, _half(d.reshape(rows, -1, 1))]
+    return torch.cat(fields, dim=-1).reshape(rows, -1).contiguous()  # (N, n * 210)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:

@@ -56,15 +56,19 @@ class BlockEmbedding(nn.Module):
 
 
 def quantize_model(model: nn.Module, kind: str) -> None:
-    """Every decoder layer's projections as ``BlockLinear``s of `kind`, the embedding table and the
-    LM head as q8_0 blocks (one tensor when tied), in place."""
+    """Every decoder layer's projections as ``BlockLinear``s of `kind`, and the embedding table and
+    the LM head as llama.cpp's quantizer stores them for that kind, in place: the head in q6_k for
+    4-bit kinds (q8_0 where its rows are not whole 256-weight blocks, and for q8_0 models), an
+    untied embedding in `kind`; a tied table is the head's (one tensor)."""
     quantize_linears(model, kind)
     embed, head = model.model.embed_tokens, model.lm_head
     tied = head.weight is embed.weight
-    blocks = quantize(embed.weight.detach(), "q8_0")  # (vocab, hidden / 32 * 34)
-    model.model.embed_tokens = BlockEmbedding(blocks, "q8_0", embed.embedding_dim, embed.weight.dtype)
-    head_blocks = model.model.embed_tokens.weight if tied else quantize(head.weight.detach(), "q8_0")
-    model.lm_head = BlockLinear(head_blocks, "q8_0", head.in_features)
+    head_kind = "q6_k" if kind != "q8_0" and head.in_features % WEIGHTS["q6_k"] == 0 else "q8_0"
+    embed_kind = head_kind if tied else kind
+    blocks = quantize(embed.weight.detach(), embed_kind)  # (vocab, hidden / QK * bytes)
+    model.model.embed_tokens = BlockEmbedding(blocks, embed_kind, embed.embedding_dim, embed.weight.dtype)
+    head_blocks = model.model.embed_tokens.weight if tied else quantize(head.weight.detach(), head_kind)
+    model.lm_head = BlockLinear(head_blocks, head_kind, head.in_features)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight  # one tensor, as the tie was
 
