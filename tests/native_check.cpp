@@ -44,6 +44,44 @@ static void check_gemm(int M, int N, int K) {
     report("gemm_rows float32", err, 1e-3);
 }
 
+// Weights in blocks of 32 (q8_0, q4_0, q4_1: random bytes, small scales) against x rounded to int8
+// per block: gemm_rows against the product of the block weights (dtypes.h: block_weight) with
+// the rounded x, in doubles. The rounding is the specification's (weights/blocks.py).
+static void check_int8_blocks(int dt, const char* name, int M, int N, int K) {
+    const int bb = block_bytes(dt);
+    std::mt19937 g(8);
+    std::vector<uint8_t> W((size_t)N * K / 32 * bb);
+    for (auto& b : W) b = (uint8_t)g();
+    for (size_t at = 0; at < W.size(); at += bb) {  // fp16 scale (and q4_1's min) of each block
+        const uint16_t d = float_to_half(0.01f + 0.001f * (g() % 16)), m = float_to_half(-0.05f);
+        std::memcpy(&W[at], &d, 2);
+        if (dt == DTYPE_Q4_1) std::memcpy(&W[at + 2], &m, 2);
+    }
+    const auto x = randn((size_t)M * K, 9);
+    std::vector<float> y((size_t)M * N);
+    if (gemm_rows(x.data(), 0, W.data(), dt | INT8_ACTIVATIONS, M, N, K, y.data()) != MINILLAMA_OK)
+        return report("gemm_rows int8 status", 1, 0);
+    double err = 0, scale = 0;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double sum = 0, mag = 0;
+            for (int b = 0; b < K / 32; b++) {
+                const float* xb = &x[(size_t)m * K + 32 * b];
+                float amax = 0.f;
+                for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(xb[j]));
+                const Block v = block_at(&W[((size_t)n * K / 32 + b) * bb], dt);
+                for (int j = 0; j < 32; j++) {
+                    const double xr = amax / 127.f * std::nearbyint(xb[j] * (127.f / amax));
+                    sum += xr * block_weight(v, dt, j), mag += std::fabs(xr * block_weight(v, dt, j));
+                }
+            }
+            err = std::max(err, std::fabs(sum - y[(size_t)m * N + n])), scale = std::max(scale, mag);
+        }
+    char what[64];
+    std::snprintf(what, sizeof what, "gemm_rows %s x int8 (%d rows of x)", name, M);
+    report(what, err, 1e-5 * scale);
+}
+
 // Causal attention of T new queries over P + T keys, against the softmax written out.
 static void check_causal(int Hq, int Hkv, int T, int P, int D) {
     const int L = P + T;
@@ -119,6 +157,13 @@ static void check_affine(int D, int G) {
 
 int main() {
     check_gemm(3, 40, 96);
+    std::printf("features %d (NEON %d, dot products %d)\n", minillama_features(),
+                !!(minillama_features() & MINILLAMA_FEATURE_NEON), !!(minillama_features() & MINILLAMA_FEATURE_DOTPROD));
+    for (int M : {1, 3, 6}) {
+        check_int8_blocks(DTYPE_Q8_0, "q8_0", M, 37, 160);
+        check_int8_blocks(DTYPE_Q4_0, "q4_0", M, 37, 160);
+        check_int8_blocks(DTYPE_Q4_1, "q4_1", M, 37, 160);
+    }
     for (int D : {64, 80, 96, 128}) check_causal(4, 2, 9, 21, D);
     for (int D : {64, 80, 96}) check_rotation(D);
     check_affine(64, 32);

@@ -38,11 +38,15 @@ def test_the_kernels_build_for_aarch64_with_warnings_as_errors_and_match_their_t
         text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    objdump = shutil.which("aarch64-linux-gnu-objdump")
+    if objdump:  # the int8 block products compiled to sdot (ARMv8.2 dot products), not the plain loop
+        assert "\tsdot\t" in subprocess.run([objdump, "-d", str(program)], capture_output=True, text=True).stdout
     if QEMU is None:
         pytest.skip("built; no qemu-aarch64 to run it (apt-get install qemu-user)")
     ran = subprocess.run([QEMU, str(program)], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0 and "all checks passed" in ran.stdout, ran.stdout + ran.stderr
-    assert ran.stdout.count("\nok ") + ran.stdout.startswith("ok ") >= 10
+    assert ran.stdout.count("\nok ") + ran.stdout.startswith("ok ") >= 19
+    assert "(NEON 1, dot products 1)" in ran.stdout and ran.stdout.count("x int8") == 9
 
 
 @needs_cross

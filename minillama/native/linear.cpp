@@ -227,7 +227,7 @@ static inline void row_blocks(const float* x, const float* sums, const void* W, 
 // PyTorch layers keep the float product above) ----
 // As llama.cpp multiplies its blocks against Q8_0 activations: each block of 32 of x becomes
 // int8 codes c_j and a float scale s (amax / 127, c_j = round(x_j 127 / amax)), and a block costs
-// one integer dot product of the weight codes with c (vpdpbusd, or vpmaddubsw + vpmaddwd):
+// one integer dot product of the weight codes with c (vpdpbusd, or vpmaddubsw + vpmaddwd; sdot on ARM):
 //   sum_j w_j (s c_j) = (d s) * (sum_j q_j c_j) + o * (s sum_j c_j)
 // The result is the exact product of the weights with the rounded activations x^ = s c
 // (weights/blocks.py: round_activations, the specification); |x_j - x^_j| <= s / 2, so each
@@ -235,6 +235,7 @@ static inline void row_blocks(const float* x, const float* sums, const void* W, 
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define LIN_INT8 1
+#define LIN_K 1  // k-quants in SIMD too (their float kernel as well)
 // acc + the sums of 4 adjacent products u8 x s8, per 32-bit lane. Without VNNI the pairs are
 // summed in int16 first (vpmaddubsw saturates above 32767: the codes here reach 2 * 128 * 127).
 static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
@@ -459,8 +460,54 @@ static void rows_int8(const int8_t* c, const float* s, const float* cs, const in
         else row_int8_k<M, DTYPE_Q6_K>(c, s, cs, lanes, W, n, N, K, y);
     }
 }
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
+#define LIN_INT8 1
+#define LIN_K 0  // k-quants take the plain loop here
+// Row n of W (blocks of 32) against M rows of rounded x with ARMv8.2's sdot (vdotq_s32: 4 lanes,
+// each the sum of 4 products s8 x s8): a block's 32 codes as two vectors of 16 (4-bit codes are
+// 0..15, so signed bytes too; the low nibbles are weights 0-15), two dots a row of x, its float
+// sum times d s, and o times s sum c beside it, as above.
+template <int M, int DT>
+static inline void row_int8(const int8_t* c, const float* s, const float* cs, const void* W, int n, int N, int K, float* y) {
+    const int nb = K / 32, bb = block_bytes(DT);
+    const uint8_t* w = (const uint8_t*)W + n * row_bytes(DT, K);
+    float32x4_t acc[2][M];  // blocks alternate between two accumulators
+    float off[M];
+    for (int m = 0; m < M; m++) acc[0][m] = acc[1][m] = vdupq_n_f32(0.f), off[m] = 0.f;
+    for (int b = 0; b < nb; b++, w += bb) {
+        __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
+        const Block v = block_at(w, DT);
+        int8x16_t lo, hi;  // weights 0-15, 16-31
+        if (DT == DTYPE_Q8_0) {
+            lo = vld1q_s8((const int8_t*)v.q), hi = vld1q_s8((const int8_t*)v.q + 16);
+        } else {
+            const uint8x16_t p = vld1q_u8(v.q);
+            lo = vreinterpretq_s8_u8(vandq_u8(p, vdupq_n_u8(15))), hi = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));
+        }
+        for (int m = 0; m < M; m++) {
+            const int64_t i = (int64_t)m * nb + b;
+            const int8_t* x = c + (int64_t)m * K + 32 * b;
+            const int32x4_t dot = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(x)), hi, vld1q_s8(x + 16));
+            acc[b & 1][m] = vfmaq_n_f32(acc[b & 1][m], vcvtq_f32_s32(dot), v.d * s[i]);
+            off[m] += v.o * cs[i];
+        }
+    }
+    for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = vaddvq_f32(vaddq_f32(acc[0][m], acc[1][m])) + off[m];
+}
+
+template <int M>
+static void rows_int8(const int8_t* c, const float* s, const float* cs, const int32_t*, const void* W, int dt, int n0, int n1,
+                      int N, int K, float* y) {
+    for (int n = n0; n < n1; n++) {
+        if (dt == DTYPE_Q8_0) row_int8<M, DTYPE_Q8_0>(c, s, cs, W, n, N, K, y);
+        else if (dt == DTYPE_Q4_0) row_int8<M, DTYPE_Q4_0>(c, s, cs, W, n, N, K, y);
+        else row_int8<M, DTYPE_Q4_1>(c, s, cs, W, n, N, K, y);
+    }
+}
 #else
 #define LIN_INT8 0
+#define LIN_K 0
 #endif
 
 // One row of W at a time, read front to back, so each thread's share of W is one sequential
@@ -585,14 +632,14 @@ static void prepare_x(PreparedX& p) {
             for (int64_t i = 0; i < (int64_t)M * K / 4; i++)
                 p.lanes[i] = -32 * (p.c[4 * i] + p.c[4 * i + 1] + p.c[4 * i + 2] + p.c[4 * i + 3]);
         }
-        p.vector = LIN_INT8;
+        p.vector = is_k_quant(p.wdt) ? LIN_K : LIN_INT8;
         return;
     }
     if (is_block_dtype(p.wdt)) {  // x as float32, and the sum of each of its blocks
         const int M = p.M, K = p.K;
         p.a.resize((size_t)M * K), p.sums.assign((size_t)M * K / 32, 0.f);
         for (int64_t i = 0; i < (int64_t)M * K; i++) p.sums[i / 32] += p.a[i] = element(p.x, i, p.xdt);
-        p.vector = is_k_quant(p.wdt) ? LIN_INT8 : LIN_W > 0;  // the k-quants' vector path needs AVX2
+        p.vector = is_k_quant(p.wdt) ? LIN_K : LIN_W > 0;
         return;
     }
 #if LIN_DPBF16 || LIN_W
@@ -628,7 +675,7 @@ static void prepare_x(PreparedX& p) {
 template <int MB>
 static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1, int N, float* y) {
     y += (int64_t)m0 * N;
-#if LIN_INT8
+#if LIN_K
     if (!p.int8 && is_k_quant(p.wdt)) {
         const float *x = p.a.data() + (int64_t)m0 * p.K, *sums = p.sums.data() + (int64_t)m0 * (p.K / 32);
         for (int n = n0; n < n1; n++) {
@@ -637,6 +684,8 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
         }
         return;
     }
+#endif
+#if LIN_INT8
     if (p.int8) {
         const int64_t nb = p.K / 32;
         const int8_t* c = p.c.data() + (int64_t)m0 * p.K;
