@@ -145,6 +145,21 @@ def test_the_backend_is_decided_in_one_module():
         assert not re.search(r"self\.(fused|fast_ops|kernel|fast)\s*=", text), where
 
 
+def test_each_instruction_set_twin_says_its_target_in_its_file_name():
+    """A kernel file named for a target is compiled for that target alone (its code sits behind
+    that target's guard), and a portable one uses no intrinsics; the other sources choose among
+    targets inside (``#if`` branches with a plain loop beside every vector one)."""
+    guards = {"avx2_": "__AVX2__", "avx512_vnni_": "__AVX512VNNI__", "avx512_": "__AVX512F__"}
+    for path in sorted((PACKAGE / "native").glob("*.cpp")):
+        text = path.read_text()
+        if path.name.startswith("portable_"):
+            assert "immintrin.h" not in text and "arm_neon.h" not in text, path.name
+        for prefix, guard in guards.items():
+            if path.name.startswith(prefix):  # the file's first condition is its target's
+                assert guard in next(line for line in text.splitlines() if line.startswith("#if")), path.name
+                break
+
+
 def test_command_modules_do_not_import_the_cli():
     for path in (PACKAGE / "app" / "commands").glob("*.py"):
         assert "minillama.app.cli" not in minillama_imports(path), path.name

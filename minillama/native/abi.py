@@ -29,7 +29,7 @@ class Route(IntEnum):
     FLOAT = 0  # unquantized rows
     TOKEN = 1  # per-token codes, exact float arithmetic
     CHANNEL = 2  # KIVI per-channel codes, exact float arithmetic
-    INTEGER = 3  # 2-4-bit affine codes in the integer domain (portable_int_attention.cpp)
+    INTEGER = 3  # 2-4-bit affine codes in the integer domain (avx2_int_attention.cpp)
     ROWS = 4  # one decoded row at a time: pre-RoPE keys, vector codes, frequency blocks
 
 

@@ -2,7 +2,7 @@
 //
 //   o_d = sum_t p_t (s_tg c_td + z_tg) = sum_t w_tg c_td + sum_t p_t z_tg,   w = p s >= 0
 //
-// The same math as portable_int_attention.cpp's value_int (byte weights, error diffusion, the bound
+// The same math as avx2_int_attention.cpp's value_int (byte weights, error diffusion, the bound
 // tests/test_integer_attention.py holds), laid out so that no sum goes through memory per row:
 //
 //   weights  per block of 32 tokens, per query head r and channel group g: w_t = p_t s_tg,

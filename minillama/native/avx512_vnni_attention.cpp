@@ -13,7 +13,7 @@
 // taken only where the route says so (kv/fused_attention.py: route; layer_attention.cpp:
 // exact_is_faster); model/attention.py is the specification. CPUs without VNNI get false from
 // every entry point and the exact kernels (avx512_attention.cpp, avx2_attention.cpp) or the
-// generic integer ones (portable_int_attention.cpp) read these rows.
+// generic integer ones (avx2_int_attention.cpp) read these rows.
 
 #include "rows.h"
 

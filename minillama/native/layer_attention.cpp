@@ -41,7 +41,7 @@ static bool simd_integer_reads(int values, const RowSource& s, int D) {
 
 // Whether `route` can read rows described by `src` (values = 1: as values, 0: as keys) for R
 // query heads per KV head of size D. The float and exact kernels take any R; their row buffers
-// hold D <= 512 floats. The integer kernels (portable_int_attention.cpp) keep per-head arrays for R <= 8
+// hold D <= 512 floats. The integer kernels (avx2_int_attention.cpp) keep per-head arrays for R <= 8
 // and rows of D <= 128 bytes; their scores need one scale per row (group == D) for per-token codes.
 extern "C" int route_supported(int route, int values, const RowSource* src, int R, int D) {
     const RowSource& s = *src;

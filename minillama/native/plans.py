@@ -12,7 +12,7 @@ kernel that reads it:
 * ``TOKEN`` / ``CHANNEL``: per-token or KIVI per-channel codes, exact float kernels (per-channel
   key scales folded into the query, per-token rows scaled in registers);
 * ``INTEGER``: 2-4-bit affine codes scored against an int8 query and weighted by byte weights
-  (``native/portable_int_attention.cpp``; AVX-512 VNNI in ``avx512_vnni_attention.cpp``, which also reads
+  (``native/avx2_int_attention.cpp``; AVX-512 VNNI in ``avx512_vnni_attention.cpp``, which also reads
   codebooks as 16-bit levels, keys in frequency blocks at head_dim 64 with widths up to 4 (with
   VBMI), vector-coded values (by qword gathers, or in registers for a
   sign-structured book), and 8-bit values with int16 weights; AVX2 4-bit keys (affine or

@@ -237,7 +237,7 @@ static inline void unpack16_int2(const uint8_t* p, float* __restrict__ out) {
 
 #ifdef __AVX2__
 // Sums across the lanes of 256-bit registers, for the AVX2 kernels and the 256-bit code of the
-// AVX-512 builds (portable_int_attention.cpp is compiled for both).
+// AVX-512 builds (avx2_int_attention.cpp is compiled for both).
 
 // The sum of a register's eight lanes.
 static inline float hsum(__m256 v) {

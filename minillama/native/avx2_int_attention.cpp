@@ -1,4 +1,4 @@
-// Integer-domain decode attention over packed 2-, 3- and 4-bit codes (AVX2 + BMI2).
+// Integer-domain decode attention over packed 2-, 3- and 4-bit codes (AVX2 + BMI2; AVX-512 builds too).
 //
 // The float kernels (portable_attention.cpp) widen every code to a float and multiply in
 // float: more instructions per element than an fp16 cache's one conversion, so a cache
