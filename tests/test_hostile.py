@@ -194,6 +194,24 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
+def test_a_run_in_this_process_puts_the_sigterm_handler_back():
+    """main() turns SIGTERM into SystemExit for its run only: a program (or test) that calls the
+    CLI in its own process keeps its own handler afterwards."""
+    import signal
+
+    from click.testing import CliRunner
+
+    from minillama.app.cli import cli
+
+    mine = lambda signum, frame: None  # noqa: E731
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert CliRunner().invoke(cli, ["--version"]).exit_code == 0
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 SLOW_WRITE = textwrap.dedent("""
     import os, sys, time
     from minillama.app import cli  # installs nothing by import; main() installs the SIGTERM handler

@@ -28,8 +28,9 @@ class Main(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         """click prints a usage error as three lines (Usage:, Try, Error:); here it is one ``error:``
         line that names the command's --help, with click's exit code (2)."""
+        previous = None  # the handler before this run's, put back when it ends (runs in a process: tests)
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _terminated)
+            previous = signal.signal(signal.SIGTERM, _terminated)
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.ClickException as e:
@@ -41,6 +42,9 @@ class Main(click.Group):
         except click.exceptions.Abort:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         if not standalone_mode:
             return result
         sys.exit(result if isinstance(result, int) else 0)
