@@ -123,6 +123,32 @@ def test_a_truncated_gguf_is_refused_in_one_line(gguf_path, tmp_path, keep):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def lying_gguf(path, cols: int, offset: int) -> str:
+    """A GGUF header of one Q8_0 tensor (cols x 2) at `offset` in the data, and 64 bytes of data."""
+    import struct
+
+    name = b"output.weight"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 0)  # version, tensors, fields
+    info = struct.pack("<Q", len(name)) + name + struct.pack("<IQQIQ", 2, cols, 2, 8, offset)  # dims, Q8_0
+    body = head + info
+    path.write_bytes(body + bytes(-len(body) % 32) + bytes(64))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "cols,offset,says", [(33, 0, "not whole Q8_0 blocks"), (64, 1 << 40, "runs past the end of the file")]
+)
+def test_a_gguf_whose_tensors_lie_is_refused_in_one_line_before_reading_them(tmp_path, cols, offset, says):
+    from minillama.model.gguf_file import GGUFFile
+
+    path = lying_gguf(tmp_path / "lies.gguf", cols, offset)
+    with pytest.raises(ValueError, match=says):
+        GGUFFile(path)
+    result = CliRunner().invoke(cli, ["generate", "hi", "-m", path, "-n", "2"])
+    assert result.exit_code == 1 and "is not a readable GGUF file" in result.stderr and says in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_weights_are_not_requantized_from_a_gguf(gguf_path):
     result = CliRunner().invoke(cli, ["generate", "hi", "-m", str(gguf_path), "--weights", "q4_0"])
     assert result.exit_code == 1 and "a GGUF's weights are used as stored" in result.stderr
