@@ -17,7 +17,8 @@ In q4_0/q4_1 byte j holds weight j in its low nibble and weight j + 16 in its hi
 byte j of each 32 holds weight j of a 64-weight group low and weight j + 32 high (the layouts of
 q6_k: ``_q6_k``).
 ``quantize`` rounds as ggml's reference quantizers do (``quantize_row_*_ref``), so a row
-quantized here is the row llama.cpp would write; ``dequantize`` is the specification every
+quantized here is the row llama.cpp would write (q6_k, for heads: its layout, without its search
+for the least-error scale); ``dequantize`` is the specification every
 kernel that reads blocks is held to (tests: both equal the ``gguf`` package's, bit for bit).
 
 The compiled block product may also round its activations to int8 per block of 32, as llama.cpp
