@@ -268,6 +268,38 @@ def test_kernel_ab_times_the_tree_against_a_revision_in_turn():
     assert len(rows) == 1 and rows[0].startswith("hadv2") and "tree/HEAD" in rows[0]
 
 
+def test_step_ab_runs_each_build_in_turn_on_a_model_of_ones_choice(tiny_dir):
+    """tools/step_ab.py: whole decode steps of the tree's build and a revision's, in turn. Each
+    build's own step must run (the model asks ``backend.library()`` for its kernels): both lines
+    show projection time, and the ratio line follows."""
+    if backend.library() is None:
+        pytest.skip(f"the kernels are not in use: {backend.describe()}")
+    repo = Path(__file__).parent.parent
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True).returncode:
+        pytest.skip("not a git checkout: step_ab.py reads the revision's sources from git")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(repo / "tools" / "step_ab.py"),
+            "HEAD",
+            "abi.cpp",
+            "40",
+            "2",
+            "fp16",
+            "native",
+            str(tiny_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    builds = [line for line in lines if line.startswith(("tree ", "HEAD "))]
+    assert len(builds) == 2 and all(float(b.split("projections ")[1].split()[0]) > 0 for b in builds), lines
+    assert lines[-1].startswith("tree/HEAD: step ")
+
+
 def test_peers_interleave_times_the_engines_in_turn_and_reports_the_ratio_spread():
     """bench/peers.py --rounds: a, b, a, b, ... and per round a / b (median, min, max), so a target
     ratio is judged on rounds taken side by side, not on two runs minutes apart."""
