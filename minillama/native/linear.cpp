@@ -10,7 +10,7 @@
 // Here each thread streams a contiguous share of W's rows, one row at a time front to back (one
 // sequential stream), and every weight is read once for all M rows of x, with a few independent
 // accumulators per row of x (unrolled along k) so no FMA waits on another. How a weight becomes a
-// float costs less than loading it:
+// float costs less than loading it (vectors of 16 floats on AVX-512, 8 on AVX2, 4 with NEON):
 //   * AVX-512 BF16 (vdpbf16ps): bf16 weights meet bf16 activations directly, 32 products per
 //     instruction, accumulated in float32 -- no conversion at all;
 //   * otherwise bf16 is the top half of a float32, so a 32-bit lane holding weights (w0, w1)
@@ -40,6 +40,9 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LIN_W 8
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#define LIN_W 4
 #else
 #define LIN_W 0
 #endif
@@ -79,7 +82,7 @@ static void rows_scalar(const void* x, int xdt, const void* W, int wdt, int M, i
 // of 2, 4, 8 and 16 KB (tools/step_ab.py; docs/archive/speed-history.md has the runs).
 constexpr int PREFETCH_BYTES = 8192;
 
-#if LIN_W
+#if LIN_W >= 8
 // The sum of a vector's 8 floats (AVX2 vectors; the int8 block kernels' too).
 static inline float sum8(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -116,6 +119,20 @@ static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
     const __m256i v = _mm256_loadu_si256((const __m256i*)w);
     even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
     odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000)));
+}
+#elif LIN_W == 4
+typedef float32x4_t vf;  // NEON
+static inline vf vzero() { return vdupq_n_f32(0.f); }
+static inline vf vload(const float* p) { return vld1q_f32(p); }
+static inline vf vfma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+static inline vf vadd(vf a, vf b) { return vaddq_f32(a, b); }
+static inline vf vmul(vf a, vf b) { return vmulq_f32(a, b); }
+static inline vf vset1(float a) { return vdupq_n_f32(a); }
+static inline float vsum(vf v) { return vaddvq_f32(v); }
+static inline void split_bf16(const uint16_t* w, vf& even, vf& odd) {
+    const uint32x4_t v = vld1q_u32((const uint32_t*)w);
+    even = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
+    odd = vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xFFFF0000u)));
 }
 #endif
 
@@ -163,7 +180,7 @@ static void rows_units_scalar(const X* x, const float* scale, const float* sums,
     }
 }
 
-#if LIN_W
+#if LIN_W >= 8  // blocks against float x: x86 (on ARM the plain loop)
 constexpr int BV = 32 / LIN_W;  // vectors of floats per block: 2 (AVX-512) or 4 (AVX2)
 
 // The 32 codes of a block as BV vectors of floats, in weight order.
@@ -461,7 +478,6 @@ static void rows_int8(const int8_t* c, const float* s, const float* cs, const in
     }
 }
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
-#include <arm_neon.h>
 #define LIN_INT8 1
 #define LIN_K 0  // k-quants take the plain loop here
 // Row n of W (blocks of 32) against M rows of rounded x with ARMv8.2's sdot (vdotq_s32: 4 lanes,
@@ -639,7 +655,7 @@ static void prepare_x(PreparedX& p) {
         const int M = p.M, K = p.K;
         p.a.resize((size_t)M * K), p.sums.assign((size_t)M * K / 32, 0.f);
         for (int64_t i = 0; i < (int64_t)M * K; i++) p.sums[i / 32] += p.a[i] = element(p.x, i, p.xdt);
-        p.vector = is_k_quant(p.wdt) ? LIN_K : LIN_W > 0;
+        p.vector = is_k_quant(p.wdt) ? LIN_K : LIN_W >= 8;
         return;
     }
 #if LIN_DPBF16 || LIN_W
@@ -694,7 +710,7 @@ static void rows_block(const PreparedX& p, int m0, const void* W, int n0, int n1
         return rows_int8<MB>(c, s, cs, lanes, W, p.wdt, n0, n1, N, p.K, y);
     }
 #endif
-#if LIN_W
+#if LIN_W >= 8
     if (is_block_dtype(p.wdt)) {
         const float *x = p.a.data() + (int64_t)m0 * p.K, *sums = p.sums.data() + (int64_t)m0 * (p.K / 32);
         for (int n = n0; n < n1; n++) row_blocks<MB>(x, sums, W, p.wdt, n, N, p.K, y);
