@@ -76,14 +76,23 @@ static void check_gemm_bf16(int M, int N, int K) {
 // Weights in blocks of 32 (q8_0, q4_0, q4_1: random bytes, small scales) against x rounded to int8
 // per block: gemm_rows against the product of the block weights (dtypes.h: block_weight) with
 // the rounded x, in doubles. The rounding is the specification's (weights/blocks.py).
+// Weight j of unit b (32 weights: a block, or a k-quant's sub-block) of a row, as dtypes.h reads it.
+static double unit_weight(const uint8_t* row, int dt, int b, int j) {
+    if (is_k_quant(dt)) return sub_weight(k_sub_block(row + (b / 8) * block_bytes(dt), dt, b % 8), dt, j);
+    return block_weight(block_at(row + b * block_bytes(dt), dt), dt, j);
+}
+
 static void check_int8_blocks(int dt, const char* name, int M, int N, int K) {
     const int bb = block_bytes(dt);
     std::mt19937 g(8);
-    std::vector<uint8_t> W((size_t)N * K / 32 * bb);
+    std::vector<uint8_t> W((size_t)N * K / block_weights(dt) * bb);
     for (auto& b : W) b = (uint8_t)g();
-    for (size_t at = 0; at < W.size(); at += bb) {  // fp16 scale (and q4_1's min) of each block
+    for (size_t at = 0; at < W.size(); at += bb) {  // each block's fp16 scale (and q4_1's min, q4_k's dmin)
         const uint16_t d = float_to_half(0.01f + 0.001f * (g() % 16)), m = float_to_half(-0.05f);
-        std::memcpy(&W[at], &d, 2);
+        const uint16_t small = float_to_half(0.0005f), dmin = float_to_half(0.001f);
+        if (dt == DTYPE_Q4_K) std::memcpy(&W[at], &small, 2), std::memcpy(&W[at + 2], &dmin, 2);
+        else if (dt == DTYPE_Q6_K) std::memcpy(&W[at + 208], &small, 2);
+        else std::memcpy(&W[at], &d, 2);
         if (dt == DTYPE_Q4_1) std::memcpy(&W[at + 2], &m, 2);
     }
     const auto x = randn((size_t)M * K, 9);
@@ -98,10 +107,10 @@ static void check_int8_blocks(int dt, const char* name, int M, int N, int K) {
                 const float* xb = &x[(size_t)m * K + 32 * b];
                 float amax = 0.f;
                 for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(xb[j]));
-                const Block v = block_at(&W[((size_t)n * K / 32 + b) * bb], dt);
+                const uint8_t* row = &W[(size_t)n * K / block_weights(dt) * bb];
                 for (int j = 0; j < 32; j++) {
-                    const double xr = amax / 127.f * std::nearbyint(xb[j] * (127.f / amax));
-                    sum += xr * block_weight(v, dt, j), mag += std::fabs(xr * block_weight(v, dt, j));
+                    const double xr = amax / 127.f * std::nearbyint(xb[j] * (127.f / amax)), wj = unit_weight(row, dt, b, j);
+                    sum += xr * wj, mag += std::fabs(xr * wj);
                 }
             }
             err = std::max(err, std::fabs(sum - y[(size_t)m * N + n])), scale = std::max(scale, mag);
@@ -193,6 +202,8 @@ int main() {
         check_int8_blocks(DTYPE_Q8_0, "q8_0", M, 37, 160);
         check_int8_blocks(DTYPE_Q4_0, "q4_0", M, 37, 160);
         check_int8_blocks(DTYPE_Q4_1, "q4_1", M, 37, 160);
+        check_int8_blocks(DTYPE_Q4_K, "q4_k", M, 19, 512);
+        check_int8_blocks(DTYPE_Q6_K, "q6_k", M, 19, 512);
     }
     for (int D : {64, 80, 96, 128}) check_causal(4, 2, 9, 21, D);
     for (int D : {64, 80, 96}) check_rotation(D);

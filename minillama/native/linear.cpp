@@ -252,7 +252,7 @@ static inline void row_blocks(const float* x, const float* sums, const void* W, 
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define LIN_INT8 1
-#define LIN_K 1  // k-quants in SIMD too (their float kernel as well)
+#define LIN_K 1  // the k-quants' float kernel too
 // acc + the sums of 4 adjacent products u8 x s8, per 32-bit lane. Without VNNI the pairs are
 // summed in int16 first (vpmaddubsw saturates above 32767: the codes here reach 2 * 128 * 127).
 static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
@@ -479,7 +479,7 @@ static void rows_int8(const int8_t* c, const float* s, const float* cs, const in
 }
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
 #define LIN_INT8 1
-#define LIN_K 0  // k-quants take the plain loop here
+#define LIN_K 0  // the k-quants' float kernel is x86's; against int8 x they run here too
 // Row n of W (blocks of 32) against M rows of rounded x with ARMv8.2's sdot (vdotq_s32: 4 lanes,
 // each the sum of 4 products s8 x s8): a block's 32 codes as two vectors of 16 (4-bit codes are
 // 0..15, so signed bytes too; the low nibbles are weights 0-15), two dots a row of x, its float
@@ -512,13 +512,40 @@ static inline void row_int8(const int8_t* c, const float* s, const float* cs, co
     for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = vaddvq_f32(vaddq_f32(acc[0][m], acc[1][m])) + off[m];
 }
 
+// A k-quant row: each sub-block of 32 decoded by dtypes.h's k_sub_block (signed codes, a scale per
+// 16 weights, q4_k's offset), then two dots a row of x as above.
+template <int M, int DT>
+static inline void row_int8_k(const int8_t* c, const float* s, const float* cs, const void* W, int n, int N, int K, float* y) {
+    const int nb = K / 256, nx = K / 32;
+    const uint8_t* w = (const uint8_t*)W + n * row_bytes(DT, K);
+    float acc[M] = {};
+    for (int b = 0; b < nb; b++, w += block_bytes(DT)) {
+        __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
+        for (int j = 0; j < 8; j++) {
+            const SubBlock v = k_sub_block(w, DT, j);
+            const int8x16_t lo = vld1q_s8(v.q), hi = vld1q_s8(v.q + 16);
+            for (int m = 0; m < M; m++) {
+                const int64_t i = (int64_t)m * nx + 8 * b + j;
+                const int8_t* x = c + (int64_t)m * K + 32 * (8 * b + j);
+                const int32x4_t zero = vdupq_n_s32(0);
+                const float d0 = (float)vaddvq_s32(vdotq_s32(zero, lo, vld1q_s8(x))),
+                            d1 = (float)vaddvq_s32(vdotq_s32(zero, hi, vld1q_s8(x + 16)));
+                acc[m] += (v.d[0] * d0 + v.d[1] * d1) * s[i] + v.o * cs[i];
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = acc[m];
+}
+
 template <int M>
 static void rows_int8(const int8_t* c, const float* s, const float* cs, const int32_t*, const void* W, int dt, int n0, int n1,
                       int N, int K, float* y) {
     for (int n = n0; n < n1; n++) {
         if (dt == DTYPE_Q8_0) row_int8<M, DTYPE_Q8_0>(c, s, cs, W, n, N, K, y);
         else if (dt == DTYPE_Q4_0) row_int8<M, DTYPE_Q4_0>(c, s, cs, W, n, N, K, y);
-        else row_int8<M, DTYPE_Q4_1>(c, s, cs, W, n, N, K, y);
+        else if (dt == DTYPE_Q4_1) row_int8<M, DTYPE_Q4_1>(c, s, cs, W, n, N, K, y);
+        else if (dt == DTYPE_Q4_K) row_int8_k<M, DTYPE_Q4_K>(c, s, cs, W, n, N, K, y);
+        else row_int8_k<M, DTYPE_Q6_K>(c, s, cs, W, n, N, K, y);
     }
 }
 #else
@@ -648,7 +675,7 @@ static void prepare_x(PreparedX& p) {
             for (int64_t i = 0; i < (int64_t)M * K / 4; i++)
                 p.lanes[i] = -32 * (p.c[4 * i] + p.c[4 * i + 1] + p.c[4 * i + 2] + p.c[4 * i + 3]);
         }
-        p.vector = is_k_quant(p.wdt) ? LIN_K : LIN_INT8;
+        p.vector = LIN_INT8;
         return;
     }
     if (is_block_dtype(p.wdt)) {  // x as float32, and the sum of each of its blocks
