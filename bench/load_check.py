@@ -5,10 +5,10 @@
 
 A busy process is `python -c "while True: pass"`: what a browser tab or a build does to a
 laptop's core. Each round runs every condition in turn (alone, then beside 1, then 2 busy
-processes) and, inside a condition, each engine in turn: minillama (bf16 weights, fp16 cache,
-its thread chooser on as in `generate` and `chat`) and llama.cpp through llama-cpp-python (its
-default thread count of 2, K/V f16, flash attention) on the GGUF the default model comes
-from. Decode: --steps greedy tokens after a prefill of --context tokens; prefill: --context
+processes) and, inside a condition, each engine in turn, both on the GGUF the default model
+comes from: minillama (its Q4_1 blocks in place as `generate` and `chat` run them, fp16 cache,
+its thread chooser on) and llama.cpp through llama-cpp-python (its default thread count of 2,
+K/V f16, flash attention). Decode: --steps greedy tokens after a prefill of --context tokens; prefill: --context
 tokens from an empty cache. Reported: each engine's median tokens/s per condition and its
 share of its own alone speed (issue: with one busy process, decode keeps >= 60%). Needs
 `pip install -e ".[llamacpp]"` for llama.cpp; without it only minillama is timed.
@@ -59,8 +59,8 @@ def main() -> None:
     folder, gguf = fetch_default(), find_gguf(install=False)
     ids = load_tokenizer(folder).encode(read_text(None, "hamlet"))
     room = args.steps * (len(counts) * args.rounds + 1)
-    engines = {"minillama": (minillama_decoder(folder, ids, args.context, args.steps, room)[0],)}
-    engines["minillama"] += (minillama_prefiller(folder, ids, args.context),)
+    engines = {"minillama": (minillama_decoder(gguf, ids, args.context, args.steps, room)[0],)}
+    engines["minillama"] += (minillama_prefiller(gguf, ids, args.context),)
     decoder = llama_cpp_decoder(gguf, ids, args.context, args.steps, room)
     if decoder is not None:
         engines["llama.cpp"] = (decoder, llama_cpp_prefiller(gguf, ids, args.context))

@@ -203,7 +203,8 @@ def interleave(runs: dict[str, Callable[[], float]], rounds: int, floor: Callabl
 
 
 def minillama_decoder(folder: Path, ids: list[int], context: int, steps: int, room: int, kv: str = "fp16"):
-    """A bf16-weights minillama with a `kv` cache prefilled with ids[:context]: (run, floor). Each
+    """minillama on `folder` (a folder's bf16 weights, or a GGUF's blocks in place) with a `kv` cache
+    prefilled with ids[:context]: (run, floor). Each
     run() decodes `steps` greedy tokens and returns their tokens/s (the cache grows by `steps` per
     call, within `room`); floor() probes the read bandwidth and returns the tokens/s it allows for
     the bytes a step reads (every weight once and the cache's bytes: eval/bench.py)."""
@@ -264,7 +265,8 @@ def llama_cpp_decoder(gguf: Path, ids: list[int], context: int, steps: int, room
 
 
 def minillama_prefiller(folder: Path, ids: list[int], context: int, kv: str = "fp16"):
-    """A bf16-weights minillama; each call prefills ids[:context] into a fresh `kv` cache (chunks
+    """minillama on `folder` (bf16 weights, or a GGUF's blocks); each call prefills ids[:context]
+    into a fresh `kv` cache (chunks
     of 512, as every prompt goes in) and returns the prompt tokens per second."""
     from minillama.kv.cache import KVCache
     from minillama.kv.spec import parse_kv
