@@ -138,6 +138,8 @@ class LayerStep(ctypes.Structure):
         ("wdtype", ctypes.c_int * 4),  # the weights of w_qkv, w_o, w_gu, w_down: DTYPE_CODE's or BLOCK_CODE's
         ("w_kv", ctypes.c_void_p * 2),  # None, or k and v apart from q (another type); w_qkv then q alone
         ("kv_dtype", ctypes.c_int * 2),
+        ("w_up", ctypes.c_void_p),  # None, or up apart from gate (another type); w_gu then gate alone
+        ("up_dtype", ctypes.c_int),
         ("x", ctypes.c_void_p),
         ("k_new", ctypes.c_void_p),
         ("v_new", ctypes.c_void_p),

@@ -156,6 +156,8 @@ struct LayerStep {
     int wdtype[4];       // the weights of w_qkv, w_o, w_gu, w_down: dtype, or a block dtype (dtypes.h: BlockDtype)
     const void* w_kv[2]; // null, or k and v apart from q (stored in another type): w_qkv then holds q's rows only
     int kv_dtype[2];     // their dtypes, as wdtype's
+    const void* w_up;    // null, or up apart from gate (another type): w_gu then holds gate's rows only
+    int up_dtype;        // its dtype, as wdtype's
     void* x;             // (B, hidden): the residual stream, updated in place
     void* k_new;         // (B, Hkv, D): the new key as the cache stores it
     void* v_new;         // (B, Hkv, D): the new value
@@ -266,6 +268,6 @@ static_assert(offsetof(RowSource, data) == 16 && offsetof(RowSource, codebook) =
               "RowSource layout");
 static_assert(sizeof(Part) == 128, "Part layout changed: update native/abi.py");
 static_assert(sizeof(LayerPlan) == 72 + 2 * MINILLAMA_MAX_PARTS * sizeof(Part) + 8, "LayerPlan layout changed: update native/abi.py");
-static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 24 + 24 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
+static_assert(sizeof(LayerStep) == 32 + 12 * 8 + 24 + 24 + 16 + 6 * 8 + 8, "LayerStep layout changed: update native/abi.py");
 static_assert(sizeof(StepEnds) == 8 * 8 + 8 + 8 + 8 + 8, "StepEnds layout changed: update native/abi.py");
 static_assert(sizeof(RingRef) == 16 && sizeof(TokenWrite) == 264, "TokenWrite layout changed: update native/abi.py");

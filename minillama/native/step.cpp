@@ -62,6 +62,20 @@ static void add_rounded(const void* x, const void* h, int dtype, int64_t n, void
     for (int64_t i = 0; i < n; i++) put_rounded(load_value(x, i, dtype) + load_value(h, i, dtype), dtype, out, i);
 }
 
+// y (B, sum n) float32 <- x (B, E) times parts of one row's weights stored in different types (a
+// Q4_K_M file keeps some v rows in Q6_K): one product a part, side by side in y's columns.
+static int products_apart(const void* x, int dt, int B, int E, const void* const* w, const int* wd, const int* n, int parts,
+                          float* y) {
+    int total = 0, widest = 0;
+    for (int i = 0; i < parts; i++) total += n[i], widest = std::max(widest, n[i]);
+    std::vector<float> part((size_t)B * widest);
+    for (int i = 0, at = 0; i < parts; at += n[i], i++) {
+        if (int st = gemm_rows(x, dt, w[i], wd[i], B, n[i], E, part.data())) return st;
+        for (int r = 0; r < B; r++) std::memcpy(y + (size_t)r * total + at, part.data() + (size_t)r * n[i], (size_t)n[i] * 4);
+    }
+    return MINILLAMA_OK;
+}
+
 static int decode_layer(const LayerStep* step) {
     const LayerStep& s = *step;
     const int B = s.B, E = s.hidden, D = s.D, Hq = s.Hq, Hkv = s.Hkv, dt = s.dtype;
@@ -91,14 +105,10 @@ static int decode_layer(const LayerStep* step) {
     t.lap(STEP_REST);
     if (!s.w_kv[0]) {
         if (int st = gemm_rows(normed, dt, s.w_qkv, s.wdtype[0], B, QKV, E, y)) return st;
-    } else {  // q, k and v stored in different types: three products, into y's columns
+    } else {  // q, k and v stored in different types
         const void* w[3] = {s.w_qkv, s.w_kv[0], s.w_kv[1]};
         const int wd[3] = {s.wdtype[0], s.kv_dtype[0], s.kv_dtype[1]}, n[3] = {Hq * D, Hkv * D, Hkv * D};
-        std::vector<float> part((size_t)B * Hq * D);
-        for (int i = 0, at = 0; i < 3; at += n[i], i++) {
-            if (int st = gemm_rows(normed, dt, w[i], wd[i], B, n[i], E, part.data())) return st;
-            for (int r = 0; r < B; r++) std::memcpy(y + (size_t)r * QKV + at, part.data() + (size_t)r * n[i], (size_t)n[i] * 4);
-        }
+        if (int st = products_apart(normed, dt, B, E, w, wd, n, 3, y)) return st;
     }
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_qkv, dt, B, QKV, qkv);
@@ -128,7 +138,13 @@ static int decode_layer(const LayerStep* step) {
     round_product(y, s.b_o, dt, B, E, h);
     add_rms_norm(s.x, h, s.w_post, dt, B, E, s.eps, s.x, normed);  // x <- round(x + h), normed
     t.lap(STEP_REST);
-    if (int st = gemm_rows(normed, dt, s.w_gu, s.wdtype[2], B, 2 * s.I, E, y)) return st;
+    if (!s.w_up) {
+        if (int st = gemm_rows(normed, dt, s.w_gu, s.wdtype[2], B, 2 * s.I, E, y)) return st;
+    } else {  // gate and up stored in different types
+        const void* w[2] = {s.w_gu, s.w_up};
+        const int wd[2] = {s.wdtype[2], s.up_dtype}, n[2] = {s.I, s.I};
+        if (int st = products_apart(normed, dt, B, E, w, wd, n, 2, y)) return st;
+    }
     t.lap(STEP_PROJECTIONS);
     round_product(y, s.b_gu, dt, B, 2 * s.I, gu);
     silu_mul(gu, dt, B, s.I, act);

@@ -116,22 +116,13 @@ class NativeStep:
         self.one_core = False
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            try:  # weights in blocks of 32 (minillama/weights) where the model keeps them so, else its dtype
-                kinds = block_kinds(layer)
-            except ValueError as e:
-                raise NotSupported(f"layer {i}: {e}") from None
-            code = [BLOCK_CODE[k] if k else DTYPE_CODE[self.dtype] for k in (*kinds[0], *kinds[1:])]  # q k v o gu down
-            wdtype, w_kv, kv_dtype = [code[0], *code[3:]], (None, None), (0, 0)
+            qkv_kinds, o_kind, gu_kinds, down_kind = block_kinds(layer)  # None: the model's dtype
+            code = [BLOCK_CODE[k] if k else DTYPE_CODE[self.dtype] for k in (*qkv_kinds, o_kind, *gu_kinds, down_kind)]
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-            if len(set(kinds[0])) == 1:
-                w_qkv, b_qkv = fused_rows(qkv)  # (Hq D + 2 Hkv D, hidden)
-            else:  # stored in different types: three products (native/step.cpp), one bias
-                if not all(m.weight.is_contiguous() for m in qkv):
-                    raise NotSupported(f"layer {i}: q/k/v weights not contiguous")
-                w_qkv, w_kv, kv_dtype = qkv[0].weight, (qkv[1].weight, qkv[2].weight), code[1:3]
-                b_qkv = torch.cat([m.bias for m in qkv]) if qkv[0].bias is not None else None  # (Hq D + 2 Hkv D)
-                self.weights += list(w_kv)
-            w_gu, b_gu = fused_rows([mlp.gate_proj, mlp.up_proj])  # (2 I, hidden)
+            w_qkv, b_qkv, w_kv, kv_dtype = group_rows(qkv, code[0:3], f"layer {i}: q/k/v")  # (Hq D + 2 Hkv D, hidden)
+            w_gu, b_gu, w_up, up_dtype = group_rows([mlp.gate_proj, mlp.up_proj], code[4:6], f"layer {i}: gate/up")
+            wdtype = [code[0], code[3], code[4], code[6]]  # q (or q/k/v), o, gate (or gate/up), down
+            self.weights += w_kv + w_up
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             self.weights += [t for t in (*norms, w_qkv, b_qkv, attn.o_proj.weight, attn.o_proj.bias) if t is not None]
             self.weights += [t for t in (w_gu, b_gu, mlp.down_proj.weight, mlp.down_proj.bias) if t is not None]
@@ -144,8 +135,10 @@ class NativeStep:
                 I=cfg.intermediate_size,
                 dtype=DTYPE_CODE[self.dtype],
                 wdtype=(ctypes.c_int * 4)(*wdtype),
-                w_kv=(ctypes.c_void_p * 2)(*(_ptr(t) for t in w_kv)),
-                kv_dtype=(ctypes.c_int * 2)(*kv_dtype),
+                w_kv=(ctypes.c_void_p * 2)(*(_ptr(t) for t in w_kv or (None, None))),
+                kv_dtype=(ctypes.c_int * 2)(*(kv_dtype or (0, 0))),
+                w_up=_ptr(w_up[0] if w_up else None),
+                up_dtype=up_dtype[0] if up_dtype else 0,
                 eps=layer.input_layernorm.eps,
                 w_in=_ptr(layer.input_layernorm.weight),
                 w_post=_ptr(layer.post_attention_layernorm.weight),
@@ -234,15 +227,18 @@ class NativeStep:
     def _round_activations(self, int8: bool) -> None:
         """Every block-weight product (projections and head) with activations rounded to int8 per
         block, or in float (kernels-exact): the flag INT8_ACTIVATIONS on their weight codes."""
-        flag = INT8_ACTIVATIONS if int8 else 0
         blocks = set(BLOCK_CODE.values())
+
+        def flagged(code: int) -> int:
+            plain = code & ~INT8_ACTIVATIONS
+            return plain | INT8_ACTIVATIONS if int8 and plain in blocks else plain
+
         for step in self.steps:
             for codes in (step.wdtype, step.kv_dtype):
                 for i in range(len(codes)):
-                    if (codes[i] & ~INT8_ACTIVATIONS) in blocks:
-                        codes[i] = (codes[i] & ~INT8_ACTIVATIONS) | flag
-        if (self.ends.head_dtype & ~INT8_ACTIVATIONS) in blocks:
-            self.ends.head_dtype = (self.ends.head_dtype & ~INT8_ACTIVATIONS) | flag
+                    codes[i] = flagged(codes[i])
+            step.up_dtype = flagged(step.up_dtype)
+        self.ends.head_dtype = flagged(self.ends.head_dtype)
         self.int8 = int8
 
     def _chooser(self) -> ThreadChooser | None:
@@ -338,6 +334,19 @@ def int8_products(model) -> bool:
     """Whether `model`'s block-weight products round their activations to int8 now: the model
     asks for it (native/fast.py: FastLlama.round_activations) and the backend is not kernels-exact."""
     return getattr(model, "int8_activations", False) and not backend.exact_arithmetic()
+
+
+def group_rows(layers: list, codes: list[int], what: str) -> tuple:
+    """A group of projections of one input (q/k/v, gate/up) as the step reads it: (weight, bias,
+    apart, their codes). Stored alike, one fused (sum of outs, in) weight and nothing apart; in
+    different types (a Q4_K_M file keeps some v rows in Q6_K), the first layer's rows, the others'
+    weights and codes apart (native/step.cpp: products_apart), and the group's biases joined."""
+    if len(set(codes)) == 1:
+        return (*fused_rows(layers), [], [])
+    if not all(m.weight.is_contiguous() for m in layers):
+        raise NotSupported(f"{what} weights not contiguous")
+    bias = torch.cat([m.bias for m in layers]) if layers[0].bias is not None else None  # (sum of outs)
+    return layers[0].weight, bias, [m.weight for m in layers[1:]], list(codes[1:])
 
 
 def native_step(model, lib, batch: int) -> NativeStep:

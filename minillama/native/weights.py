@@ -30,8 +30,8 @@ ALIGN = 64  # bytes: every tensor starts on a cache line
 def concat_rows(layers: list[nn.Linear]) -> None:
     """One (sum of outs, in) weight (and bias) for several projections of the same input: the
     layers' parameters become views of its rows, in order. Projections stored differently (blocks
-    of two kinds, as a Q4_K_M file keeps some v rows) stay apart: the step multiplies q, k and v
-    apart (native/step.cpp), and refuses gate and up apart (weights/layers.py: block_kinds)."""
+    of two kinds, as a Q4_K_M file keeps some v rows) stay apart: the step multiplies them apart
+    into one row (native/step.cpp: products_apart)."""
     if len({(m.weight.dtype, m.weight.shape[1:], getattr(m, "kind", None)) for m in layers}) > 1:
         return
     weight = torch.cat([m.weight.detach() for m in layers])  # (sum out, in)

@@ -91,14 +91,10 @@ def quantize_linears(model: nn.Module, kind: str) -> None:
                 setattr(module, name, BlockLinear(blocks, kind, linear.in_features, bias))
 
 
-def block_kinds(layer: nn.Module) -> tuple[tuple[str | None, ...], str | None, str | None, str | None]:
-    """The block kinds of a decoder layer's (q, k, v), o, gate/up and down weights (None: ordinary
-    weights). q, k and v may differ (a Q4_K_M file keeps some v rows in q6_k); gate and up must
-    share theirs (the step multiplies them as one matrix)."""
+def block_kinds(layer: nn.Module) -> tuple[tuple[str | None, ...], str | None, tuple[str | None, ...], str | None]:
+    """The block kinds of a decoder layer's (q, k, v), o, (gate, up) and down weights (None:
+    ordinary weights). A group may mix kinds: a Q4_K_M file keeps some v rows in q6_k."""
     attn, mlp = layer.self_attn, layer.mlp
     kind = lambda m: getattr(m, "kind", None)  # noqa: E731
-    gate_up = {kind(mlp.gate_proj), kind(mlp.up_proj)}
-    if len(gate_up) > 1:
-        raise ValueError(f"gate and up, multiplied together, are stored differently ({', '.join(map(str, gate_up))})")
     qkv = (kind(attn.q_proj), kind(attn.k_proj), kind(attn.v_proj))
-    return qkv, kind(attn.o_proj), gate_up.pop(), kind(mlp.down_proj)
+    return qkv, kind(attn.o_proj), (kind(mlp.gate_proj), kind(mlp.up_proj)), kind(mlp.down_proj)
