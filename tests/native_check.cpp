@@ -29,48 +29,32 @@ static std::vector<float> randn(size_t n, unsigned seed) {
     return x;
 }
 
-// y = x W^T, the projections' kernel, against a double-precision loop.
-static void check_gemm(int M, int N, int K) {
-    const auto x = randn((size_t)M * K, 1), w = randn((size_t)N * K, 2);
+// y = x W^T, the projections' kernel, with x and W in float32 (dtype 0) or bfloat16 (2), against
+// a double-precision loop over the same values (dtypes.h: round_to_dtype, load_value).
+static void check_gemm(int dtype, int M, int N, int K) {
+    auto stored = [&](std::vector<float> v) {  // v rounded to dtype, as its bytes
+        std::vector<uint8_t> bytes(v.size() * dtype_bytes(dtype));
+        for (size_t i = 0; i < v.size(); i++) {
+            const float r = round_to_dtype(v[i], dtype);
+            std::memcpy(&bytes[i * dtype_bytes(dtype)], (const char*)&r + (dtype ? 2 : 0), dtype_bytes(dtype));
+        }
+        return bytes;
+    };
+    const auto x = stored(randn((size_t)M * K, 1)), w = stored(randn((size_t)N * K, 2));
     std::vector<float> y((size_t)M * N);
-    if (gemm_rows(x.data(), 0, w.data(), 0, M, N, K, y.data()) != MINILLAMA_OK) return report("gemm_rows status", 1, 0);
+    if (gemm_rows(x.data(), dtype, w.data(), dtype, M, N, K, y.data()) != MINILLAMA_OK)
+        return report("gemm_rows status", 1, 0);
     double err = 0;
     for (int m = 0; m < M; m++)
         for (int n = 0; n < N; n++) {
             double s = 0;
-            for (int k = 0; k < K; k++) s += (double)x[(size_t)m * K + k] * w[(size_t)n * K + k];
+            for (int k = 0; k < K; k++)
+                s += (double)load_value(x.data(), (int64_t)m * K + k, dtype) * load_value(w.data(), (int64_t)n * K + k, dtype);
             err = std::max(err, std::fabs(s - y[(size_t)m * N + n]));
         }
-    report("gemm_rows float32", err, 1e-3);
-}
-
-// bf16 weights and activations (their top halves of float32), against a double-precision loop.
-static void check_gemm_bf16(int M, int N, int K) {
-    const auto xf = randn((size_t)M * K, 10), wf = randn((size_t)N * K, 11);
-    std::vector<uint16_t> x(xf.size()), w(wf.size());
-    auto bf16 = [](float f) {
-        uint32_t u;
-        std::memcpy(&u, &f, 4);
-        return (uint16_t)(u >> 16);
-    };
-    auto wide = [](uint16_t h) {
-        const uint32_t u = (uint32_t)h << 16;
-        float f;
-        std::memcpy(&f, &u, 4);
-        return (double)f;
-    };
-    for (size_t i = 0; i < x.size(); i++) x[i] = bf16(xf[i]);
-    for (size_t i = 0; i < w.size(); i++) w[i] = bf16(wf[i]);
-    std::vector<float> y((size_t)M * N);
-    if (gemm_rows(x.data(), 2, w.data(), 2, M, N, K, y.data()) != MINILLAMA_OK) return report("gemm_rows bf16 status", 1, 0);
-    double err = 0;
-    for (int m = 0; m < M; m++)
-        for (int n = 0; n < N; n++) {
-            double s = 0;
-            for (int k = 0; k < K; k++) s += wide(x[(size_t)m * K + k]) * wide(w[(size_t)n * K + k]);
-            err = std::max(err, std::fabs(s - y[(size_t)m * N + n]));
-        }
-    report("gemm_rows bfloat16", err, 1e-3);
+    char what[64];
+    std::snprintf(what, sizeof what, "gemm_rows %s (%d rows of x)", dtype ? "bfloat16" : "float32", M);
+    report(what, err, 1e-3);
 }
 
 // Weights in blocks of 32 (q8_0, q4_0, q4_1: random bytes, small scales) against x rounded to int8
@@ -194,8 +178,8 @@ static void check_affine(int D, int G) {
 }
 
 int main() {
-    check_gemm(3, 40, 96);
-    for (int M : {1, 2, 5}) check_gemm_bf16(M, 37, 160);
+    check_gemm(0, 3, 40, 96);
+    for (int M : {1, 2, 5}) check_gemm(2, M, 37, 160);
     std::printf("features %d (NEON %d, dot products %d)\n", minillama_features(),
                 !!(minillama_features() & MINILLAMA_FEATURE_NEON), !!(minillama_features() & MINILLAMA_FEATURE_DOTPROD));
     for (int M : {1, 3, 6}) {
