@@ -228,6 +228,14 @@ def attention_ms(lm: LoadedModel, cache: KVCache, repeats: int = 10) -> float:
     return median_ms(lambda: [ops.attend_layer(lib, plan) for plan in plans], repeats) / len(plans)
 
 
+def _products(*layers) -> list[tuple[torch.Tensor, str | None, int]]:
+    """The products the native step takes for projections of one input: one over their fused rows
+    when stored alike, else one a projection (native/step.py: group_rows)."""
+    if len({getattr(m, "kind", None) for m in layers}) == 1:
+        return [_fused(*layers)]
+    return [_fused(m) for m in layers]
+
+
 def _fused(*layers) -> tuple[torch.Tensor, str | None, int]:
     """The weights of projections of one input as the native step multiplies them: one matrix,
     its block kind (minillama/weights; None for float weights) and its input size."""
@@ -247,11 +255,8 @@ def projection_ms(model, repeats: int = 10) -> float:
     mats = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        qkv = (a.q_proj, a.k_proj, a.v_proj)
-        same = len({getattr(p, "kind", None) for p in qkv}) == 1  # else three products (native/step.cpp)
-        mats += [_fused(*qkv)] if same else [_fused(p) for p in qkv]
-        mats += [_fused(a.o_proj), _fused(m.gate_proj, m.up_proj)]
-        mats.append(_fused(m.down_proj))
+        mats += _products(a.q_proj, a.k_proj, a.v_proj) + _products(a.o_proj)
+        mats += _products(m.gate_proj, m.up_proj) + _products(m.down_proj)
     mats.append(_fused(model.lm_head))
     xs = {n: torch.randn(1, n).to(model.dtype) for _, _, n in mats}  # (1, in) per input size
     layers = [m for m in model.modules() if hasattr(m, "in_features")]  # the reference's own products

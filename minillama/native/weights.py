@@ -50,7 +50,7 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor:
     first = tensors[0]
     at = first.data_ptr()
     for t in tensors:
-        if t.data_ptr() != at or not t.is_contiguous() or t.dtype != first.dtype:
+        if t.data_ptr() != at or not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
             raise NotSupported("projections not side by side in memory (the step multiplies them as one)")
         at += t.numel() * t.element_size()
     rows = sum(t.shape[0] for t in tensors)
