@@ -39,8 +39,8 @@ def write_gguf(out: Path, kind: str) -> None:
     `kind` blocks, the embedding and the head q8_0, the norms F32, the default model's tokenizer
     metadata. Random rows need no q/k permutation: their order means nothing. Kind "q4_k_m" lays
     the file out as llama.cpp's Q4_K_M does: q4_K everywhere but the head and, in every other
-    layer, attn_v and ffn_down in q6_K (random codes and small scales: minillama writes no
-    k-quants)."""
+    layer, attn_v and ffn_down in q6_K (random codes and small scales: minillama's quantizer
+    writes q6_K for heads only, no q4_K)."""
     import gguf
 
     from minillama.app.default_model import find_gguf
